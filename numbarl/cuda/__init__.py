@@ -1,0 +1,1 @@
+"""Device runtime and generic kernels. Knows nothing about trading (SPEC §2)."""

@@ -1,0 +1,63 @@
+"""The one backend switch: real GPU or the numba CUDA simulator (SPEC §2.1, STYLE rule 4).
+
+numba reads ``NUMBA_ENABLE_CUDASIM`` once, when ``numba.cuda`` is first imported, so
+:func:`select` must run before anything imports ``numba.cuda``. It probes the CUDA driver with
+ctypes (no numba import) and switches the simulator on when there is no usable GPU, or when
+asked to (``--simulate``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+_ENV = "NUMBA_ENABLE_CUDASIM"
+
+
+def gpu_present() -> bool:
+    """True when the CUDA driver loads and reports at least one device."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    try:
+        if lib.cuInit(0) != 0:
+            return False
+        count = ctypes.c_int(0)
+        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return False
+        return count.value > 0
+    except AttributeError:
+        return False
+
+
+def select(simulate: bool | None = None) -> bool:
+    """Choose the backend; returns True when the simulator is in use.
+
+    simulate=None: use the GPU when one is present, else the simulator.
+    simulate=True: force the simulator even on a GPU machine (kernel debugging with print/pdb).
+    simulate=False: require a GPU (error when there is none).
+    """
+    if "numba.cuda" in sys.modules:
+        active = simulator_active()
+        if simulate is not None and simulate != active:
+            raise RuntimeError(
+                "numba.cuda was imported before numbarl.cuda.backend.select(); the backend can no "
+                f"longer switch to {'the simulator' if simulate else 'the GPU'}. Call select() first."
+            )
+        return active
+    if simulate is None:
+        simulate = os.environ.get(_ENV, "") == "1" or not gpu_present()
+    elif simulate is False and not gpu_present():
+        raise RuntimeError("no CUDA GPU found (libcuda.so.1 missing or no device); use --simulate")
+    os.environ[_ENV] = "1" if simulate else "0"
+    os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+    return simulate
+
+
+def simulator_active() -> bool:
+    """True when numba.cuda runs on the simulator (valid after select() or any numba.cuda import)."""
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
