@@ -1,0 +1,356 @@
+"""numbarl configuration: frozen dataclasses, named presets, file + ``--set`` overrides.
+
+Four sections (SPEC §2): :class:`DataConfig`, the environment's :class:`numbarl.env.params.EnvParams`,
+:class:`AgentConfig` and :class:`TrainConfig`, gathered in :class:`Config`. Every field has a
+one-line docstring under it and, where it has limits, a validator (``_check``) that names the
+field, the value and the allowed range. Everything is validated before any device allocation.
+Derived sizes are computed in one place (:meth:`Config.derived`).
+
+Presets are named instances: ``tiny`` (simulator-sized: seconds per epoch on a CPU), ``small``,
+``default`` (the benchmark model of issue 4: 64 features, trunk 2×512, 4 branches, 51 atoms,
+batch 16,384) and ``large``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from numbarl.env.params import EnvParams
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value: names the field, the value and what is allowed."""
+
+
+def _check(section: str, name: str, value, lo=None, hi=None, choices=None, lo_open=False):
+    where = f"{section}.{name}"
+    if choices is not None:
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {list(choices)}")
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} = {value!r} must be a finite number")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        rng = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ConfigError(f"{where} = {value!r} is out of range: must be {rng}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{where} = {value!r} is out of range: must be <= {hi}" + (f" and >= {lo}" if lo is not None else ""))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"
+    """'synthetic' (the built-in market), an fxcache folder, or DBN/CSV files (comma separated)."""
+    cache_dir: str = ""
+    """Where feature caches are built and reused ('' = ~/.cache/numbarl)."""
+    synth_sessions: int = 20
+    """Sessions in the synthetic market."""
+    synth_signal: float = 0.2
+    """Strength of the planted order-flow signal in the synthetic market (0 = none)."""
+    synth_null: bool = False
+    """Synthetic market with no signal at all (the null hypothesis check)."""
+    synth_seed: int = 7
+    """Seed of the synthetic market (independent of the training seed)."""
+    synth_scale: str = "default"
+    """Size of the synthetic market's sessions: 'tiny' (tests, simulator) or 'default'."""
+    symbol: str = ""
+    """Instrument to keep when a DBN file holds several ('' = the only one)."""
+    features: str = ""
+    """Comma-separated feature list ('' = the default list)."""
+
+    def validate(self):
+        _check("data", "synth_sessions", self.synth_sessions, lo=3, hi=10_000)
+        _check("data", "synth_signal", self.synth_signal, lo=0.0, hi=100.0)
+        _check("data", "synth_scale", self.synth_scale, choices=("tiny", "default"))
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    trunk: tuple = (512, 512)
+    """Hidden widths of the trunk MLP."""
+    activation: str = "relu"
+    """Trunk activation: 'relu' or 'silu'."""
+    n_atoms: int = 51
+    """Atoms of the C51 return distribution."""
+    v_min: float = -10.0
+    """Lowest atom of the support (reward units)."""
+    v_max: float = 10.0
+    """Highest atom of the support (reward units)."""
+    gamma: float = 0.99
+    """Discount per bar."""
+    n_step: int = 3
+    """n of the n-step return."""
+    batch_size: int = 16384
+    """Transitions per train step."""
+    replay_capacity: int = 1 << 20
+    """Transitions held by the device replay buffer (rounded to a multiple of n_envs)."""
+    lr: float = 2.5e-4
+    """Adam learning rate."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.999
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam ε (CleanRL's C51 uses 0.01/batch; 1e-8 is PyTorch's default)."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay on trunk and head weights (not biases)."""
+    max_grad_norm: float = 10.0
+    """Global gradient-norm clip (0 = off)."""
+    target_update: str = "periodic"
+    """'periodic' (copy every target_period steps) or 'polyak' (τ-average every step)."""
+    target_period: int = 1000
+    """Train steps between target-network copies (periodic)."""
+    tau: float = 0.005
+    """Polyak averaging factor (polyak)."""
+    compute: str = "fp32"
+    """GEMM precision: 'fp32' or 'tf32'."""
+
+    def validate(self):
+        if not self.trunk:
+            raise ConfigError("agent.trunk = () must name at least one hidden width")
+        for w in self.trunk:
+            _check("agent", "trunk[]", w, lo=1, hi=16384)
+        _check("agent", "activation", self.activation, choices=("relu", "silu"))
+        _check("agent", "n_atoms", self.n_atoms, lo=2, hi=1024)
+        if not self.v_min < self.v_max:
+            raise ConfigError(f"agent.v_min = {self.v_min} must be < agent.v_max = {self.v_max}")
+        _check("agent", "gamma", self.gamma, lo=0.0, hi=1.0)
+        _check("agent", "n_step", self.n_step, lo=1, hi=64)
+        _check("agent", "batch_size", self.batch_size, lo=1, hi=1 << 20)
+        _check("agent", "replay_capacity", self.replay_capacity, lo=1, hi=1 << 30)
+        _check("agent", "lr", self.lr, lo=0.0, hi=1.0, lo_open=True)
+        _check("agent", "adam_beta1", self.adam_beta1, lo=0.0, hi=0.999999)
+        _check("agent", "adam_beta2", self.adam_beta2, lo=0.0, hi=0.999999999)
+        _check("agent", "adam_eps", self.adam_eps, lo=0.0, hi=1.0, lo_open=True)
+        _check("agent", "weight_decay", self.weight_decay, lo=0.0, hi=1.0)
+        _check("agent", "max_grad_norm", self.max_grad_norm, lo=0.0, hi=1e9)
+        _check("agent", "target_update", self.target_update, choices=("periodic", "polyak"))
+        _check("agent", "target_period", self.target_period, lo=1, hi=10**9)
+        _check("agent", "tau", self.tau, lo=0.0, hi=1.0, lo_open=True)
+        _check("agent", "compute", self.compute, choices=("fp32", "tf32"))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    n_envs: int = 16384
+    """Parallel device environments."""
+    epochs: int = 10
+    """Epochs per fold; each ends with a validation backtest and a checkpoint."""
+    collect_steps_per_epoch: int = 1000
+    """Env steps (of all n_envs) collected per epoch."""
+    train_every: int = 1
+    """Collect steps between train steps."""
+    learning_starts: int = 8
+    """Collect steps before the first train step (replay warm-up)."""
+    epsilon_start: float = 1.0
+    """Exploration rate at the first collect step."""
+    epsilon_end: float = 0.05
+    """Exploration rate after the decay."""
+    epsilon_decay_steps: int = 2000
+    """Collect steps of the linear epsilon decay."""
+    log_interval: int = 100
+    """Collect steps between host reads of the mapped stats (the only syncs in an epoch)."""
+    seed: int = 0
+    """Training seed: weights, RNG streams, env starts."""
+    folds: int = 1
+    """Walk-forward folds."""
+    train_sessions: int = 14
+    """Sessions in each fold's training window."""
+    val_sessions: int = 3
+    """Sessions in each fold's validation window."""
+    test_sessions: int = 3
+    """Sessions in each fold's out-of-sample test window."""
+    embargo_bars: int = 50
+    """Bars dropped between train/validation/test windows."""
+    graph: bool = True
+    """Replay captured CUDA graphs (False = --no-graph: the same steps eagerly)."""
+
+    def validate(self):
+        _check("train", "n_envs", self.n_envs, lo=1, hi=65536)
+        _check("train", "epochs", self.epochs, lo=1, hi=100000)
+        _check("train", "collect_steps_per_epoch", self.collect_steps_per_epoch, lo=1, hi=10**9)
+        _check("train", "train_every", self.train_every, lo=1, hi=10**6)
+        _check("train", "learning_starts", self.learning_starts, lo=0, hi=10**9)
+        _check("train", "epsilon_start", self.epsilon_start, lo=0.0, hi=1.0)
+        _check("train", "epsilon_end", self.epsilon_end, lo=0.0, hi=1.0)
+        _check("train", "epsilon_decay_steps", self.epsilon_decay_steps, lo=1, hi=10**9)
+        _check("train", "log_interval", self.log_interval, lo=1, hi=10**9)
+        _check("train", "seed", self.seed, lo=0, hi=2**63 - 1)
+        _check("train", "folds", self.folds, lo=1, hi=1000)
+        _check("train", "train_sessions", self.train_sessions, lo=1, hi=100000)
+        _check("train", "val_sessions", self.val_sessions, lo=1, hi=100000)
+        _check("train", "test_sessions", self.test_sessions, lo=1, hi=100000)
+        _check("train", "embargo_bars", self.embargo_bars, lo=0, hi=10**9)
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvParams = field(default_factory=EnvParams)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    preset: str = "default"
+    """Name of the preset this config started from."""
+
+    def validate(self) -> "Config":
+        self.data.validate()
+        getattr(self.env, "validate", lambda: None)()  # EnvParams validates on construction too
+        self.agent.validate()
+        self.train.validate()
+        if self.agent.replay_capacity < self.train.n_envs * (self.agent.n_step + 1):
+            raise ConfigError(
+                f"agent.replay_capacity = {self.agent.replay_capacity} is too small for train.n_envs = "
+                f"{self.train.n_envs} and agent.n_step = {self.agent.n_step}: needs at least "
+                f"{self.train.n_envs * (self.agent.n_step + 1)}"
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# presets
+# ---------------------------------------------------------------------------------------------
+PRESETS: dict[str, Config] = {
+    "tiny": Config(
+        preset="tiny",
+        data=DataConfig(synth_sessions=6, synth_scale="tiny"),
+        agent=AgentConfig(trunk=(16,), n_atoms=11, batch_size=16, replay_capacity=256, n_step=2,
+                          target_period=4, lr=1e-3),
+        train=TrainConfig(n_envs=4, epochs=2, collect_steps_per_epoch=6, learning_starts=3,
+                          epsilon_decay_steps=8, log_interval=3, train_sessions=4, val_sessions=1,
+                          test_sessions=1, embargo_bars=2),
+    ),
+    "small": Config(
+        preset="small",
+        agent=AgentConfig(trunk=(128, 128), batch_size=1024, replay_capacity=1 << 18, target_period=500),
+        train=TrainConfig(n_envs=1024, epochs=5, collect_steps_per_epoch=500, epsilon_decay_steps=1000,
+                          log_interval=100),
+    ),
+    "default": Config(preset="default"),
+    "large": Config(
+        preset="large",
+        agent=AgentConfig(trunk=(1024, 1024, 512), batch_size=32768, replay_capacity=1 << 22, compute="tf32"),
+        train=TrainConfig(n_envs=65536, epochs=20, collect_steps_per_epoch=2000, epsilon_decay_steps=5000),
+    ),
+}
+
+
+def preset(name: str) -> Config:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {list(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# overrides: config files and --set key=value
+# ---------------------------------------------------------------------------------------------
+def _coerce(section: str, f: dataclasses.Field, current, raw):
+    where = f"{section}.{f.name}"
+    if isinstance(current, bool):
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} = {raw!r} is not a boolean (true/false)")
+    try:
+        if isinstance(current, int):
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return int(raw) if not isinstance(raw, str) else int(float(raw)) if "e" in raw.lower() else int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if isinstance(current, tuple):
+            items = raw if isinstance(raw, (list, tuple)) else [x for x in str(raw).replace("(", "").replace(")", "").split(",") if x.strip()]
+            kind = type(current[0]) if current else float
+            return tuple(kind(x) for x in items)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} = {raw!r} is not a valid {type(current).__name__}") from None
+    return str(raw) if isinstance(current, str) else raw
+
+
+def _apply_section(section_name: str, obj, updates: dict):
+    names = {f.name: f for f in fields(obj)}
+    changes = {}
+    for key, raw in updates.items():
+        if key not in names:
+            raise ConfigError(f"unknown config field {section_name}.{key}; known: {sorted(names)}")
+        changes[key] = _coerce(section_name, names[key], getattr(obj, key), raw)
+    try:
+        return replace(obj, **changes)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a section's own validation (EnvParams.__post_init__)
+        raise ConfigError(f"{section_name}: {e}") from None
+
+
+def apply(cfg: Config, updates: dict[str, Any]) -> Config:
+    """Apply nested {section: {field: value}} or dotted {"section.field": value} updates."""
+    nested: dict[str, dict] = {}
+    for key, value in updates.items():
+        if isinstance(value, dict) and "." not in key:
+            nested.setdefault(key, {}).update(value)
+        else:
+            section, _, name = key.partition(".")
+            if not name:
+                raise ConfigError(f"config key {key!r} must look like section.field (e.g. agent.lr)")
+            nested.setdefault(section, {})[name] = value
+    sections = {"data", "env", "agent", "train"}
+    out = cfg
+    for section, vals in nested.items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section {section!r}; known: {sorted(sections)}")
+        out = replace(out, **{section: _apply_section(section, getattr(out, section), vals)})
+    return out
+
+
+def parse_sets(pairs) -> dict[str, str]:
+    out = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {pair!r} must look like section.field=value (e.g. agent.lr=3e-4)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        return json.loads(text)
+    except Exception as e:  # noqa: BLE001 - report any parse error the same way
+        raise ConfigError(f"config file {path} could not be parsed: {e}") from None
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config saved with to_dict() (a run's config.json)."""
+    base = preset(d.get("preset", "default"))
+    updates = {k: v for k, v in d.items() if k in ("data", "env", "agent", "train")}
+    return replace(apply(base, updates), preset=d.get("preset", "default")).validate()
+
+
+def resolve(preset_name: str = "default", config_file: str | None = None, sets=(), **direct) -> Config:
+    """Preset → config file → --set overrides → direct CLI options (seed, epochs, folds ...)."""
+    cfg = preset(preset_name)
+    if config_file:
+        cfg = apply(cfg, load_file(config_file))
+    cfg = apply(cfg, parse_sets(sets))
+    cfg = apply(cfg, {k: v for k, v in direct.items() if v is not None})
+    return cfg.validate()

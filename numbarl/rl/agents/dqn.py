@@ -1,0 +1,313 @@
+"""Branched dueling C51 + double DQN, end to end on the device: two captured step graphs.
+
+The agent only orchestrates (Dopamine style); the math lives in the layers, the loss and the
+optimizer. Two step functions, each captured once as a CUDA graph and replayed (SPEC §2.1):
+
+``collect_step(stream)``  — one env step of all N envs::
+
+    # COLLECT   obs = state_gather(env)                      [N, state_dim]
+    #           Q   = online net(obs)                         [N, n_branches, max_actions]
+    #           a   = epsilon-greedy per branch (env RNG; direction lock respected)
+    #           r, done = env_step(a)                         fills, P&L, reward terms, soft reset
+    #           replay.write(obs, a, r, done)                 next obs = the env's next row
+    #           epsilon, counters advanced on the device
+
+``train_step(stream)``  — one gradient step::
+
+    # SAMPLE    batch = replay.sample(counter)                uniform, n-step returns
+    # TARGETS   a* = argmax_a E[Z_online(next_obs)]           double DQN (van Hasselt et al. 2016)
+    #           p  = Z_target(next_obs)[a*]
+    # LOSS      m  = Φ(R_n + (1-done) γ^m z, p)               dense projection, Bellemare et al. 2017 Eq. 7
+    #           L  = mean_b mean_branch −Σ m log softmax(logits_online(obs)[a])
+    # BACKWARD  d logits → head → trunk                       hand-written backward, cuBLASLt GEMMs
+    # UPDATE    global-norm clip, AdamW, target copy/Polyak   flat buffers, device step counter
+    # STATS     loss, Q-mean, grad norm, ... → mapped memory  read by the host only at log intervals
+
+Nothing in either step allocates, copies to/from the host or synchronizes; every per-step scalar
+(epsilon, RNG counters, optimizer step, learning rate) lives in device memory. The same functions
+run eagerly with ``--no-graph`` and give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from numbarl.config import AgentConfig
+from numbarl.cuda import graph as cuda_graph
+from numbarl.cuda.mapped import MappedBuffer
+from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.losses.c51 import C51Loss
+from numbarl.rl.nets.base import ParamStore
+from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+from numbarl.rl.nets.mlp import Mlp
+from numbarl.rl.optim import STAT_CLIP_SCALE, STAT_GRAD_NORM, STAT_LR, STAT_SKIPPED, STAT_STEP, Adam, AdamConfig, TargetConfig
+from numbarl.rl.replay import Replay
+
+_cuda = cuda()
+
+STATS_BLOCK = 256  # one block reduces the batch statistics in a fixed order
+
+# mapped stats slots (float32); the optimizer writes its slots first (numbarl.rl.optim.STAT_*)
+STAT_LOSS = 8           # mean C51 cross-entropy of the last train step
+STAT_Q_MEAN = 9         # mean over the batch and branches of Q_online(obs, a taken)
+STAT_Q_NEXT_MAX = 10    # mean over the batch and branches of max_a Q_online(next_obs, a)
+STAT_EPSILON = 11       # exploration rate of the last collect step
+STAT_COLLECT_STEP = 12  # collect steps done (float32: exact to 2**24)
+STAT_TRAIN_STEP = 13    # train steps done
+STAT_NONFINITE_STEP = 14   # first train step whose loss or gradient norm was not finite (-1 = none)
+STAT_NONFINITE_WHAT = 15   # 1 = loss, 2 = gradients
+N_STATS = 16
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels (tiny, one block: bookkeeping and fixed-order batch statistics)
+# ---------------------------------------------------------------------------------------------
+@_cuda.jit(cache=True)
+def epsilon_kernel(collect_step, eps_start, eps_end, decay_steps, epsilon, stats):
+    """epsilon = max(end, start − (start − end)·t/decay) at collect step t; t += 1 afterwards."""
+    if _cuda.grid(1) == 0:
+        t = collect_step[0]
+        frac = min(np.float64(t) / np.float64(decay_steps), np.float64(1.0))
+        eps = np.float32(eps_start + (eps_end - eps_start) * frac)
+        epsilon[0] = eps
+        collect_step[0] = t + 1
+        stats[STAT_EPSILON] = eps
+        stats[STAT_COLLECT_STEP] = np.float32(t + 1)
+
+
+@_cuda.jit(cache=True)
+def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats):
+    """Fixed-order batch statistics (one block): Q-mean of the taken actions, mean max next Q,
+    the loss, the optimizer's slots, and the sticky non-finite flag."""
+    B = q.shape[0]
+    nb = q.shape[1]
+    na = q.shape[2]
+    sq = _cuda.shared.array(STATS_BLOCK, np.float32)
+    sn = _cuda.shared.array(STATS_BLOCK, np.float32)
+    tid = _cuda.threadIdx.x
+    acc_q = _ZERO
+    acc_n = _ZERO
+    for b in range(tid, B, STATS_BLOCK):
+        for j in range(nb):
+            acc_q += q[b, j, actions[b, j]]
+            best = next_q[b, j, 0]
+            for a in range(1, na):
+                v = next_q[b, j, a]
+                if v > best:
+                    best = v
+            acc_n += best
+    sq[tid] = acc_q
+    sn[tid] = acc_n
+    _cuda.syncthreads()
+    width = STATS_BLOCK // 2
+    while width > 0:
+        if tid < width:
+            sq[tid] += sq[tid + width]
+            sn[tid] += sn[tid + width]
+        _cuda.syncthreads()
+        width //= 2
+    if tid == 0:
+        inv = _ONE / np.float32(B * nb)
+        t = train_step[0] + 1
+        train_step[0] = t
+        stats[STAT_Q_MEAN] = sq[0] * inv
+        stats[STAT_Q_NEXT_MAX] = sn[0] * inv
+        stats[STAT_LOSS] = loss[0]
+        stats[STAT_GRAD_NORM] = optim_stats[STAT_GRAD_NORM]
+        stats[STAT_CLIP_SCALE] = optim_stats[STAT_CLIP_SCALE]
+        stats[STAT_LR] = optim_stats[STAT_LR]
+        stats[STAT_STEP] = optim_stats[STAT_STEP]
+        stats[STAT_SKIPPED] = optim_stats[STAT_SKIPPED]
+        stats[STAT_TRAIN_STEP] = np.float32(t)
+        if stats[STAT_NONFINITE_STEP] < _ZERO:
+            if not math.isfinite(loss[0]):
+                stats[STAT_NONFINITE_STEP] = np.float32(t)
+                stats[STAT_NONFINITE_WHAT] = np.float32(1.0)
+            elif not math.isfinite(optim_stats[STAT_GRAD_NORM]):
+                stats[STAT_NONFINITE_STEP] = np.float32(t)
+                stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent
+# ---------------------------------------------------------------------------------------------
+class DQNAgent:
+    """Online/target branched dueling C51 network, replay, loss and AdamW on the device.
+
+    cfg: AgentConfig; state_dim: observation width; branch_sizes: actions per branch (the env's
+    (direction, size, target, stop)); n_envs: parallel envs feeding the replay; eval_batch: batch of
+    the greedy evaluation pass (policies in a backtest).
+    """
+
+    PASS_TAGS = ("online", "next", "target", "act", "eval")
+
+    def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
+                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000)):
+        self.cfg = cfg
+        self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
+        self.branch_sizes = tuple(int(b) for b in branch_sizes)
+        self.n_branches = len(self.branch_sizes)
+        self.max_actions = max(self.branch_sizes)
+        self.eps_start, self.eps_end, self.eps_decay = float(epsilon[0]), float(epsilon[1]), int(epsilon[2])
+        B = cfg.batch_size
+
+        # NETWORK: trunk MLP + dueling branched C51 head, one flat parameter buffer
+        self.store = ParamStore()
+        self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute)
+        self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
+                                           cfg.v_min, cfg.v_max, compute=cfg.compute)
+        self.trunk.declare_params(self.store)
+        self.head.declare_params(self.store)
+        self.acts = Arena("activations")
+        for tag, batch, backward in (("online", B, True), ("next", B, False), ("target", B, False),
+                                     ("act", self.n_envs, False), ("eval", int(eval_batch), False)):
+            self.trunk.declare_acts(self.acts, batch, tag, backward=backward)
+            self.head.declare_acts(self.acts, batch, tag, backward=backward)
+        self.store.allocate()
+        self.acts.allocate()
+        self.store.init(np.random.default_rng(self.seed))
+
+        # LOSS, OPTIMIZER, REPLAY
+        self.loss = C51Loss.for_head(self.head, B)
+        target = (TargetConfig.periodic(cfg.target_period) if cfg.target_update == "periodic"
+                  else TargetConfig.polyak(cfg.tau))
+        self.optim = Adam(self.store, AdamConfig(lr=cfg.lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
+                                                 weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm),
+                          target).allocate()
+        self.replay = Replay(cfg.replay_capacity, self.n_envs, self.state_dim, self.n_branches, B,
+                             n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed).allocate()
+
+        # device scalars and the mapped stats the host reads at log intervals
+        self.scalars = Arena("agent.scalars")
+        self.scalars.add("collect_step", (1,), np.int64)
+        self.scalars.add("train_step", (1,), np.int64)
+        self.scalars.allocate()
+        self.stats = MappedBuffer(N_STATS, np.float32)
+        self.stats.reset(0)
+        self.stats.host[STAT_NONFINITE_STEP] = -1.0
+
+    # -- network passes ------------------------------------------------------------------------
+    def forward(self, obs, stream, tag: str, role: str = "params"):
+        """Online (role='params') or target (role='target') network on obs; returns C51Outputs."""
+        h = self.trunk.forward(obs, stream, tag=tag, role=role)
+        return self.head.forward(h, stream, tag=tag, role=role)
+
+    def q_fn(self, obs, q_out, stream):
+        """Greedy-evaluation Q for a batch of eval_batch observations (backtest callback)."""
+        out = self.forward(obs, stream, tag="eval")
+        _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
+
+    # -- the two step functions (captured as graphs) --------------------------------------------
+    def collect_step(self, env, stream):
+        # COLLECT
+        epsilon_kernel[1, 1, stream](self.scalars["collect_step"], np.float32(self.eps_start),
+                                     np.float32(self.eps_end), np.int64(self.eps_decay), env.epsilon,
+                                     self.stats.device)
+        obs = env.gather(env.transition.obs, stream)                  # [N, state_dim]
+        q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
+        actions, q_gap = env.select(q=q, stream=stream)                 # epsilon-greedy, direction lock
+        out = env.step(actions, q_gap, stream=stream)                   # fills, reward, done, reset
+        self.replay.write(obs, actions, out.reward, out.done, stream)
+        env.advance(stream)
+
+    def train_step(self, stream):
+        cfg = self.cfg
+        # SAMPLE
+        batch = self.replay.sample(self.optim.step_counter, stream)
+        # TARGETS (double DQN: online argmax on next_obs, target-network probabilities)
+        next_online = self.forward(batch.next_obs, stream, tag="next")
+        next_target = self.forward(batch.next_obs, stream, tag="target", role="target")
+        # LOSS
+        online = self.forward(batch.obs, stream, tag="online")
+        self.loss(online.logits, batch.action, next_online.q, next_target.probs, batch.reward, batch.done,
+                  batch.discount, stream)
+        # BACKWARD
+        dh = self.head.backward(self.loss.d_logits, stream, tag="online")
+        self.trunk.backward(dh, stream, tag="online")
+        # UPDATE (global-norm clip, AdamW, target copy / Polyak)
+        self.optim.step(stream)
+        # STATS
+        train_stats_kernel[1, STATS_BLOCK, stream](online.q, next_online.q, batch.action, self.loss.loss,
+                                                   self.optim.stats, self.scalars["train_step"], self.stats.device)
+
+    # -- graphs -----------------------------------------------------------------------------------
+    def capture(self, env, stream, graph: bool = True):
+        """Capture (or, graph=False, wrap eagerly) the collect and train steps.
+
+        Capturing runs each step once eagerly (warm-up), which is a real step: the collect warm-up
+        is the first collect step; the train warm-up runs on a replay that must already hold
+        min_writes steps (the trainer collects those first).
+        """
+        collect = cuda_graph.capture(lambda s: self.collect_step(env, s), stream, eager=not graph)
+        train = cuda_graph.capture(self.train_step, stream, eager=not graph)
+        return collect, train
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for role, arena in self.store.arenas.items():
+            if role == "grads":
+                continue
+            for name, value in arena.to_host().items():
+                out[f"{role}/{name}"] = value
+        for name, value in self.optim_state().items():
+            out[f"optim/{name}"] = value
+        for name, value in self.replay.store.to_host().items():
+            out[f"replay/{name}"] = value
+        for name, value in self.scalars.to_host().items():
+            out[f"agent/{name}"] = value
+        out["agent/stats"] = self.stats.host.copy()
+        return out
+
+    def optim_state(self) -> dict[str, np.ndarray]:
+        return self.optim.state.to_host()
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        for role, arena in self.store.arenas.items():
+            if role == "grads":
+                continue
+            arena.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(role + "/")})
+        self.optim.state.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optim/")})
+        self.replay.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("replay/")})
+        self.scalars.load({k.split("/", 1)[1]: v for k, v in arrays.items()
+                           if k.startswith("agent/") and k != "agent/stats"})
+        if "agent/stats" in arrays:
+            self.stats.host[:] = arrays["agent/stats"]
+
+    def read_stats(self, stream) -> dict[str, float]:
+        """Host read of the mapped stats (waits on an event behind the writers; log intervals only)."""
+        self.stats.record(stream)
+        v = self.stats.read()
+        return {
+            "loss": float(v[STAT_LOSS]), "q_mean": float(v[STAT_Q_MEAN]), "q_next_max": float(v[STAT_Q_NEXT_MAX]),
+            "epsilon": float(v[STAT_EPSILON]), "grad_norm": float(v[STAT_GRAD_NORM]),
+            "clip_scale": float(v[STAT_CLIP_SCALE]), "lr": float(v[STAT_LR]),
+            "collect_step": int(v[STAT_COLLECT_STEP]), "train_step": int(v[STAT_TRAIN_STEP]),
+            "skipped_steps": int(v[STAT_SKIPPED]),
+            "nonfinite_step": int(v[STAT_NONFINITE_STEP]), "nonfinite_what": int(v[STAT_NONFINITE_WHAT]),
+        }
+
+    def nonfinite_tensors(self) -> list[str]:
+        """Names of parameter/gradient tensors holding NaN/inf (host check after a guard trip)."""
+        bad = []
+        for role in ("params", "grads"):
+            for name, value in self.store.arenas[role].to_host().items():
+                if not np.all(np.isfinite(value)):
+                    bad.append(f"{role}:{name}")
+        return bad
+
+
+@_cuda.jit(cache=True)
+def _copy_kernel(src, dst):
+    i = _cuda.grid(1)
+    if i < dst.size:
+        dst[i] = src[i]
+
+
+def _blocks(n: int) -> int:
+    return max(1, (n + 255) // 256)

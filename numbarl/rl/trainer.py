@@ -1,0 +1,472 @@
+"""The training loop behind ``numbarl-train`` (SPEC §6): data → walk-forward folds → per fold:
+epochs of collect/train graph replays, a validation backtest and a checkpoint each epoch → the
+best-by-validation checkpoint scored once on the fold's out-of-sample test window → report.
+
+Read top to bottom it is the algorithm::
+
+    cache  = prepare_data(cfg.data)                         fxcache (built once, then reused)
+    folds  = walk_forward(cache.session_id, ...)            whole sessions, embargo between windows
+    for fold in folds:
+        env    = DeviceEnv(market, cfg.env, n_envs, bar_range=fold.train)   training bars only
+        agent  = DQNAgent(cfg.agent, ...)                   fresh weights per fold
+        for epoch:
+            for step:   collect.replay(); train.replay()    captured CUDA graphs
+                        every log_interval: read mapped stats (the only host syncs)
+            val    = backtest(fold.val, greedy agent)       full metrics, logged
+            checkpoint(epoch); best ← val Sharpe
+        test   = backtest(fold.test, best checkpoint)       scored once
+    summary.json, trades_<split>.csv, report.html/png
+
+Nothing from a fold's validation or test window reaches its training: the env draws episode
+starts and steps only inside ``fold.train`` (its cursor stops at the range's end), features are
+causal, and validation/test only read the agent's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from numbarl import __version__
+from numbarl import config as config_mod
+from numbarl.config import Config, ConfigError
+from numbarl.data.errors import DataError
+from numbarl.rl.runio import RunDir, RunError
+
+SUMMARY_METRICS = ("sharpe", "daily_sharpe", "trade_sharpe", "sortino", "total_return", "max_drawdown", "calmar",
+                   "win_rate", "profit_factor", "n_trades", "trades_per_day", "avg_hold", "exposure", "turnover")
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+def default_cache_dir(dcfg) -> Path:
+    if dcfg.cache_dir:
+        return Path(dcfg.cache_dir).expanduser()
+    return Path(os.environ.get("NUMBARL_CACHE", Path.home() / ".cache" / "numbarl")).expanduser()
+
+
+def _synth_spec(dcfg) -> dict:
+    from numbarl.data import synth
+
+    if dcfg.synth_scale == "tiny":
+        spec = dict(synth.TINY)
+    else:
+        spec = {"events_per_session": synth.DEFAULT_EVENTS, "bars_per_day": synth.DEFAULT_BARS_PER_DAY}
+    spec["sessions"] = dcfg.synth_sessions
+    spec["signal"] = 0.0 if dcfg.synth_null else dcfg.synth_signal
+    spec["null"] = dcfg.synth_null
+    spec["seed"] = dcfg.synth_seed
+    spec["features"] = dcfg.features
+    return spec
+
+
+def prepare_data(dcfg, log=print):
+    """Load or build the feature cache the config names. Errors are DataError (one clear line)."""
+    from numbarl.data.fxcache import META_FILE, build_cache, load_cache
+
+    features = dcfg.features or None
+    source = dcfg.source
+    if source == "synthetic":
+        from numbarl.data import synth
+
+        spec = _synth_spec(dcfg)
+        key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+        path = default_cache_dir(dcfg) / f"synthetic-{key}"
+        if not (path / META_FILE).is_file():
+            log(f"building the synthetic market ({spec['sessions']} sessions, signal {spec['signal']}) -> {path}")
+            t0 = time.time()
+            synth.build_synthetic_cache(path, spec["sessions"], spec["seed"], spec["signal"], spec["null"],
+                                        events_per_session=spec["events_per_session"],
+                                        bars_per_day=spec["bars_per_day"], feature_names=features, overwrite=True)
+            log(f"synthetic market built in {time.time() - t0:.1f} s")
+        return load_cache(path, expect_features=features)
+    p = Path(source)
+    if p.is_dir():
+        if not (p / META_FILE).is_file():
+            raise DataError(f"--data {p}: folder is not a numbarl feature cache (no {META_FILE}); "
+                            "build one with `numbarl-data build` or pass DBN files")
+        return load_cache(p, expect_features=features)
+    files = [Path(x) for x in source.split(",") if x]
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"--data {f}: no such file or folder")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.resolve()).encode())
+        h.update(str(f.stat().st_size).encode())
+        h.update(str(f.stat().st_mtime_ns).encode())
+    h.update((dcfg.symbol + "|" + (dcfg.features or "")).encode())
+    path = default_cache_dir(dcfg) / f"cache-{h.hexdigest()[:12]}"
+    if not (path / META_FILE).is_file():
+        log(f"building the feature cache from {len(files)} file(s) -> {path}")
+        build_cache(files, path, symbol=dcfg.symbol or None, feature_names=features, overwrite=True)
+    return load_cache(path, expect_features=features)
+
+
+def make_folds(cache, tcfg):
+    from numbarl.data.splits import walk_forward
+
+    return walk_forward(cache.session_id, tcfg.folds, tcfg.embargo_bars, tcfg.train_sessions,
+                        tcfg.val_sessions, tcfg.test_sessions)
+
+
+def _finite(x):
+    return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def metrics_dict(metrics, p: int = 0) -> dict:
+    values, reasons = metrics.policy(p)
+    out = {k: _finite(v) for k, v in values.items()}
+    if reasons:
+        out["nan_reasons"] = reasons
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# progress: a live line on a terminal, plain log lines otherwise
+# ---------------------------------------------------------------------------------------------
+class Progress:
+    def __init__(self, quiet: bool):
+        self.live = sys.stderr.isatty() and not quiet
+        self._console = None
+        if self.live:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+        self._last_width = 0
+
+    def log(self, msg: str):
+        if self.live:
+            self._clear()
+            self._console.print(msg, highlight=False)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def status(self, msg: str):
+        if self.live:
+            self._clear()
+            sys.stderr.write(msg[: 160])
+            sys.stderr.flush()
+            self._last_width = len(msg[:160])
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def _clear(self):
+        if self._last_width:
+            sys.stderr.write("\r" + " " * self._last_width + "\r")
+            self._last_width = 0
+
+    def close(self):
+        if self.live:
+            self._clear()
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or a gradient became NaN/inf; the run stopped and kept its last good checkpoint."""
+
+
+# ---------------------------------------------------------------------------------------------
+# one fold
+# ---------------------------------------------------------------------------------------------
+class FoldTrainer:
+    """Trains one walk-forward fold: env on the training window, fresh agent, epochs, validation."""
+
+    def __init__(self, cfg: Config, market, fold, run: RunDir, graph: bool, progress: Progress, simulator: bool):
+        from numbarl.cuda.runtime import stream
+        from numbarl.env.device import DeviceEnv
+        from numbarl.rl.agents.dqn import DQNAgent
+
+        self.cfg, self.market, self.fold, self.run, self.graph = cfg, market, fold, run, graph
+        self.progress, self.simulator = progress, simulator
+        t = cfg.train
+        self.seed = t.seed + 1000 * fold.index
+        self.stream = stream()
+        self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
+        self.agent = DQNAgent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
+                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps))
+        self.env.reset(self.seed, self.stream)
+        self.collect_graph = None
+        self.train_graph = None
+        self.collect_steps = 0  # host mirror of the device collect counter (for scheduling only)
+        self.epoch = 0
+        self.best_sharpe = -math.inf
+        self.best_tag = None
+        self.val_history = []
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def tag(self, epoch: int) -> str:
+        return f"fold{self.fold.index}-epoch{epoch:04d}"
+
+    def save(self):
+        arrays = self.agent.state_arrays()
+        for name, value in self.env.arena.to_host().items():
+            arrays[f"env/{name}"] = value
+        state = {"fold": self.fold.index, "epoch": self.epoch, "collect_steps": self.collect_steps,
+                 "best_sharpe": _finite(self.best_sharpe), "best_tag": self.best_tag,
+                 "val_history": self.val_history, "seed": self.seed}
+        tag = self.tag(self.epoch)
+        self.run.save_checkpoint(tag, arrays, state)
+        return tag
+
+    def restore(self, arrays: dict, state: dict):
+        self.agent.load_state(arrays)
+        self.env.arena.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("env/")})
+        self.epoch = int(state["epoch"])
+        self.collect_steps = int(state["collect_steps"])
+        self.best_sharpe = state["best_sharpe"] if state["best_sharpe"] is not None else -math.inf
+        self.best_tag = state["best_tag"]
+        self.val_history = list(state.get("val_history", []))
+
+    # -- the loop --------------------------------------------------------------------------------
+    def collect_once(self):
+        if self.collect_graph is None:  # capture runs the step once (warm-up): that is this step
+            self.collect_graph = _capture(lambda s: self.agent.collect_step(self.env, s), self.stream, self.graph)
+        else:
+            self.collect_graph.replay(self.stream)
+        self.collect_steps += 1
+
+    def train_once(self):
+        if self.train_graph is None:
+            self.train_graph = _capture(self.agent.train_step, self.stream, self.graph)
+        else:
+            self.train_graph.replay(self.stream)
+
+    def run_epoch(self):
+        t = self.cfg.train
+        start_needed = max(t.learning_starts, self.agent.replay.min_writes)
+        t0 = time.perf_counter()
+        steps0 = self.collect_steps
+        for _ in range(t.collect_steps_per_epoch):
+            # COLLECT
+            self.collect_once()
+            # TRAIN
+            if self.collect_steps >= start_needed and self.collect_steps % t.train_every == 0:
+                self.train_once()
+            # LOG (the only host reads inside an epoch)
+            if self.collect_steps % t.log_interval == 0:
+                stats = self.agent.read_stats(self.stream)
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                env_steps_per_s = (self.collect_steps - steps0) * t.n_envs / elapsed
+                record = {"kind": "train", "fold": self.fold.index, "epoch": self.epoch + 1,
+                          "step": self.collect_steps, "env_steps_per_s": env_steps_per_s, **stats}
+                self.run.log(record)
+                self.progress.status(
+                    f"fold {self.fold.index} epoch {self.epoch + 1}/{t.epochs} step {self.collect_steps} "
+                    f"| {env_steps_per_s:,.0f} env-steps/s | loss {stats['loss']:.4f} | eps {stats['epsilon']:.3f} "
+                    f"| last val Sharpe {self.val_history[-1] if self.val_history else float('nan'):.2f}")
+                if stats["nonfinite_step"] >= 0:
+                    self.stop_nonfinite(stats)
+        self.epoch += 1
+
+    def stop_nonfinite(self, stats):
+        what = {1: "loss", 2: "gradient norm"}.get(stats["nonfinite_what"], "value")
+        tensors = self.agent.nonfinite_tensors()
+        where = ", ".join(tensors) if tensors else "no parameter/gradient tensor (the loss inputs)"
+        last = self.run.latest_checkpoint() if hasattr(self.run, "latest_checkpoint") else None
+        raise NonFiniteError(
+            f"non-finite {what} at train step {stats['nonfinite_step']} (fold {self.fold.index}, epoch "
+            f"{self.epoch + 1}); non-finite tensors: {where}. The run stopped; the last good checkpoint "
+            f"is kept{f' ({last})' if last else ''}.")
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def evaluate(self, window):
+        from numbarl.env.backtest import backtest
+
+        params = self.cfg.env
+        return backtest(self.market, window, params, q_fn=self.agent.q_fn, n_policies=1, stream=self.stream)
+
+    def validate(self):
+        result = self.evaluate(self.fold.val)
+        m = metrics_dict(result.metrics())
+        sharpe = m.get("sharpe")
+        self.val_history.append(sharpe if sharpe is not None else float("nan"))
+        self.run.log({"kind": "val", "fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps, **m})
+        score = sharpe if sharpe is not None else -math.inf
+        return result, m, score
+
+
+def _capture(step_fn, stream, graph: bool):
+    from numbarl.cuda import graph as cuda_graph
+
+    return cuda_graph.capture(step_fn, stream, eager=not graph)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole run
+# ---------------------------------------------------------------------------------------------
+def _oracle_actions(cache, window, params):
+    """Oracle policy: long when the planted signal says up, short when down (synthetic data)."""
+    if cache.oracle is None:
+        return None
+    lo, hi = window
+    sig = np.asarray(cache.oracle[lo:hi], np.float64)
+    direction = np.where(sig > 0, 2, np.where(sig < 0, 0, 1)).astype(np.int32)
+    acts = np.zeros((hi - lo, 4), np.int32)
+    acts[:, 0] = direction
+    acts[:, 1] = len(params.sizes) - 1
+    return acts
+
+
+def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progress, simulator: bool,
+                 resume: tuple | None = None) -> dict:
+    from numbarl.cuda.runtime import device_name
+    from numbarl.env.backtest import backtest
+    from numbarl.env.market import MarketData
+
+    folds = make_folds(cache, cfg.train)
+    host_market = MarketData.from_cache(cache)
+    market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
+    summary = run.read_summary() if resume and (run.path / "summary.json").exists() else None
+    summary = summary or {"folds": [], "seed": cfg.train.seed, "numbarl_version": __version__,
+                          "device": device_name(), "preset": cfg.preset, "bars_per_day": cache.bars_per_day,
+                          "data": str(cache.path)}
+    done_folds = {f["fold"] for f in summary["folds"]}
+    t_start = time.time()
+    for fold in folds:
+        if fold.index in done_folds:
+            continue
+        progress.log(f"fold {fold.index}: train bars {fold.train}, validation {fold.val}, test {fold.test}")
+        ft = FoldTrainer(cfg, market, fold, run, graph, progress, simulator)
+        if resume is not None and resume[1]["fold"] == fold.index:
+            ft.restore(*resume)
+            run.truncate_log(ft.collect_steps, fold=fold.index)
+            progress.log(f"resumed fold {fold.index} after epoch {ft.epoch} (step {ft.collect_steps})")
+        else:
+            run.reset_best()
+        while ft.epoch < cfg.train.epochs:
+            ft.run_epoch()
+            # VALIDATE (logged before the checkpoint so a resume keeps it)
+            _, m, score = ft.validate()
+            if score > ft.best_sharpe or ft.best_tag is None:
+                ft.best_sharpe, ft.best_tag = score, ft.tag(ft.epoch)
+            tag = ft.save()
+            run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
+            progress.log(f"fold {fold.index} epoch {ft.epoch}: val Sharpe {m.get('sharpe')} | trades "
+                         f"{m.get('n_trades')} | return {m.get('total_return')} | checkpoint {tag}")
+        # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
+        best_arrays, _ = run.load_checkpoint(ft.best_tag)
+        ft.agent.store.load({k.split("/", 1)[1]: v for k, v in best_arrays.items() if k.startswith("params/")})
+        val_result = ft.evaluate(fold.val)
+        test_result = ft.evaluate(fold.test)
+        val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
+        run.log({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m})
+        for split, result in (("val", val_result), ("test", test_result)):
+            trades = result.trades
+            if trades is not None and len(trades):
+                trades = trades.assign(fold=fold.index)
+            run.write_trades(split, trades, fold=fold.index)
+            lo = result.window[0]
+            run.write_equity(split, fold.index, {"pnl": result.pnl[0], "position": result.position[0],
+                                                 "timestamps": np.asarray(cache.timestamps[lo:lo + result.pnl.shape[1]])})
+        entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
+                 "val": val_m, "test": test_m, "bars_per_day": cache.bars_per_day, "seed": ft.seed,
+                 "val_sharpe_per_epoch": ft.val_history}
+        oracle = _oracle_actions(cache, fold.test, cfg.env)
+        if oracle is not None:
+            o = backtest(host_market, fold.test, cfg.env, actions=oracle)
+            entry["oracle_test"] = metrics_dict(o.metrics())
+        summary["folds"].append(entry)
+        summary["wall_time_s"] = summary.get("wall_time_s", 0.0) + (time.time() - t_start)
+        t_start = time.time()
+        run.write_summary(summary)
+        progress.log(f"fold {fold.index} test: Sharpe {test_m.get('sharpe')} | return {test_m.get('total_return')} "
+                     f"| trades {test_m.get('n_trades')}"
+                     + (f" | oracle Sharpe {entry['oracle_test'].get('sharpe')}" if oracle is not None else ""))
+    run.write_csv()
+    from numbarl.rl.report import write_report
+
+    html, png = write_report(run)
+    progress.log(f"report: {html}")
+    return summary
+
+
+def main(data=None, preset="default", config_file=None, sets=(), seed=None, folds=None, epochs=None,
+         out_dir=None, resume_dir=None, graph=True, simulator=False, quiet=False):
+    """numbarl-train: validate everything, then train (see module docstring)."""
+    progress = Progress(quiet)
+    resume = None
+    if resume_dir:
+        run = RunDir.open(resume_dir)
+        cfg = config_mod.from_dict(run.config)
+        try:
+            arrays, state = run.load_checkpoint("latest")
+            resume = (arrays, state)
+        except (RunError, FileNotFoundError, KeyError):
+            resume = None
+        graph = run.meta.get("graph", graph)
+    else:
+        direct = {"train.seed": seed, "train.folds": folds, "train.epochs": epochs,
+                  "data.source": data}
+        cfg = config_mod.resolve(preset, config_file, sets, **{k: v for k, v in direct.items() if v is not None})
+        if not graph:
+            cfg = replace(cfg, train=replace(cfg.train, graph=False))
+    graph = graph and cfg.train.graph
+    # DATA (validated before anything is written)
+    cache = prepare_data(cfg.data, log=progress.log)
+    make_folds(cache, cfg.train)  # too few sessions → DataError before any output
+    if cache.features.shape[1] < 1:
+        raise DataError(f"{cache.path}: the cache has no features")
+    if not resume_dir:
+        if out_dir is None:
+            out_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        run = RunDir.create(out_dir, cfg.to_dict(), {"graph": graph, "simulator": simulator,
+                                                    "numbarl_version": __version__})
+        progress.log(f"run folder: {run.path}")
+    progress.log(f"preset {cfg.preset} | {cache.n_bars} bars, {cache.n_sessions} sessions, "
+                 f"{cache.bars_per_day:.0f} bars/day, {cache.features.shape[1]} features | "
+                 f"{cfg.train.n_envs} envs | {'graphs' if graph else 'eager'}"
+                 f"{' | simulator' if simulator else ''}")
+    try:
+        summary = run_training(cfg, cache, run, graph, progress, simulator, resume)
+    finally:
+        progress.close()
+    return summary
+
+
+def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None, as_json=False):
+    """numbarl-backtest: re-score a saved agent on a split of its folds."""
+    import pandas as pd
+
+    from numbarl.env.backtest import backtest
+    from numbarl.env.device import DeviceEnv  # noqa: F401 - compiles kernels the agent needs
+    from numbarl.env.market import MarketData
+    from numbarl.rl.agents.dqn import DQNAgent
+    from numbarl.cuda.runtime import stream
+
+    run = RunDir.open(run_dir)
+    cfg = config_mod.from_dict(run.config)
+    if data:
+        cfg = replace(cfg, data=replace(cfg.data, source=data))
+    cache = prepare_data(cfg.data, log=lambda m: print(m, file=sys.stderr))
+    folds = make_folds(cache, cfg.train)
+    arrays, state = run.load_checkpoint(checkpoint)
+    host_market = MarketData.from_cache(cache)
+    market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
+    state_dim = cfg.env.state_dim(cache.features.shape[1])
+    small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
+    agent = DQNAgent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
+    agent.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
+    rows = []
+    chosen = [f for f in folds if fold is None or f.index == fold]
+    if not chosen:
+        raise RunError(f"{run_dir}: no fold {fold}; the run has folds 0..{len(folds) - 1}")
+    for f in chosen:
+        for name in (("val", "test") if split == "all" else (split,)):
+            window = getattr(f, name)
+            result = backtest(market, window, cfg.env, q_fn=agent.q_fn, n_policies=1, stream=stream())
+            rows.append({"fold": f.index, "split": name, **metrics_dict(result.metrics())})
+    if as_json:
+        print(json.dumps({"run": str(run.path), "checkpoint": checkpoint, "results": rows}, indent=2, default=str))
+    else:
+        frame = pd.DataFrame(rows).drop(columns=["nan_reasons"], errors="ignore").set_index(["fold", "split"]).T
+        print(f"run {run.path} | checkpoint {checkpoint}")
+        print(frame.to_string(float_format=lambda v: f"{v:,.4f}"))
