@@ -53,6 +53,10 @@ def select(simulate: bool | None = None) -> bool:
         raise RuntimeError("no CUDA GPU found (libcuda.so.1 missing or no device); use --simulate")
     os.environ[_ENV] = "1" if simulate else "0"
     os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+    if "numba" in sys.modules:  # plain numba read its config already: make it read ours
+        from numba.core import config
+
+        config.reload_config()
     return simulate
 
 

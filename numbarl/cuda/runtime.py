@@ -39,6 +39,8 @@ def cuda():
 
 
 def simulator() -> bool:
+    """True when kernels run on the numba simulator (selects the backend first if nobody has)."""
+    backend.select()
     return backend.simulator_active()
 
 
@@ -82,6 +84,22 @@ def stream_handle(s) -> int:
     if simulator():
         return 0
     return int(s.handle) if not hasattr(s.handle, "value") else int(s.handle.value)
+
+
+SIM_THREADS = 32  # threads of a grid-stride launch under the simulator (each is a Python thread)
+
+
+def stride_grid(n: int, block: int, max_blocks: int = 4096) -> tuple[int, int]:
+    """(blocks, threads) for a grid-stride kernel over n elements.
+
+    On the GPU: enough blocks of `block` threads to cover n (capped at max_blocks; the kernel's
+    stride loop covers the rest). Under the simulator: one block of SIM_THREADS threads, since a
+    simulated thread costs ~0.1 ms to start and the loop does the rest. Only for kernels whose
+    result does not depend on the launch shape (elementwise grid-stride loops).
+    """
+    if simulator():
+        return 1, min(int(block), SIM_THREADS)
+    return max(1, min(-(-int(n) // int(block)), int(max_blocks))), int(block)
 
 
 def _check(result, what: str):

@@ -37,7 +37,7 @@ import numpy as np
 from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.mapped import MappedBuffer
-from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda.runtime import Arena, cuda, simulator
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
@@ -47,7 +47,9 @@ from numbarl.rl.replay import Replay
 
 _cuda = cuda()
 
-STATS_BLOCK = 256  # one block reduces the batch statistics in a fixed order
+# one block reduces the batch statistics in a fixed order (a small block under the simulator,
+# where every simulated thread is a Python thread)
+STATS_BLOCK = 32 if simulator() else 256
 
 # mapped stats slots (float32); the optimizer writes its slots first (numbarl.rl.optim.STAT_*)
 STAT_LOSS = 8           # mean C51 cross-entropy of the last train step

@@ -1,0 +1,1 @@
+"""Benchmarks that check before they time (``numbarl-bench``); results go to docs/BENCHMARKS.md."""

@@ -1,0 +1,106 @@
+"""Walk-forward splits in whole exchange sessions (SPEC §3.6).
+
+Fold k (k = 0..n_folds-1) takes consecutive sessions starting at session k·test_sessions::
+
+    | train_sessions | val_sessions | test_sessions |
+                    ^ embargo        ^ embargo
+
+so successive test windows are adjacent and never overlap, every fold is strictly chronological
+(train < validation < test, nothing after the fold's test window is used) and sessions are never
+split. The embargo removes the last ``embargo_bars`` bars of the training range before the
+validation range and the last ``embargo_bars`` bars of the validation range before the test range,
+so features and labels that look a few bars back or ahead cannot straddle two ranges
+(López de Prado, AFML §7.4.2). Ranges are half-open bar index pairs ``(start, end)``.
+
+Sessions needed: train + val + test + (n_folds - 1)·test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from numbarl.data.errors import DataError
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One walk-forward fold: half-open bar ranges and the sessions they cover."""
+
+    index: int
+    train: tuple[int, int]
+    val: tuple[int, int]
+    test: tuple[int, int]
+    train_sessions: tuple[int, int]  # half-open session-id ranges
+    val_sessions: tuple[int, int]
+    test_sessions: tuple[int, int]
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "train": list(self.train),
+            "val": list(self.val),
+            "test": list(self.test),
+            "train_sessions": list(self.train_sessions),
+            "val_sessions": list(self.val_sessions),
+            "test_sessions": list(self.test_sessions),
+        }
+
+
+def sessions_needed(n_folds: int, train_sessions: int, val_sessions: int, test_sessions: int) -> int:
+    return train_sessions + val_sessions + test_sessions + (n_folds - 1) * test_sessions
+
+
+def walk_forward(
+    session_id,
+    n_folds: int = 1,
+    embargo_bars: int = 0,
+    train_sessions: int = 12,
+    val_sessions: int = 4,
+    test_sessions: int = 4,
+) -> list[Fold]:
+    """Chronological (train, validation, test) folds over bars numbered by ``session_id``.
+
+    ``session_id``: int [T], 0..S-1 non-decreasing (the cache's session_id).
+    """
+    sid = np.asarray(session_id)
+    for name, value, low in (
+        ("n_folds", n_folds, 1),
+        ("train_sessions", train_sessions, 1),
+        ("val_sessions", val_sessions, 1),
+        ("test_sessions", test_sessions, 1),
+        ("embargo_bars", embargo_bars, 0),
+    ):
+        if int(value) != value or value < low:
+            raise DataError(f"walk-forward: {name} must be an integer >= {low}, got {value}")
+    if sid.ndim != 1 or len(sid) == 0:
+        raise DataError("walk-forward: no bars")
+    if np.any(np.diff(sid) < 0) or sid[0] != 0 or np.any(np.diff(sid) > 1):
+        raise DataError("walk-forward: session_id must number sessions 0, 1, 2, ... in time order")
+    n_sessions = int(sid[-1]) + 1
+    need = sessions_needed(n_folds, train_sessions, val_sessions, test_sessions)
+    if need > n_sessions:
+        raise DataError(
+            f"walk-forward with {n_folds} fold(s) of {train_sessions} train + {val_sessions} validation + "
+            f"{test_sessions} test sessions needs {need} sessions; the data has {n_sessions}. "
+            "Use fewer or shorter folds, or more data"
+        )
+    starts = np.searchsorted(sid, np.arange(n_sessions + 1), side="left")
+    folds = []
+    for k in range(n_folds):
+        s0 = k * test_sessions
+        s_val = s0 + train_sessions
+        s_test = s_val + val_sessions
+        s_end = s_test + test_sessions
+        train = (int(starts[s0]), int(starts[s_val]) - embargo_bars)
+        val = (int(starts[s_val]), int(starts[s_test]) - embargo_bars)
+        test = (int(starts[s_test]), int(starts[s_end]))
+        for name, (a, b) in (("training", train), ("validation", val)):
+            if b - a < 1:
+                raise DataError(
+                    f"walk-forward fold {k}: the embargo of {embargo_bars} bars leaves no {name} bars "
+                    f"({name} range has {b - a + embargo_bars} bars); lower embargo_bars"
+                )
+        folds.append(Fold(k, train, val, test, (s0, s_val), (s_val, s_test), (s_test, s_end)))
+    return folds

@@ -1,0 +1,426 @@
+"""Synthetic MBP-10 market with a planted, configurable order-flow signal (SPEC §3.5).
+
+The generator is an event-driven 10-level limit order book in integer ticks (numba ``@njit``):
+each event is a limit order add, a cancel or a market order (trade) that consumes the best
+queue; when a best queue empties the price moves one tick and a new level appears at the back;
+when the spread is wider than one tick, orders improve it. Sessions follow the exchange calendar
+(default CME Globex: 17:00-16:00 America/Chicago, Monday-Friday) with more activity during
+regular trading hours. Output records are the MBP-10 record arrays the DBN reader returns
+(records.py), so they go through the same bars, features and cache code: a trade is a ``T``
+record (no F_LAST, levels unchanged) followed by the ``C`` book update with F_LAST.
+
+The planted signal. A latent order-flow pressure x follows an AR(1) process in event time,
+x <- φ·x + sqrt(1 - φ²)·ε with φ = exp(-1/τ) (τ = ``pressure_events``, many bars long), and sets
+
+    δ = signal / 2 · tanh(x)
+    P(trade is a buy) = 1/2 + δ
+    P(add is on the bid) = P(cancel is on the ask) = 1/2 + κ·δ       (κ = ``passive_coupling``)
+
+Buy pressure empties ask queues faster than bid queues, so the mid drifts up while the pressure
+lasts; because x is persistent, the order-flow imbalance (OFI, trade imbalance) a bar shows
+predicts the next bar's mid move: OFI leads the mid. ``null=True`` sets δ = 0: symmetric flow,
+no exploitable signal.
+
+Oracle. For every record the generator returns δ of that event, the planted drift known at that
+moment (never later information): its sign is the sign of the expected mid move over the next
+bar and its size the strength. Per bar the cache stores ``oracle = δ`` at the bar's closing
+record, so ``position_t = sign(oracle_t)`` is a causal oracle policy whose Sharpe measures how
+much a learner could get.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from numbarl.data.calendar import SessionCalendar
+from numbarl.data.errors import DataError
+from numbarl.data.records import (
+    ACTION_ADD,
+    ACTION_CANCEL,
+    ACTION_TRADE,
+    F_LAST,
+    MBP10_DTYPE,
+    N_LEVELS,
+    RECORD_BYTES,
+    RTYPE_MBP10,
+    SIDE_ASK,
+    SIDE_BID,
+)
+
+SYMBOL = "SYNTH"
+INSTRUMENT_ID = 1
+PUBLISHER_ID = 1
+TICK_SIZE = 0.25
+TICK_FIXED = 250_000_000  # TICK_SIZE in 1e-9 fixed point
+START_PRICE_TICKS = 16_000  # 4000.00
+FIRST_TRADE_DATE = dt.date(2024, 1, 2)
+
+DEFAULT_SIGNAL = 0.2
+DEFAULT_SESSIONS = 20
+DEFAULT_EVENTS = 120_000  # events per session: ~150k records, ~30k trades
+DEFAULT_BARS_PER_DAY = 1000
+
+# event mix and book shape (tuned so the best queues empty every few trades and the spread
+# is one tick most of the time, like a liquid future)
+P_TRADE = 0.25
+P_ADD = 0.42
+P_IMPROVE = 0.8  # chance an event improves a spread wider than one tick
+ADD_LEVEL_WEIGHTS = np.array([0.26, 0.18, 0.13, 0.1, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03])
+ADD_SIZE_MAX = 4
+TRADE_SIZE_P = 0.55  # trade size 1 + Geometric(p)
+NEW_LEVEL_MIN = 4
+NEW_LEVEL_MAX = 24
+LATENCY_NS = 20_000  # ts_recv - ts_event
+PRESSURE_EVENTS = 6000.0
+PASSIVE_COUPLING = 0.5
+WARMUP_SESSIONS = 1  # generated before the first cached session: the target bar mode calibrates on it
+
+# tiny dataset for tests and the simulator preset: seconds to build
+TINY = {"sessions": 4, "events_per_session": 12_000, "bars_per_day": 100}
+
+# activity profile of a CME Globex session (hours after the 17:00 open, relative intensity)
+PROFILE_HOURS = np.array([15.5, 6.75, 0.75])  # overnight, regular hours 08:30-15:15, close
+PROFILE_RATE = np.array([1.0, 6.0, 2.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# event generator
+# ---------------------------------------------------------------------------------------------
+@njit(cache=True)
+def _write(out, k, ts, action, side, price, size, flags, depth, seq, bb, ba, bq, aq, bc, ac, tick):
+    r = out[k]
+    r.length = RECORD_BYTES // 4
+    r.rtype = RTYPE_MBP10
+    r.publisher_id = PUBLISHER_ID
+    r.instrument_id = INSTRUMENT_ID
+    r.ts_event = ts
+    r.ts_recv = ts + LATENCY_NS
+    r.ts_in_delta = 9_000
+    r.sequence = seq
+    r.price = price
+    r.size = size
+    r.action = action
+    r.side = side
+    r.flags = flags
+    r.depth = depth
+    for m in range(N_LEVELS):
+        lv = r.levels[m]
+        lv.bid_px = (bb - m) * tick
+        lv.ask_px = (ba + m) * tick
+        lv.bid_sz = bq[m]
+        lv.ask_sz = aq[m]
+        lv.bid_ct = bc[m]
+        lv.ask_ct = ac[m]
+
+
+@njit(cache=True)
+def _orders(size):
+    return max(1, (size + 2) // 3)
+
+
+@njit(cache=True)
+def _shift_out(q, c):
+    """Best level emptied: levels move up one, a new level appears at the back."""
+    for m in range(N_LEVELS - 1):
+        q[m] = q[m + 1]
+        c[m] = c[m + 1]
+    q[N_LEVELS - 1] = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+    c[N_LEVELS - 1] = _orders(q[N_LEVELS - 1])
+
+
+@njit(cache=True)
+def _shift_in(q, c, size):
+    """An order improves the best price: levels move down one, the last falls out of the top 10."""
+    for m in range(N_LEVELS - 1, 0, -1):
+        q[m] = q[m - 1]
+        c[m] = c[m - 1]
+    q[0] = size
+    c[0] = 1
+
+
+@njit(cache=True)
+def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, tau, weights, out, oracle):
+    """One session of events. Returns (records written, best bid tick at the end, x at the end).
+
+    times: int64 [n_events] event timestamps (ts_event); out: MBP10 records with room for
+    2 * n_events; oracle: float64 [2 * n_events] (δ per record).
+    """
+    np.random.seed(seed)
+    phi = math.exp(-1.0 / tau)
+    shock = math.sqrt(1.0 - phi * phi)
+    bq = np.zeros(N_LEVELS, np.int64)
+    aq = np.zeros(N_LEVELS, np.int64)
+    bc = np.zeros(N_LEVELS, np.int64)
+    ac = np.zeros(N_LEVELS, np.int64)
+    for m in range(N_LEVELS):
+        bq[m] = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+        aq[m] = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+        bc[m] = _orders(bq[m])
+        ac[m] = _orders(aq[m])
+    bb = start_tick
+    ba = start_tick + 1
+    tick = TICK_FIXED
+    cum = np.cumsum(weights)
+    x = x0
+    k = 0
+    seq = 1
+    for e in range(n_events):
+        x = phi * x + shock * np.random.standard_normal()
+        delta = 0.5 * signal * math.tanh(x)
+        ts = times[e]
+        passive_bid = 0.5 + coupling * delta  # P(add on bid) = P(cancel on ask)
+        u = np.random.random()
+        if ba - bb > 1 and u < P_IMPROVE:
+            # IMPROVE THE SPREAD
+            size = np.random.randint(1, ADD_SIZE_MAX + 1)
+            if np.random.random() < passive_bid:
+                bb += 1
+                _shift_in(bq, bc, size)
+                side, price = SIDE_BID, bb * tick
+            else:
+                ba -= 1
+                _shift_in(aq, ac, size)
+                side, price = SIDE_ASK, ba * tick
+            _write(out, k, ts, ACTION_ADD, side, price, size, F_LAST, 0, seq, bb, ba, bq, aq, bc, ac, tick)
+            oracle[k] = delta
+            k += 1
+        elif u < P_TRADE:
+            # TRADE: a market order takes (part of) the best opposite queue
+            size = 1
+            while np.random.random() > TRADE_SIZE_P:
+                size += 1
+            if np.random.random() < 0.5 + delta:
+                size = min(size, aq[0])
+                price = ba * tick
+                _write(out, k, ts, ACTION_TRADE, SIDE_BID, price, size, 0, 0, seq, bb, ba, bq, aq, bc, ac, tick)
+                oracle[k] = delta
+                k += 1
+                aq[0] -= size
+                if aq[0] == 0:
+                    ba += 1
+                    _shift_out(aq, ac)
+                else:
+                    ac[0] = min(ac[0], _orders(aq[0]))
+                rest_side = SIDE_ASK
+            else:
+                size = min(size, bq[0])
+                price = bb * tick
+                _write(out, k, ts, ACTION_TRADE, SIDE_ASK, price, size, 0, 0, seq, bb, ba, bq, aq, bc, ac, tick)
+                oracle[k] = delta
+                k += 1
+                bq[0] -= size
+                if bq[0] == 0:
+                    bb -= 1
+                    _shift_out(bq, bc)
+                else:
+                    bc[0] = min(bc[0], _orders(bq[0]))
+                rest_side = SIDE_BID
+            _write(out, k, ts, ACTION_CANCEL, rest_side, price, size, F_LAST, 0, seq, bb, ba, bq, aq, bc, ac, tick)
+            oracle[k] = delta
+            k += 1
+        elif u < P_TRADE + P_ADD:
+            # ADD a limit order at one of the ten levels
+            level = 0
+            v = np.random.random() * cum[N_LEVELS - 1]
+            while level < N_LEVELS - 1 and v > cum[level]:
+                level += 1
+            size = np.random.randint(1, ADD_SIZE_MAX + 1)
+            if np.random.random() < passive_bid:
+                bq[level] += size
+                bc[level] += 1
+                side, price = SIDE_BID, (bb - level) * tick
+            else:
+                aq[level] += size
+                ac[level] += 1
+                side, price = SIDE_ASK, (ba + level) * tick
+            _write(out, k, ts, ACTION_ADD, side, price, size, F_LAST, level, seq, bb, ba, bq, aq, bc, ac, tick)
+            oracle[k] = delta
+            k += 1
+        else:
+            # CANCEL: a level chosen in proportion to its size loses part of its queue
+            on_ask = np.random.random() < passive_bid
+            q = aq if on_ask else bq
+            c = ac if on_ask else bc
+            total = 0
+            for m in range(N_LEVELS):
+                total += q[m]
+            v = np.random.randint(0, total)
+            level = 0
+            while v >= q[level]:
+                v -= q[level]
+                level += 1
+            size = np.random.randint(1, min(q[level], ADD_SIZE_MAX) + 1)
+            if level > 0 and size >= q[level]:
+                size = q[level] - 1
+            if size == 0:
+                continue
+            price = (ba + level) * tick if on_ask else (bb - level) * tick
+            q[level] -= size
+            if c[level] > 1:
+                c[level] -= 1
+            if level == 0 and q[0] == 0:
+                if on_ask:
+                    ba += 1
+                else:
+                    bb -= 1
+                _shift_out(q, c)
+            side = SIDE_ASK if on_ask else SIDE_BID
+            _write(out, k, ts, ACTION_CANCEL, side, price, size, F_LAST, level, seq, bb, ba, bq, aq, bc, ac, tick)
+            oracle[k] = delta
+            k += 1
+        seq += 1
+    return k, bb, x
+
+
+def session_event_times(rng: np.random.Generator, n_events: int, open_ns: int) -> np.ndarray:
+    """Sorted event timestamps over a 23-hour session with the CME activity profile."""
+    busy = np.cumsum(rng.exponential(1.0, n_events))
+    busy /= busy[-1] * (1.0 + 1.0 / n_events)  # in [0, 1)
+    weights = PROFILE_HOURS * PROFILE_RATE
+    edges_busy = np.concatenate([[0.0], np.cumsum(weights) / weights.sum()])
+    edges_hours = np.concatenate([[0.0], np.cumsum(PROFILE_HOURS)])
+    hours = np.interp(busy, edges_busy, edges_hours)
+    offsets = np.round(hours * 3600e9).astype(np.int64)
+    return open_ns + np.maximum.accumulate(offsets)
+
+
+def trade_dates(sessions: int, first: dt.date = FIRST_TRADE_DATE) -> list[dt.date]:
+    """The first ``sessions`` weekdays from ``first``."""
+    out, day = [], first
+    while len(out) < sessions:
+        if day.weekday() < 5:
+            out.append(day)
+        day += dt.timedelta(days=1)
+    return out
+
+
+def iter_sessions(
+    sessions: int,
+    seed: int,
+    signal: float = DEFAULT_SIGNAL,
+    null: bool = False,
+    events_per_session: int = DEFAULT_EVENTS,
+    calendar: SessionCalendar = SessionCalendar(),
+    pressure_events: float = PRESSURE_EVENTS,
+    passive_coupling: float = PASSIVE_COUPLING,
+    first_date: dt.date = FIRST_TRADE_DATE,
+):
+    """Yield (records, oracle) per session, carrying the price and the pressure across sessions."""
+    if sessions < 1:
+        raise DataError(f"synthetic market: sessions must be >= 1, got {sessions}")
+    if events_per_session < 100:
+        raise DataError(f"synthetic market: events_per_session must be >= 100, got {events_per_session}")
+    if not (0.0 <= signal <= 1.0):
+        raise DataError(f"synthetic market: signal must be in [0, 1], got {signal}")
+    strength = 0.0 if null else float(signal)
+    coupling = 0.0 if null else float(passive_coupling)
+    master = np.random.default_rng(seed)
+    start_tick = START_PRICE_TICKS
+    x = float(master.standard_normal())
+    for day in trade_dates(sessions, first_date):
+        open_ns, _ = calendar.open_close_ns(day)
+        times = session_event_times(master, events_per_session, open_ns)
+        out = np.zeros(2 * events_per_session, MBP10_DTYPE)
+        oracle = np.zeros(2 * events_per_session, np.float64)
+        sub_seed = int(master.integers(0, 2**31 - 1))
+        k, start_tick, x = _simulate_session(
+            sub_seed, events_per_session, times, start_tick, x, strength, coupling,
+            float(pressure_events), ADD_LEVEL_WEIGHTS, out, oracle,
+        )  # fmt: skip
+        yield out[:k], oracle[:k]
+
+
+def generate(
+    sessions: int = DEFAULT_SESSIONS,
+    seed: int = 0,
+    signal: float = DEFAULT_SIGNAL,
+    null: bool = False,
+    events_per_session: int = DEFAULT_EVENTS,
+    **kwargs,
+) -> tuple[np.ndarray, np.ndarray]:
+    """MBP-10 records (MBP10_DTYPE) of ``sessions`` sessions and the oracle δ per record."""
+    parts = list(iter_sessions(sessions, seed, signal, null, events_per_session, **kwargs))
+    records = np.concatenate([p[0] for p in parts])
+    oracle = np.concatenate([p[1] for p in parts])
+    return records, oracle
+
+
+def build_synthetic_cache(
+    out_dir,
+    sessions: int = DEFAULT_SESSIONS,
+    seed: int = 0,
+    signal: float = DEFAULT_SIGNAL,
+    null: bool = False,
+    *,
+    events_per_session: int = DEFAULT_EVENTS,
+    bars_per_day: int = DEFAULT_BARS_PER_DAY,
+    feature_names=None,
+    feature_params=None,
+    folds: dict | None = None,
+    overwrite: bool = False,
+    dbn_out=None,
+    progress=None,
+) -> Path:
+    """Generate a synthetic market and write its fxcache (same bars/features/cache code as real
+    data), plus ``oracle.npy`` (δ at each bar's close, causal: ``sign(oracle)`` is a policy).
+
+    One extra warm-up session is generated first (the ``target`` bar mode calibrates its
+    threshold on it), so the cache holds exactly ``sessions`` sessions. ``dbn_out``: also write
+    the records as a DBN file (``.dbn`` or ``.dbn.zst``) that ``numbarl-data build`` accepts.
+    """
+    from numbarl.data.bars import BarBuilder, BarParams
+    from numbarl.data.features import FeatureParams, compute_features, resolve_features
+    from numbarl.data.fxcache import check_destination, write_cache
+    from numbarl.data.readers import write_dbn
+
+    out_dir = check_destination(out_dir, overwrite)
+    names = resolve_features(feature_names)
+    feature_params = feature_params or FeatureParams()
+    bar_params = BarParams(mode="target", bars_per_day=int(bars_per_day))
+    calendar = SessionCalendar()
+    builder = BarBuilder(bar_params, calendar)
+    total = sessions + WARMUP_SESSIONS
+    bar_parts, oracle_parts, record_parts = [], [], []
+    offset = 0
+    for k, (records, oracle) in enumerate(
+        iter_sessions(total, seed, signal, null, events_per_session, calendar)
+    ):
+        bars = builder.push(records)
+        if len(bars):
+            bar_parts.append(bars)
+            oracle_parts.append(oracle[bars["close_index"] - offset].astype(np.float32))
+        offset += len(records)
+        if dbn_out is not None:
+            record_parts.append(records)
+        if progress is not None:
+            progress("sessions", k + 1, total)
+    if not bar_parts:
+        raise DataError("synthetic market produced no bars; raise events_per_session or lower bars_per_day")
+    bars = np.concatenate(bar_parts)
+    oracle = np.concatenate(oracle_parts)
+    features = compute_features(bars, names, TICK_SIZE, feature_params, calendar)
+    config = {
+        "sessions": sessions,
+        "warmup_sessions": WARMUP_SESSIONS,
+        "seed": seed,
+        "signal": 0.0 if null else signal,
+        "null": bool(null),
+        "events_per_session": events_per_session,
+        "bars_per_day_target": bars_per_day,
+        "pressure_events": PRESSURE_EVENTS,
+        "passive_coupling": 0.0 if null else PASSIVE_COUPLING,
+    }
+    path = write_cache(
+        out_dir, bars, features, names,
+        tick_size=TICK_SIZE, bar_params=bar_params, feature_params=feature_params, calendar=calendar,
+        source_files=[], symbol=SYMBOL, extra_arrays={"oracle": oracle},
+        extra_meta={"synthetic": config}, folds=folds, overwrite=overwrite,
+    )  # fmt: skip
+    if dbn_out is not None:
+        write_dbn(dbn_out, np.concatenate(record_parts), dataset="SYNTH", mappings={SYMBOL: INSTRUMENT_ID})
+    return path

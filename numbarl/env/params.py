@@ -1,0 +1,302 @@
+"""Environment parameters, action encoding and the scalar constants the step functions read.
+
+`EnvParams` is the one place every coefficient of the trading environment lives (SPEC §4): costs,
+the action grids, the reward coefficients, the episode rules. It is a frozen dataclass validated
+on construction; `step_consts()` turns it into `StepConsts`, a namedtuple of float64/int64
+scalars that the shared `@njit` step functions (numbarl/env/core.py) and the numba.cuda kernels
+take as one argument (namedtuples are passed by value to kernels and frozen into captured graphs,
+which is right: parameters do not change during a run).
+
+Actions are plans chosen per branch (branching dueling heads):
+
+    branch 0  direction  {0: short, 1: flat, 2: long}
+    branch 1  size       index into `sizes`   (contracts)
+    branch 2  target     index into `targets` (units of recent volatility, 0 = no target)
+    branch 3  stop       index into `stops`   (units of recent volatility, 0 = no stop)
+
+Q arrays are [n, N_BRANCHES, max_actions]; entries beyond a branch's size are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import numpy as np
+
+# action branches and direction codes ---------------------------------------------------------
+N_BRANCHES = 4
+BR_DIRECTION, BR_SIZE, BR_TARGET, BR_STOP = 0, 1, 2, 3
+BRANCH_NAMES = ("direction", "size", "target", "stop")
+DIR_SHORT, DIR_FLAT, DIR_LONG = 0, 1, 2
+N_DIRECTIONS = 3
+MAX_GRID = 32  # longest size/target/stop grid (keeps per-thread loops short and Q rows small)
+
+# exit reasons (trade list `exit_reason`, env `exit_reason` output) -------------------------------
+EXIT_NONE, EXIT_CLOSE, EXIT_TARGET, EXIT_STOP, EXIT_CAP, EXIT_END = 0, 1, 2, 3, 4, 5
+EXIT_REASONS = ("none", "close", "target", "stop", "cap", "end")
+
+# portfolio part of the observation (appended to the F market features) -----------------------
+PORTFOLIO_FEATURES = (
+    "position",  # signed position / max(sizes)
+    "unrealized_vol",  # (mid - entry price) * side / volatility unit
+    "bars_in_trade",  # bars held / obs_hold_bars
+    "target_distance",  # (target level - mid) * side / volatility unit, 0 without a target
+    "stop_distance",  # (mid - stop level) * side / volatility unit, 0 without a stop
+    "order_pending",  # 1 while a delayed order waits for its fill bar
+    "kelly_fraction",  # p - (1 - p) / b from this env's closed trades, clipped to [-1, 1]
+    "churn_pressure",  # 1 - bars since last entry / churn threshold, clipped to [0, 1]
+)
+PORTFOLIO_DIM = len(PORTFOLIO_FEATURES)
+
+NO_BAR = -(2**30)  # "never": last-entry bar before any entry
+
+
+class StepConsts(NamedTuple):
+    """EnvParams resolved to scalars for the step functions (float64 / int64 only)."""
+
+    fee: np.float64  # currency per contract per side
+    slippage: np.float64  # extra price units paid per side beyond the quote
+    multiplier: np.float64  # currency per price unit per contract
+    tick_value: np.float64  # tick_size * multiplier: currency of one tick on one contract
+    trade_scale: np.float64
+    micro_scale: np.float64
+    hold_rate: np.float64
+    churn_bars: np.float64
+    churn_scale: np.float64
+    opp_scale: np.float64
+    conviction_weight: np.float64
+    max_size: np.float64
+    dsr_eta: np.float64
+    dsr_scale: np.float64
+    obs_hold_bars: np.float64
+    episode_length: np.int64  # 0: no episodes (backtest)
+    hard_cap: np.int64  # 0: no cap (backtest)
+    fill_delay: np.int64
+    direction_lock: np.int64
+
+
+def _fail(field: str, value, allowed: str):
+    raise ValueError(f"EnvParams.{field} = {value!r} is invalid: allowed {allowed}")
+
+
+def _check_grid(name: str, grid, positive: bool):
+    if not isinstance(grid, tuple) or len(grid) == 0:
+        _fail(name, grid, f"a non-empty tuple of at most {MAX_GRID} numbers")
+    if len(grid) > MAX_GRID:
+        _fail(name, grid, f"at most {MAX_GRID} entries")
+    for v in grid:
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or (v <= 0 if positive else v < 0):
+            _fail(name, grid, "finite numbers " + ("> 0" if positive else ">= 0 (0 = none)"))
+    if len(set(grid)) != len(grid):
+        _fail(name, grid, "distinct values")
+
+
+@dataclass(frozen=True)
+class EnvParams:
+    """Every coefficient of the trading environment and backtest (SPEC §4)."""
+
+    # --- action grids ---
+    sizes: tuple = (0.25, 0.5, 1.0)
+    """Position sizes in contracts, one per action of the size branch (all > 0)."""
+    targets: tuple = (0.0, 1.0, 2.0, 4.0)
+    """Profit-target distances in volatility units; 0.0 means no target."""
+    stops: tuple = (0.0, 1.0, 2.0, 4.0)
+    """Stop-loss distances in volatility units; 0.0 means no stop."""
+
+    # --- volatility unit (target/stop distances and observation scaling) ---
+    vol_span: int = 100
+    """EWMA span in bars of the causal per-bar volatility of the mid (computed at upload)."""
+    vol_horizon_bars: int = 10
+    """The volatility unit is the per-bar std of mid changes times sqrt(vol_horizon_bars)."""
+
+    # --- execution and costs ---
+    tick_size: float | None = None
+    """Price increment; None takes MarketData.tick_size (the fxcache meta value)."""
+    contract_multiplier: float = 1.0
+    """Currency per price unit per contract (e.g. 50 for ES)."""
+    fee_per_contract: float = 1.0
+    """Fee in currency per contract per side (paid at entry and at exit)."""
+    slippage_ticks: float = 0.0
+    """Extra ticks paid per side on top of crossing the spread at the close quote."""
+    fill_delay: int = 0
+    """Bars between a decision and its fill at that later bar's close (0 = this bar's close)."""
+    direction_lock: bool = True
+    """Mid-plan the direction is locked: the opposite direction closes instead of reversing."""
+    initial_capital: float = 100_000.0
+    """Starting equity in currency; returns and drawdowns are relative to it."""
+
+    # --- reward (each term in numbarl/env/core.py; money terms in ticks x contracts) ---
+    trade_reward_scale: float = 0.01
+    """Reward per tick-contract of net trade P&L, paid when the trade closes."""
+    micro_reward_scale: float = 100.0
+    """Micro-reward: scale * position * next-bar simple return of the mid."""
+    holding_cost_rate: float = 1e-4
+    """Holding cost per contract held per bar."""
+    churn_threshold_bars: int = 20
+    """An entry within this many bars of the previous entry pays the churn penalty (0 = off)."""
+    churn_penalty_scale: float = 0.01
+    """Churn penalty at zero bars since the previous entry (decays linearly to 0 at the threshold)."""
+    opportunity_cost_scale: float = 0.001
+    """Opportunity cost while flat: scale * |q_gap| (always 0 in the backtest)."""
+    conviction_weight: float = 0.0
+    """Plan-conviction scaling weight w: reward *= 1 + w * (plan size / max size - 1); 0 = off."""
+    dsr_eta: float = 0.01
+    """Adaptation rate of the differential-Sharpe EMAs A and B (updated per closed trade)."""
+    dsr_reward_scale: float = 0.0
+    """Weight of the trade-level differential Sharpe ratio term (Moody & Saffell 2001); 0 = off."""
+
+    # --- episodes ---
+    episode_length: int = 5000
+    """Bars after which done is raised, but only once the env is flat (position-gated)."""
+    max_episode_bars: int = 10000
+    """Hard cap: at this many bars the position is force-closed and done is raised."""
+    obs_hold_bars: float = 100.0
+    """Bars in trade are divided by this in the observation."""
+
+    def __post_init__(self):
+        for name in ("sizes", "targets", "stops"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        _check_grid("sizes", self.sizes, positive=True)
+        _check_grid("targets", self.targets, positive=False)
+        _check_grid("stops", self.stops, positive=False)
+        ints = {
+            "vol_span": (1, 10**7),
+            "vol_horizon_bars": (1, 10**6),
+            "fill_delay": (0, 10**4),
+            "churn_threshold_bars": (0, 10**7),
+            "episode_length": (1, 2**30),
+            "max_episode_bars": (1, 2**30),
+        }
+        for name, (lo, hi) in ints.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+                _fail(name, v, f"an integer in [{lo}, {hi}]")
+        if self.max_episode_bars < self.episode_length:
+            _fail("max_episode_bars", self.max_episode_bars, f">= episode_length ({self.episode_length})")
+        nonneg = (
+            "fee_per_contract",
+            "slippage_ticks",
+            "trade_reward_scale",
+            "micro_reward_scale",
+            "holding_cost_rate",
+            "churn_penalty_scale",
+            "opportunity_cost_scale",
+            "dsr_reward_scale",
+        )
+        for name in nonneg:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                _fail(name, v, "a finite number >= 0")
+        for name in ("contract_multiplier", "initial_capital", "obs_hold_bars"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                _fail(name, v, "a finite number > 0")
+        if self.tick_size is not None and (
+            not isinstance(self.tick_size, (int, float)) or not math.isfinite(self.tick_size) or self.tick_size <= 0
+        ):
+            _fail("tick_size", self.tick_size, "None (use the data's) or a finite number > 0")
+        if not isinstance(self.conviction_weight, (int, float)) or not 0.0 <= self.conviction_weight <= 1.0:
+            _fail("conviction_weight", self.conviction_weight, "a number in [0, 1]")
+        if not isinstance(self.dsr_eta, (int, float)) or not 0.0 < self.dsr_eta < 1.0:
+            _fail("dsr_eta", self.dsr_eta, "a number in (0, 1)")
+        if not isinstance(self.direction_lock, (bool, np.bool_)):
+            _fail("direction_lock", self.direction_lock, "True or False")
+
+    # --- derived sizes (one place) ---
+    @property
+    def branch_sizes(self) -> tuple[int, int, int, int]:
+        """Actions per branch: (direction 3, len(sizes), len(targets), len(stops))."""
+        return (N_DIRECTIONS, len(self.sizes), len(self.targets), len(self.stops))
+
+    @property
+    def n_branches(self) -> int:
+        return N_BRANCHES
+
+    @property
+    def max_actions(self) -> int:
+        """Width of the last axis of Q arrays: the largest branch."""
+        return max(self.branch_sizes)
+
+    @property
+    def max_size(self) -> float:
+        return float(max(self.sizes))
+
+    def state_dim(self, n_features: int) -> int:
+        """Observation width: market features + PORTFOLIO_DIM portfolio features."""
+        return int(n_features) + PORTFOLIO_DIM
+
+    def grids(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sizes, targets, stops) as float32 arrays: the values every backend uses."""
+        return (
+            np.asarray(self.sizes, np.float32),
+            np.asarray(self.targets, np.float32),
+            np.asarray(self.stops, np.float32),
+        )
+
+    def resolved_tick_size(self, data_tick_size: float) -> float:
+        return float(self.tick_size) if self.tick_size is not None else float(data_tick_size)
+
+    def step_consts(self, tick_size: float, backtest: bool = False) -> StepConsts:
+        """Scalars for the step functions. backtest=True: no episodes, no opportunity cost."""
+        tick = self.resolved_tick_size(tick_size)
+        if not math.isfinite(tick) or tick <= 0:
+            raise ValueError(f"tick size {tick!r} is invalid: allowed a finite number > 0")
+        return StepConsts(
+            fee=np.float64(self.fee_per_contract),
+            slippage=np.float64(self.slippage_ticks * tick),
+            multiplier=np.float64(self.contract_multiplier),
+            tick_value=np.float64(tick * self.contract_multiplier),
+            trade_scale=np.float64(self.trade_reward_scale),
+            micro_scale=np.float64(self.micro_reward_scale),
+            hold_rate=np.float64(self.holding_cost_rate),
+            churn_bars=np.float64(self.churn_threshold_bars),
+            churn_scale=np.float64(self.churn_penalty_scale),
+            opp_scale=np.float64(0.0 if backtest else self.opportunity_cost_scale),
+            conviction_weight=np.float64(self.conviction_weight),
+            max_size=np.float64(np.float32(self.max_size)),
+            dsr_eta=np.float64(self.dsr_eta),
+            dsr_scale=np.float64(self.dsr_reward_scale),
+            obs_hold_bars=np.float64(self.obs_hold_bars),
+            episode_length=np.int64(0 if backtest else self.episode_length),
+            hard_cap=np.int64(0 if backtest else self.max_episode_bars),
+            fill_delay=np.int64(self.fill_delay),
+            direction_lock=np.int64(1 if self.direction_lock else 0),
+        )
+
+    def replace(self, **changes) -> "EnvParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise ValueError(f"EnvParams has no field(s) {sorted(unknown)}; fields: {sorted(values)}")
+        values.update(changes)
+        return EnvParams(**values)
+
+
+def pack_action(direction: int, size: int, target: int, stop: int) -> int:
+    """Four branch indices in one int32 (8 bits each): compact action arrays for the backtest."""
+    return int(direction) | (int(size) << 8) | (int(target) << 16) | (int(stop) << 24)
+
+
+def pack_actions(actions: np.ndarray) -> np.ndarray:
+    """[..., 4] branch indices -> [...] packed int32."""
+    a = np.asarray(actions, dtype=np.int64)
+    return (a[..., 0] | (a[..., 1] << 8) | (a[..., 2] << 16) | (a[..., 3] << 24)).astype(np.int32)
+
+
+def validate_actions(actions: np.ndarray, params: EnvParams) -> np.ndarray:
+    """Check a [..., 4] array of branch indices against the grids; returns it as int32."""
+    a = np.asarray(actions)
+    if a.ndim < 1 or a.shape[-1] != N_BRANCHES:
+        raise ValueError(f"actions must have a last axis of {N_BRANCHES} branch indices, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"actions must be integer branch indices, got dtype {a.dtype}")
+    for b, n in enumerate(params.branch_sizes):
+        col = a[..., b]
+        if col.size and (col.min() < 0 or col.max() >= n):
+            bad = col[(col < 0) | (col >= n)][0]
+            raise ValueError(f"actions[..., {b}] ({BRANCH_NAMES[b]}) has index {int(bad)}; allowed 0..{n - 1}")
+    return a.astype(np.int32)

@@ -1,0 +1,1 @@
+"""Learning: replay buffer, networks and heads, losses, optimizers, agents, trainer (SPEC §5)."""

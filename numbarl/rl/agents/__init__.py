@@ -1,0 +1,1 @@
+"""Agents: orchestrate networks, losses and optimizers into captured step graphs."""

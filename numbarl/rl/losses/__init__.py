@@ -1,0 +1,1 @@
+"""Losses with fused backward passes."""

@@ -1,0 +1,1 @@
+"""Layers and heads with hand-written backward passes (forward/backward = kernels + cuBLASLt)."""

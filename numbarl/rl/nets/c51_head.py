@@ -1,0 +1,432 @@
+"""Dueling branched C51 head: one value stream, one advantage GEMM for all branches, softmax over atoms.
+
+Math (Wang et al. 2016 dueling networks, Eq. 9, applied per atom as in Rainbow, Hessel et al.
+2018, Eq. 2; action branching: Tavakoli, Pardo & Kormushev 2018, Eq. 1). For the trunk output
+h [B, H], branch k with A_k actions and atoms z_0..z_{Z-1}:
+
+    V      = h·W_v + b_v                                   [B, Z]           (one GEMM)
+    A      = h·W_a + b_a                                   [B, Σ_k A_k·Z]   (ONE GEMM for all branches)
+    logits[b, k, a, z] = V[b, z] + A[b, k, a, z] - (1/A_k) Σ_a' A[b, k, a', z]
+    probs  = softmax over z of logits                      [B, n_branches, max_actions, Z]
+    q[b, k, a] = Σ_z probs[b, k, a, z] · z_z               [B, n_branches, max_actions]
+
+The advantage GEMM's columns are the branches one after the other: branch k, action a, atom z
+is column (offset_k + a)·Z + z with offset_k = Σ_{k' < k} A_{k'}. Outputs are padded to
+max_actions = max_k A_k; padding entries (a >= A_k) are defined: logits = -inf, probs = 0,
+q = -inf (never NaN), so an argmax over the padded Q never picks them and the env's
+action_select (q [N, n_branches, max_actions]) reads this layout directly.
+
+Backward from d_logits (the loss writes zeros at padding and at actions not taken):
+
+    dV[b, z]          = Σ_k Σ_{a < A_k} d_logits[b, k, a, z]
+    dA[b, k, a, z]    = d_logits[b, k, a, z] - (1/A_k) Σ_a' d_logits[b, k, a', z]
+    dW_v = hᵀ·dV, db_v = colsum(dV)         dW_a = hᵀ·dA, db_a = colsum(dA)   (bgrad epilogue)
+    dh   = dV·W_vᵀ + dA·W_aᵀ                 (second GEMM accumulates with beta = 1)
+
+Thread mapping: `dueling_softmax_kernel` runs one thread per (b, k, a) row: the dueling sum per
+atom (A_k reads for the branch mean), then max, Σexp and the probabilities and Q of that row in
+registers. `dueling_backward_kernel` runs one thread per (b, z): adjacent threads touch adjacent
+atoms (coalesced), each loops over the branches and their actions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from numbarl.cuda.runtime import Arena, cuda
+
+_cuda = cuda()  # selects the backend (GPU or simulator) before numba-using modules are imported
+
+from numbarl.cuda import blas  # noqa: E402
+from numbarl.rl.losses.c51 import make_support  # noqa: E402
+from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init  # noqa: E402
+
+BLOCK = 128  # threads per block of both kernels
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_NEG_INF = np.float32(-np.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference (numpy, float64)
+# ---------------------------------------------------------------------------------------------
+def branch_offsets(branch_sizes) -> np.ndarray:
+    """offset_k = Σ_{k' < k} A_{k'} (in actions) as int64 [n_branches]."""
+    sizes = np.asarray(branch_sizes, np.int64)
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def dueling_combine_ref(value, adv, branch_sizes):
+    """logits[b, k, a, z] = V[b, z] + A[b, k, a, z] - mean_a A[b, k, a, z], padding = -inf.
+
+    Args:
+      value: [B, Z] value stream V.
+      adv: [B, Σ_k A_k·Z] advantage GEMM output (branches concatenated).
+      branch_sizes: [n_branches] actions per branch A_k.
+
+    Returns:
+      [B, n_branches, max_actions, Z] logits (float64).
+    """
+    value = np.asarray(value, np.float64)
+    adv = np.asarray(adv, np.float64)
+    batch, n_atoms = value.shape
+    sizes = list(branch_sizes)
+    offsets = branch_offsets(sizes)
+    logits = np.full((batch, len(sizes), max(sizes), n_atoms), -np.inf)
+    for k, (n, off) in enumerate(zip(sizes, offsets)):
+        a = adv[:, off * n_atoms:(off + n) * n_atoms].reshape(batch, n, n_atoms)  # [B, A_k, Z]
+        logits[:, k, :n] = value[:, None, :] + a - a.mean(axis=1, keepdims=True)
+    return logits
+
+
+def distribution_ref(logits, support, branch_sizes):
+    """probs = softmax over atoms (0 at padding), q = Σ_z p·z (-inf at padding).
+
+    Args:
+      logits: [B, n_branches, max_actions, Z].
+      support: [Z].
+      branch_sizes: [n_branches].
+
+    Returns:
+      probs [B, n_branches, max_actions, Z], q [B, n_branches, max_actions] (float64).
+    """
+    logits = np.asarray(logits, np.float64)
+    probs = np.zeros(logits.shape)
+    q = np.full(logits.shape[:3], -np.inf)
+    for k, n in enumerate(branch_sizes):
+        x = logits[:, k, :n]
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+        probs[:, k, :n] = p
+        q[:, k, :n] = p @ np.asarray(support, np.float64)
+    return probs, q
+
+
+def head_forward_ref(h, w_value, b_value, w_adv, b_adv, branch_sizes, support):
+    """Whole head forward in float64. Returns (logits, probs, q) with the padded layouts above."""
+    h = np.asarray(h, np.float64)
+    value = h @ np.asarray(w_value, np.float64) + np.asarray(b_value, np.float64)
+    adv = h @ np.asarray(w_adv, np.float64) + np.asarray(b_adv, np.float64)
+    logits = dueling_combine_ref(value, adv, branch_sizes)
+    probs, q = distribution_ref(logits, support, branch_sizes)
+    return logits, probs, q
+
+
+def dueling_backward_ref(d_logits, branch_sizes):
+    """(dV [B, Z], dA [B, Σ_k A_k·Z]) from d_logits [B, n_branches, max_actions, Z] (padding ignored)."""
+    d_logits = np.asarray(d_logits, np.float64)
+    batch, _, _, n_atoms = d_logits.shape
+    sizes = list(branch_sizes)
+    offsets = branch_offsets(sizes)
+    d_value = np.zeros((batch, n_atoms))
+    d_adv = np.zeros((batch, int(sum(sizes)) * n_atoms))
+    for k, (n, off) in enumerate(zip(sizes, offsets)):
+        g = d_logits[:, k, :n]  # [B, A_k, Z]
+        d_value += g.sum(axis=1)
+        d_adv[:, off * n_atoms:(off + n) * n_atoms] = (g - g.mean(axis=1, keepdims=True)).reshape(batch, -1)
+    return d_value, d_adv
+
+
+def head_backward_ref(h, w_value, w_adv, d_logits, branch_sizes):
+    """Gradients of the head from d_logits, float64: dict with dh, dw_value, db_value, dw_adv, db_adv."""
+    h = np.asarray(h, np.float64)
+    d_value, d_adv = dueling_backward_ref(d_logits, branch_sizes)
+    return {
+        "dh": d_value @ np.asarray(w_value, np.float64).T + d_adv @ np.asarray(w_adv, np.float64).T,
+        "dw_value": h.T @ d_value,
+        "db_value": d_value.sum(axis=0),
+        "dw_adv": h.T @ d_adv,
+        "db_adv": d_adv.sum(axis=0),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@_cuda.jit(cache=True)
+def dueling_softmax_kernel(value, adv, branch_sizes, branch_offsets, branch_inv_sizes, support, logits, probs, q):
+    """One thread per (b, k, a) row of the padded [B, n_branches, max_actions, Z] outputs."""
+    t = _cuda.grid(1)
+    batch = logits.shape[0]
+    n_branches = logits.shape[1]
+    max_actions = logits.shape[2]
+    n_atoms = logits.shape[3]
+    if t >= batch * n_branches * max_actions:
+        return
+    a = t % max_actions
+    k = (t // max_actions) % n_branches
+    b = t // (max_actions * n_branches)
+    n_actions = branch_sizes[k]
+    if a >= n_actions:  # padding row: defined values, never NaN
+        for z in range(n_atoms):
+            logits[b, k, a, z] = _NEG_INF
+            probs[b, k, a, z] = _ZERO
+        q[b, k, a] = _NEG_INF
+        return
+    inv_n = branch_inv_sizes[k]
+    first = branch_offsets[k] * n_atoms  # column of (branch k, action 0, atom 0)
+    own = first + a * n_atoms  # column of (branch k, action a, atom 0)
+    mx = _NEG_INF
+    for z in range(n_atoms):
+        s = _ZERO
+        for a2 in range(n_actions):
+            s += adv[b, first + a2 * n_atoms + z]
+        x = value[b, z] + adv[b, own + z] - s * inv_n
+        logits[b, k, a, z] = x
+        mx = max(mx, x)
+    total = _ZERO
+    for z in range(n_atoms):
+        total += math.exp(logits[b, k, a, z] - mx)
+    inv_total = _ONE / total
+    expected = _ZERO
+    for z in range(n_atoms):
+        p = math.exp(logits[b, k, a, z] - mx) * inv_total
+        probs[b, k, a, z] = p
+        expected += p * support[z]
+    q[b, k, a] = expected
+
+
+@_cuda.jit(cache=True)
+def dueling_backward_kernel(d_logits, branch_sizes, branch_offsets, branch_inv_sizes, d_value, d_adv):
+    """One thread per (b, z): dV[b, z] and dA[b, :, z] from d_logits (padding entries ignored)."""
+    t = _cuda.grid(1)
+    batch = d_logits.shape[0]
+    n_branches = d_logits.shape[1]
+    n_atoms = d_logits.shape[3]
+    if t >= batch * n_atoms:
+        return
+    b = t // n_atoms
+    z = t - b * n_atoms
+    dv = _ZERO
+    for k in range(n_branches):
+        n_actions = branch_sizes[k]
+        s = _ZERO
+        for a in range(n_actions):
+            s += d_logits[b, k, a, z]
+        dv += s
+        mean = s * branch_inv_sizes[k]
+        first = branch_offsets[k] * n_atoms + z
+        for a in range(n_actions):
+            d_adv[b, first + a * n_atoms] = d_logits[b, k, a, z] - mean
+    d_value[b, z] = dv
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers and the layer
+# ---------------------------------------------------------------------------------------------
+def _grid(n: int) -> int:
+    return max(1, (n + BLOCK - 1) // BLOCK)
+
+
+class C51Outputs(NamedTuple):
+    """Fixed-address device views written by `BranchedDuelingC51Head.forward` for one tag."""
+
+    logits: object  # float32 [B, n_branches, max_actions, Z]
+    probs: object  # float32 [B, n_branches, max_actions, Z]
+    q: object  # float32 [B, n_branches, max_actions]
+
+
+class BranchedDuelingC51Head:
+    """Dueling branched C51 head following the Layer protocol of `numbarl.rl.nets.base`.
+
+    Parameters (weights [in, out], y = h @ W + b):
+        {name}.value.w [H, Z]   {name}.value.b [Z]            group "{name}.value"
+        {name}.adv.w [H, ΣA·Z]  {name}.adv.b [ΣA·Z]           group "{name}.adv"
+    Activations per tag (declare_acts): value, adv, logits, probs, q, and with backward=True the
+    backward scratch d_value, d_adv, dh.
+
+    forward(h, stream, tag, role) -> C51Outputs(logits, probs, q); backward(d_logits, stream, tag)
+    -> dh, overwriting the four gradients. compute="tf32" switches both GEMMs to TF32.
+    """
+
+    def __init__(self, name: str, hidden: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0,
+                 v_max: float = 10.0, compute: str = "fp32"):
+        self.name = name
+        self.hidden = int(hidden)
+        self.branch_sizes = tuple(int(a) for a in branch_sizes)
+        if self.hidden < 1:
+            raise ValueError(f"{name}: hidden must be >= 1 (got {hidden})")
+        if not self.branch_sizes or min(self.branch_sizes) < 1:
+            raise ValueError(f"{name}: branch_sizes must be a non-empty tuple of sizes >= 1 (got {branch_sizes})")
+        if compute not in blas.COMPUTES:
+            raise ValueError(f"{name}: compute must be one of {blas.COMPUTES} (got {compute!r})")
+        self.n_branches = len(self.branch_sizes)
+        self.max_actions = max(self.branch_sizes)
+        self.total_actions = sum(self.branch_sizes)
+        self.n_atoms = int(n_atoms)
+        self.v_min = float(v_min)
+        self.v_max = float(v_max)
+        self.compute = compute
+        self.support_host = make_support(self.n_atoms, v_min, v_max)  # validates n_atoms, v_min, v_max
+
+        # constant per-branch tables, uploaded once (before any capture)
+        layout = Arena(f"{name}.layout")
+        layout.add("branch_sizes", (self.n_branches,), np.int32)
+        layout.add("branch_offsets", (self.n_branches,), np.int32)
+        layout.add("branch_inv_sizes", (self.n_branches,), np.float32)
+        layout.add("support", (self.n_atoms,), np.float32)
+        layout.allocate()
+        layout.load({
+            "branch_sizes": np.asarray(self.branch_sizes, np.int32),
+            "branch_offsets": branch_offsets(self.branch_sizes).astype(np.int32),
+            "branch_inv_sizes": (1.0 / np.asarray(self.branch_sizes, np.float64)).astype(np.float32),
+            "support": self.support_host,
+        })
+        self.layout = layout
+        self.store: ParamStore | None = None
+        self._acts: dict[str, Arena] = {}
+        self._batch: dict[str, int] = {}
+        self._inputs: dict[str, object] = {}
+
+    # -- names --------------------------------------------------------------------------------
+    @property
+    def param_names(self) -> dict[str, str]:
+        n = self.name
+        return {"w_value": f"{n}.value.w", "b_value": f"{n}.value.b", "w_adv": f"{n}.adv.w", "b_adv": f"{n}.adv.b"}
+
+    def _act(self, tag: str, what: str) -> str:
+        return f"{self.name}.{tag}.{what}"
+
+    @property
+    def support(self):
+        """float32 device [Z] support of the head."""
+        return self.layout["support"]
+
+    # -- protocol -----------------------------------------------------------------------------
+    def declare_params(self, store: ParamStore) -> None:
+        h, z, n = self.hidden, self.n_atoms, self.param_names
+        store.add(n["w_value"], (h, z), f"{self.name}.value", decay=True, init=kaiming_uniform_init)
+        store.add(n["b_value"], (z,), f"{self.name}.value", decay=False, init=bias_uniform_init(h))
+        store.add(n["w_adv"], (h, self.total_actions * z), f"{self.name}.adv", decay=True, init=kaiming_uniform_init)
+        store.add(n["b_adv"], (self.total_actions * z,), f"{self.name}.adv", decay=False, init=bias_uniform_init(h))
+        self.store = store
+
+    def declare_acts(self, acts: Arena, batch: int, tag: str, backward: bool = True) -> None:
+        """Buffers of one pass; backward=False skips the backward scratch (target / next passes)."""
+        b, z = int(batch), self.n_atoms
+        shape4 = (b, self.n_branches, self.max_actions, z)
+        acts.add(self._act(tag, "value"), (b, z), np.float32)
+        acts.add(self._act(tag, "adv"), (b, self.total_actions * z), np.float32)
+        acts.add(self._act(tag, "logits"), shape4, np.float32)
+        acts.add(self._act(tag, "probs"), shape4, np.float32)
+        acts.add(self._act(tag, "q"), shape4[:3], np.float32)
+        if backward:
+            acts.add(self._act(tag, "d_value"), (b, z), np.float32)
+            acts.add(self._act(tag, "d_adv"), (b, self.total_actions * z), np.float32)
+            acts.add(self._act(tag, "dh"), (b, self.hidden), np.float32)
+        self._acts[tag] = acts
+        self._batch[tag] = b
+
+    def outputs(self, tag: str = "online") -> C51Outputs:
+        acts = self._arena(tag)
+        return C51Outputs(acts[self._act(tag, "logits")], acts[self._act(tag, "probs")], acts[self._act(tag, "q")])
+
+    def _arena(self, tag: str) -> Arena:
+        acts = self._acts.get(tag)
+        if acts is None:
+            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; call declare_acts(acts, batch, {tag!r})")
+        return acts
+
+    def forward(self, h, stream, tag: str = "online", role: str = "params") -> C51Outputs:
+        """Enqueue the head on h [B, hidden]; params from store.arenas[role]. Capturable."""
+        acts = self._arena(tag)
+        batch = self._batch[tag]
+        if tuple(h.shape) != (batch, self.hidden):
+            raise ValueError(f"{self.name}.forward({tag!r}): h has shape {tuple(h.shape)}, expected {(batch, self.hidden)}")
+        if self.store is None:
+            raise RuntimeError(f"{self.name}: declare_params(store) was not called")
+        params, n = self.store.arenas[role], self.param_names
+        value, adv = acts[self._act(tag, "value")], acts[self._act(tag, "adv")]
+        blas.gemm(h, params[n["w_value"]], value, bias=params[n["b_value"]], compute=self.compute, stream=stream)
+        blas.gemm(h, params[n["w_adv"]], adv, bias=params[n["b_adv"]], compute=self.compute, stream=stream)
+        out = self.outputs(tag)
+        dueling_forward(value, adv, self.layout, out.logits, out.probs, out.q, stream)
+        self._inputs[tag] = h
+        return out
+
+    def backward(self, d_logits, stream, tag: str = "online"):
+        """Enqueue the backward from d_logits [B, n_branches, max_actions, Z]; returns dh [B, hidden].
+
+        Overwrites the grads of the four head tensors; uses the input saved by forward(tag).
+        """
+        acts = self._arena(tag)
+        name = self._act(tag, "dh")
+        if name not in acts:
+            raise RuntimeError(f"{self.name}: tag {tag!r} was declared with backward=False; it has no backward buffers")
+        h = self._inputs.get(tag)
+        if h is None:
+            raise RuntimeError(f"{self.name}.backward({tag!r}) before forward({tag!r})")
+        batch = self._batch[tag]
+        expected = (batch, self.n_branches, self.max_actions, self.n_atoms)
+        if tuple(d_logits.shape) != expected:
+            raise ValueError(f"{self.name}.backward: d_logits has shape {tuple(d_logits.shape)}, expected {expected}")
+        params, grads, n = self.store.arenas["params"], self.store.arenas["grads"], self.param_names
+        d_value, d_adv, dh = acts[self._act(tag, "d_value")], acts[self._act(tag, "d_adv")], acts[name]
+        dueling_backward(d_logits, self.layout, d_value, d_adv, stream)
+        c = self.compute
+        # dW = hᵀ·dY and db = colsum(dY) in one GEMM each (bgrad epilogue)
+        blas.gemm(h, d_value, grads[n["w_value"]], trans_a=True, epilogue="bgrad", bias_grad=grads[n["b_value"]],
+                  compute=c, stream=stream)
+        blas.gemm(h, d_adv, grads[n["w_adv"]], trans_a=True, epilogue="bgrad", bias_grad=grads[n["b_adv"]],
+                  compute=c, stream=stream)
+        # dh = dV·W_vᵀ + dA·W_aᵀ (the second GEMM accumulates)
+        blas.gemm(d_value, params[n["w_value"]], dh, trans_b=True, compute=c, stream=stream)
+        blas.gemm(d_adv, params[n["w_adv"]], dh, trans_b=True, beta=1.0, compute=c, stream=stream)
+        return dh
+
+    # -- float64 reference of the layer (host dict of params by name; composable with Linear's) --
+    def forward_ref(self, h, params):
+        """(C51Outputs of float64 arrays, cache) for h [B, hidden]; params: host dict by name."""
+        n = self.param_names
+        logits, probs, q = head_forward_ref(h, params[n["w_value"]], params[n["b_value"]], params[n["w_adv"]],
+                                            params[n["b_adv"]], self.branch_sizes, self.support_host)
+        return C51Outputs(logits, probs, q), np.asarray(h, np.float64)
+
+    def backward_ref(self, d_logits, cache, params):
+        """(dh, {param name: grad}) from d_logits, float64."""
+        n = self.param_names
+        g = head_backward_ref(cache, params[n["w_value"]], params[n["w_adv"]], d_logits, self.branch_sizes)
+        return g["dh"], {n["w_value"]: g["dw_value"], n["b_value"]: g["db_value"], n["w_adv"]: g["dw_adv"],
+                         n["b_adv"]: g["db_adv"]}
+
+
+def _check(name, arr, shape, dtype=np.float32):
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"c51 head: {name} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"c51 head: {name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
+
+
+def dueling_forward(value, adv, layout: Arena, logits, probs, q, stream) -> None:
+    """Dueling combination + softmax + Q into the padded outputs (see the module docstring).
+
+    layout: Arena with int32 branch_sizes / branch_offsets, float32 branch_inv_sizes and support
+    (`BranchedDuelingC51Head.layout`).
+    """
+    batch, n_branches, max_actions, n_atoms = logits.shape
+    sizes = layout["branch_sizes"]
+    _check("value", value, (batch, n_atoms))
+    _check("adv", adv, (batch, adv.shape[1]))
+    _check("probs", probs, logits.shape)
+    _check("q", q, logits.shape[:3])
+    _check("support", layout["support"], (n_atoms,))
+    if sizes.shape[0] != n_branches:
+        raise ValueError(f"c51 head: layout has {sizes.shape[0]} branches, logits have {n_branches}")
+    dueling_softmax_kernel[_grid(batch * n_branches * max_actions), BLOCK, stream](
+        value, adv, sizes, layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"], logits, probs, q)
+
+
+def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:
+    """dV [B, Z] and dA [B, ΣA·Z] from d_logits [B, n_branches, max_actions, Z]."""
+    batch, n_branches, _, n_atoms = d_logits.shape
+    _check("d_logits", d_logits, d_logits.shape)
+    _check("d_value", d_value, (batch, n_atoms))
+    _check("d_adv", d_adv, (batch, d_adv.shape[1]))
+    if layout["branch_sizes"].shape[0] != n_branches:
+        raise ValueError(f"c51 head: layout has {layout['branch_sizes'].shape[0]} branches, d_logits have {n_branches}")
+    dueling_backward_kernel[_grid(batch * n_atoms), BLOCK, stream](
+        d_logits, layout["branch_sizes"], layout["branch_offsets"], layout["branch_inv_sizes"], d_value, d_adv)

@@ -1,0 +1,413 @@
+"""PyTorch peer of the numbarl learner: the same network, loss and AdamW in plain PyTorch.
+
+What a researcher would write (CleanRL's c51.py style, extended to branches and double DQN):
+nn.Linear layers, a dueling branched C51 head, the dense Eq. 7 projection (Bellemare et al.
+2017; see `numbarl.rl.losses.c51`), cross-entropy averaged over branches, then the batch mean,
+`clip_grad_norm_` and `torch.optim.AdamW`. It is used for two things (SPEC §7, issue 4):
+
+1. **checking numbarl on the GPU**: load the same weights (numbarl's parameter dict, weights
+   [in, out] — transposed into nn.Linear's [out, in]), run one batch, compare loss and
+   gradients (`loss_and_grads`, gradients returned under numbarl's names and layout);
+2. **timing**: `time_train_step(peer, batch, mode="eager" | "graphed", tf32=...)` runs the
+   whole train step (online forward on next_obs for the argmax, target forward, online forward
+   on obs, loss, backward, clipping, AdamW, optional Polyak target update) eagerly or as one
+   CUDA graph captured with `torch.cuda.graph` (static inputs, warm-up on a side stream, grads
+   set to None before capture, AdamW(capturable=True)), as the PyTorch CUDA-graphs docs
+   describe for whole-network capture.
+
+torch is an optional extra, never a runtime dependency: this module imports without it, and
+every function imports torch when it is called.
+
+Conventions shared with numbarl (so the comparison is exact up to float32 rounding):
+  * loss = (1/B) Σ_b w_b · (1/n_branches) Σ_k CE[b, k]; per-sample loss unweighted;
+  * double DQN: a* = first argmax over the valid actions of E[Z] under the online net;
+  * γ_b = discounts[b] · (1 - dones[b]) (n-step discount γ^m from the replay);
+  * padding of the [B, n_branches, max_actions, Z] layout: logits -inf, probs 0, Q -inf;
+  * AdamW as torch arranges it; weight decay on the tensors numbarl marks `decay`;
+    clip_grad_norm_ adds 1e-6 to the norm, like numbarl.rl.optim.
+
+The trunk is described by a tuple of `TrunkOp`s (linear / relu / silu / gelu / tanh / layernorm,
+with numbarl parameter names), so any trunk numbarl builds can be mirrored:
+`trunk_ops_from_layers` derives it from numbarl layer objects.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ACTIVATIONS = ("relu", "silu", "gelu", "tanh")
+
+
+@dataclass(frozen=True)
+class TrunkOp:
+    """One trunk operation, in order: a linear layer, an activation or a LayerNorm."""
+
+    kind: str
+    """"linear", "layernorm" or an activation in ACTIVATIONS"""
+    weight: str | None = None
+    """numbarl name of the weight ([in, out] for linear, [dim] gamma for layernorm)"""
+    bias: str | None = None
+    """numbarl name of the bias ([out] / beta [dim]); None: no bias"""
+    eps: float = 1e-5
+    """LayerNorm epsilon"""
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "layernorm") + ACTIVATIONS:
+            raise ValueError(f"TrunkOp.kind must be 'linear', 'layernorm' or one of {ACTIVATIONS}, got {self.kind!r}")
+        if self.kind in ("linear", "layernorm") and self.weight is None:
+            raise ValueError(f"TrunkOp({self.kind!r}) needs the numbarl weight name")
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """The network the peer builds: trunk ops + dueling branched C51 head."""
+
+    trunk: tuple
+    """TrunkOp sequence applied to obs (may be empty: the head reads obs directly)"""
+    head: str
+    """numbarl name prefix of the head: {head}.value.w/b, {head}.adv.w/b"""
+    branch_sizes: tuple
+    """actions per branch A_k"""
+    n_atoms: int = 51
+    """atoms of the C51 support"""
+    v_min: float = -10.0
+    """lowest atom"""
+    v_max: float = 10.0
+    """highest atom"""
+    decay: frozenset = field(default_factory=frozenset)
+    """numbarl names that get weight decay (numbarl's ParamSpec.decay)"""
+
+    @classmethod
+    def from_numbarl(cls, trunk_layers, head, store=None) -> "PeerSpec":
+        """Spec mirroring numbarl objects: trunk layers (see `trunk_ops_from_layers`) and a
+        `BranchedDuelingC51Head`; `store` (ParamStore) supplies the decay flags."""
+        decay = frozenset(n for n, s in store.specs.items() if s.decay) if store is not None else frozenset()
+        return cls(tuple(trunk_ops_from_layers(trunk_layers)), head.name, tuple(head.branch_sizes), head.n_atoms,
+                   head.v_min, head.v_max, decay)
+
+
+def trunk_ops_from_layers(layers) -> list:
+    """TrunkOps from numbarl trunk layer objects, duck-typed on their attributes.
+
+    Accepts an object with `.layers` (an Mlp) or a list of layers. A linear layer is recognised by
+    `param_names` with a weight "w" and bias "b" (or attributes `w_name`/`b_name`) plus an optional
+    `activation`; a LayerNorm by gamma/beta names and `eps`; a stand-alone activation layer by
+    `activation` (or `kind`) alone. Raise with the layer's repr when a layer is not understood.
+    """
+    if hasattr(layers, "layers"):
+        layers = layers.layers
+    ops = []
+    for layer in layers:
+        names = dict(getattr(layer, "param_names", {}) or {})
+        cls_name = type(layer).__name__.lower()
+        activation = getattr(layer, "activation", None)
+        if "layernorm" in cls_name or "gamma" in names:
+            ops.append(TrunkOp("layernorm", names.get("gamma", getattr(layer, "gamma_name", None)),
+                               names.get("beta", getattr(layer, "beta_name", None)), float(getattr(layer, "eps", 1e-5))))
+        elif names.get("w") or getattr(layer, "w_name", None):
+            ops.append(TrunkOp("linear", names.get("w", getattr(layer, "w_name", None)),
+                               names.get("b", getattr(layer, "b_name", None))))
+            if activation not in (None, "none", "identity"):
+                ops.append(TrunkOp(str(activation)))
+        elif activation in ACTIVATIONS or getattr(layer, "kind", None) in ACTIVATIONS:
+            ops.append(TrunkOp(str(activation if activation in ACTIVATIONS else layer.kind)))
+        else:
+            raise TypeError(f"torch peer: cannot mirror trunk layer {layer!r}; describe the trunk with TrunkOp(...)")
+    return ops
+
+
+# ---------------------------------------------------------------------------------------------
+# the network and loss, written the way a PyTorch user would (torch imported lazily)
+# ---------------------------------------------------------------------------------------------
+_CLASSES = {}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError("the PyTorch peer needs torch (pip install torch); numbarl itself does not") from e
+    return torch
+
+
+def _net_class():
+    """nn.Module class of the peer network (defined on first use so that torch stays optional)."""
+    if "net" in _CLASSES:
+        return _CLASSES["net"]
+    torch = _torch()
+    from torch import nn
+
+    class BranchedDuelingC51Net(nn.Module):
+        """trunk -> V [B, Z] and A [B, ΣA·Z] -> per-branch dueling logits [B, A_k, Z]."""
+
+        def __init__(self, spec: PeerSpec, shapes: dict):
+            super().__init__()
+            self.spec = spec
+            layers = []
+            for op in spec.trunk:
+                if op.kind == "linear":
+                    fan_in, fan_out = shapes[op.weight]
+                    layers.append(nn.Linear(fan_in, fan_out, bias=op.bias is not None))
+                elif op.kind == "layernorm":
+                    layers.append(nn.LayerNorm(shapes[op.weight][0], eps=op.eps, elementwise_affine=True,
+                                               bias=op.bias is not None))
+                else:
+                    layers.append({"relu": nn.ReLU, "silu": nn.SiLU, "gelu": lambda: nn.GELU(approximate="tanh"),
+                                   "tanh": nn.Tanh}[op.kind]())
+            self.trunk = nn.Sequential(*layers)
+            hidden, n_atoms = shapes[f"{spec.head}.value.w"]
+            self.value = nn.Linear(hidden, n_atoms)
+            self.adv = nn.Linear(hidden, sum(spec.branch_sizes) * n_atoms)
+            self.n_atoms = n_atoms
+            self.offsets = [sum(spec.branch_sizes[:k]) for k in range(len(spec.branch_sizes))]
+
+        def forward(self, obs):
+            h = self.trunk(obs)
+            v = self.value(h)  # [B, Z]
+            a = self.adv(h)  # [B, ΣA·Z]
+            logits = []
+            for off, n in zip(self.offsets, self.spec.branch_sizes):
+                a_k = a[:, off * self.n_atoms:(off + n) * self.n_atoms].view(-1, n, self.n_atoms)  # [B, A_k, Z]
+                logits.append(v.unsqueeze(1) + a_k - a_k.mean(dim=1, keepdim=True))
+            return logits  # list over branches of [B, A_k, Z]
+
+        def numbarl_params(self):
+            """(numbarl name, torch parameter, transpose?) for every parameter."""
+            out = []
+            modules = iter(m for m in self.trunk if isinstance(m, (nn.Linear, nn.LayerNorm)))
+            for op in self.spec.trunk:
+                if op.kind in ("linear", "layernorm"):
+                    m = next(modules)
+                    out.append((op.weight, m.weight, op.kind == "linear"))
+                    if op.bias is not None:
+                        out.append((op.bias, m.bias, False))
+            h = self.spec.head
+            out += [(f"{h}.value.w", self.value.weight, True), (f"{h}.value.b", self.value.bias, False),
+                    (f"{h}.adv.w", self.adv.weight, True), (f"{h}.adv.b", self.adv.bias, False)]
+            return out
+
+    _CLASSES["net"] = BranchedDuelingC51Net
+    return BranchedDuelingC51Net
+
+
+def project_distribution(rewards, dones, discounts, next_probs, support):
+    """Dense Eq. 7 in torch (CleanRL's projection without the scatter): [B, Z] -> [B, Z]."""
+    torch = _torch()
+    delta_z = support[1] - support[0]
+    gamma = discounts * (1.0 - dones)  # [B]
+    target_z = (rewards.unsqueeze(1) + gamma.unsqueeze(1) * support.unsqueeze(0)).clamp(support[0], support[-1])
+    hat = (1.0 - (target_z.unsqueeze(1) - support.view(1, -1, 1)).abs() / delta_z).clamp(0.0, 1.0)  # [B, Zi, Zj]
+    return torch.bmm(hat, next_probs.unsqueeze(2)).squeeze(2)
+
+
+def c51_loss(online, target, batch, support, next_actions=None):
+    """Distributional double-DQN loss of one batch (dict of tensors, see `batch_to_torch`).
+
+    Returns (loss scalar, per_sample [B] unweighted). `next_actions` [B, n_branches] overrides
+    the online argmax (used by the GPU test to remove near-tie flips between float32 paths).
+    """
+    torch = _torch()
+    F = torch.nn.functional
+    obs, actions = batch["obs"], batch["actions"]
+    with torch.no_grad():
+        next_online = online(batch["next_obs"])
+        next_target = target(batch["next_obs"])
+        targets = []
+        for k, (lo, lt) in enumerate(zip(next_online, next_target)):
+            if next_actions is None:
+                q = (F.softmax(lo, dim=-1) * support).sum(-1)  # [B, A_k]
+                a_star = q.argmax(dim=1)  # first maximum on ties
+            else:
+                a_star = next_actions[:, k]
+            p = F.softmax(lt, dim=-1).gather(1, a_star.view(-1, 1, 1).expand(-1, 1, lt.shape[-1])).squeeze(1)
+            targets.append(project_distribution(batch["rewards"], batch["dones"], batch["discounts"], p, support))
+    ce = []
+    for k, logits in enumerate(online(obs)):
+        taken = logits.gather(1, actions[:, k].view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)  # [B, Z]
+        ce.append(-(targets[k] * F.log_softmax(taken, dim=-1)).sum(-1))
+    per_sample = torch.stack(ce, dim=1).mean(dim=1)  # mean over branches, [B]
+    weights = batch.get("weights")
+    loss = (per_sample * weights).mean() if weights is not None else per_sample.mean()
+    return loss, per_sample.detach()
+
+
+def batch_to_torch(batch: dict, device="cuda") -> dict:
+    """numpy batch -> torch tensors: obs/next_obs [B, D], actions [B, n_branches] (int64),
+    rewards/dones/discounts [B] and optional weights [B] (float32)."""
+    torch = _torch()
+    out = {}
+    for k, v in batch.items():
+        if v is None:
+            continue
+        v = np.asarray(v)
+        dtype = torch.int64 if k == "actions" else torch.float32
+        out[k] = torch.as_tensor(v.astype(np.int64 if k == "actions" else np.float32), device=device, dtype=dtype)
+    missing = {"obs", "next_obs", "actions", "rewards", "dones", "discounts"} - set(out)
+    if missing:
+        raise KeyError(f"torch peer batch is missing {sorted(missing)}")
+    return out
+
+
+class TorchPeer:
+    """Online + target networks, AdamW and the train step, loadable from numbarl's parameters.
+
+        peer = TorchPeer(PeerSpec.from_numbarl(mlp, head, store), store.to_host("params"),
+                         lr=1e-4, max_grad_norm=10.0, weight_decay=0.0)
+        loss, per_sample, grads = peer.loss_and_grads(batch)     # grads: numbarl names, [in, out]
+    """
+
+    def __init__(self, spec: PeerSpec, values: dict, target_values: dict | None = None, device="cuda",
+                 lr: float = 1e-4, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, target_tau: float | None = None, capturable: bool = False):
+        torch = _torch()
+        self.spec = spec
+        self.device = torch.device(device)
+        shapes = {k: tuple(np.shape(v)) for k, v in values.items()}
+        net_cls = _net_class()
+        self.online = net_cls(spec, shapes).to(self.device)
+        self.target = net_cls(spec, shapes).to(self.device)
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        self.load(values, self.online)
+        self.load(values if target_values is None else target_values, self.target)
+        # the same float32 atoms as numbarl.rl.losses.c51.make_support (float64 linspace, then cast)
+        support = np.linspace(float(spec.v_min), float(spec.v_max), int(spec.n_atoms)).astype(np.float32)
+        self.support = torch.as_tensor(support, device=self.device)
+        self.max_grad_norm = float(max_grad_norm)
+        self.target_tau = target_tau
+        decay = [p for n, p, _ in self.online.numbarl_params() if n in spec.decay]
+        no_decay = [p for n, p, _ in self.online.numbarl_params() if n not in spec.decay]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=tuple(betas), eps=eps, capturable=capturable)
+
+    # -- weights ------------------------------------------------------------------------------
+    def load(self, values: dict, net=None) -> None:
+        """Copy numbarl arrays ([in, out] weights) into a net (default: online), in place."""
+        torch = _torch()
+        net = self.online if net is None else net
+        with torch.no_grad():
+            for name, param, transpose in net.numbarl_params():
+                if name not in values:
+                    raise KeyError(f"torch peer: numbarl parameter {name!r} is missing from the values")
+                v = np.asarray(values[name], np.float32)
+                v = v.T if transpose else v
+                if tuple(v.shape) != tuple(param.shape):
+                    raise ValueError(f"torch peer: {name!r} has shape {v.shape}, the peer expects {tuple(param.shape)}")
+                param.copy_(torch.as_tensor(np.ascontiguousarray(v), device=self.device))
+
+    def to_numbarl(self, net=None, grads: bool = False) -> dict:
+        """Parameters (or their .grad) as numpy under numbarl's names and layout."""
+        net = self.online if net is None else net
+        out = {}
+        for name, param, transpose in net.numbarl_params():
+            t = param.grad if grads else param
+            if t is None:
+                continue
+            a = t.detach().float().cpu().numpy()
+            out[name] = np.ascontiguousarray(a.T if transpose else a)
+        return out
+
+    # -- one batch ----------------------------------------------------------------------------
+    def outputs(self, obs, target: bool = False):
+        """(logits, probs, q) of one pass in numbarl's padded layout, as numpy float32."""
+        torch = _torch()
+        F = torch.nn.functional
+        spec = self.spec
+        net = self.target if target else self.online
+        with torch.no_grad():
+            per_branch = net(obs)
+            batch = per_branch[0].shape[0]
+            shape = (batch, len(spec.branch_sizes), max(spec.branch_sizes), spec.n_atoms)
+            logits = torch.full(shape, float("-inf"), device=self.device)
+            probs = torch.zeros(shape, device=self.device)
+            q = torch.full(shape[:3], float("-inf"), device=self.device)
+            for k, (n, lk) in enumerate(zip(spec.branch_sizes, per_branch)):
+                logits[:, k, :n] = lk
+                probs[:, k, :n] = F.softmax(lk, dim=-1)
+                q[:, k, :n] = (probs[:, k, :n] * self.support).sum(-1)
+        return logits.cpu().numpy(), probs.cpu().numpy(), q.cpu().numpy()
+
+    def loss_and_grads(self, batch: dict, next_actions=None):
+        """Loss, per-sample loss and gradients (numbarl names, [in, out]) for one batch; no update."""
+        self.online.zero_grad(set_to_none=True)
+        loss, per_sample = c51_loss(self.online, self.target, batch, self.support, next_actions)
+        loss.backward()
+        return float(loss.detach().cpu()), per_sample.cpu().numpy(), self.to_numbarl(grads=True)
+
+    def train_step(self, batch: dict):
+        """The whole step: loss, backward, clip, AdamW, Polyak target update. Returns the loss tensor.
+
+        Graph-safe: no host sync, no data-dependent Python control flow (grads are set to None by
+        the caller before capture, as the torch docs ask)."""
+        torch = _torch()
+        loss, _ = c51_loss(self.online, self.target, batch, self.support)
+        loss.backward()
+        if self.max_grad_norm > 0.0:
+            torch.nn.utils.clip_grad_norm_(self.online.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        if self.target_tau is not None:
+            with torch.no_grad():
+                for tp, p in zip(self.target.parameters(), self.online.parameters()):
+                    tp.lerp_(p, self.target_tau)
+        return loss.detach()
+
+
+def time_train_step(peer: TorchPeer, batch: dict, mode: str = "eager", tf32: bool = False, iters: int = 100,
+                    warmup: int = 10, repeats: int = 5) -> dict:
+    """Median milliseconds per train step of the peer, eager or CUDA-graphed.
+
+    mode "eager": `zero_grad(set_to_none=True)` + `train_step` per iteration.
+    mode "graphed": static input tensors (copies of `batch`), 3 warm-up steps on a side stream,
+    grads set to None, one `torch.cuda.graph` capture of `train_step`, then `graph.replay()`
+    per iteration (the peer must be built with capturable=True so AdamW's step lives on the GPU).
+    tf32: torch.backends.cuda.matmul.allow_tf32 for the duration (restored afterwards).
+    Timed with CUDA events over `iters` steps, `repeats` times; returns ms_median, ms_min, all.
+    """
+    torch = _torch()
+    if mode not in ("eager", "graphed"):
+        raise ValueError(f"time_train_step: mode must be 'eager' or 'graphed', got {mode!r}")
+    old_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    try:
+        if mode == "eager":
+            def run_once():
+                peer.optimizer.zero_grad(set_to_none=True)
+                peer.train_step(batch)
+        else:
+            if not any(g.get("capturable", False) for g in peer.optimizer.param_groups):
+                raise ValueError("time_train_step(mode='graphed') needs TorchPeer(..., capturable=True)")
+            static = {k: v.clone() for k, v in batch.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    peer.optimizer.zero_grad(set_to_none=True)
+                    peer.train_step(static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            peer.optimizer.zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                peer.train_step(static)
+            run_once = graph.replay
+
+        for _ in range(warmup):
+            run_once()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                run_once()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old_tf32
+    return {"mode": mode, "tf32": bool(tf32), "ms_median": statistics.median(times), "ms_min": min(times),
+            "ms_all": times, "iters": iters}

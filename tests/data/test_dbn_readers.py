@@ -1,0 +1,230 @@
+"""DBN and CSV readers against Databento's own decoder, and every kind of bad input."""
+
+import io
+
+import databento_dbn as dbn
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from numbarl.data.errors import DataError
+from numbarl.data.readers import DbnReader, RecordStream, read_records, write_dbn
+from numbarl.data.records import MBP10_DTYPE, N_LEVELS, RECORD_BYTES, UNDEF_PRICE
+
+HEADER_FIELDS = ("rtype", "publisher_id", "instrument_id", "ts_event")
+BODY_FIELDS = ("price", "size", "flags", "depth", "ts_recv", "ts_in_delta", "sequence")
+LEVEL_FIELDS = ("bid_px", "ask_px", "bid_sz", "ask_sz", "bid_ct", "ask_ct")
+
+
+def decode_with_databento(path):
+    """(metadata, [MBP10Msg]) from databento_dbn.DBNDecoder, the reference decoder."""
+    data = path.read_bytes()
+    compression = dbn.Compression.ZSTD if data[:4] == b"\x28\xb5\x2f\xfd" else dbn.Compression.NONE
+    decoder = dbn.DBNDecoder(compression=compression)
+    decoder.write(data)
+    items = decoder.decode()
+    return items[0], items[1:]
+
+
+def assert_same_as_decoder(records, msgs):
+    assert len(records) == len(msgs) > 0
+    for rec, msg in zip(records, msgs):
+        assert int(rec["length"]) * 4 == msg.record_size() == RECORD_BYTES
+        for name in HEADER_FIELDS + BODY_FIELDS:
+            assert int(rec[name]) == int(getattr(msg, name)), name
+        assert chr(rec["action"]) == str(msg.action.value)
+        assert chr(rec["side"]) == str(msg.side.value)
+        for m in range(N_LEVELS):
+            for name in LEVEL_FIELDS:
+                assert int(rec["levels"][m][name]) == int(getattr(msg.levels[m], name)), (m, name)
+
+
+def test_fixtures_decode_exactly_like_databento(dbn_fixtures):
+    versions = set()
+    for path in dbn_fixtures:
+        reader = DbnReader(path)
+        records = np.concatenate(list(reader))
+        meta, msgs = decode_with_databento(path)
+        assert records.dtype == MBP10_DTYPE
+        assert_same_as_decoder(records, msgs)
+        assert reader.info.schema == "mbp-10" and reader.info.dataset == meta.dataset
+        assert reader.info.symbols == list(meta.symbols)
+        versions.add((reader.info.version, reader.info.compressed))
+    assert (2, False) in versions, "the uncompressed DBN v2 file must be among the fixtures"
+    assert (3, True) in versions
+
+
+def test_csv_export_reads_like_dbn(dbn_fixtures, tmp_path):
+    for path in dbn_fixtures:
+        expected = read_records(path)
+        raw = pa.input_stream(str(path), compression="zstd").read() if path.suffix == ".zst" else path.read_bytes()
+        for pretty in (True, False):
+            out = io.BytesIO()
+            transcoder = dbn.Transcoder(out, dbn.Encoding.CSV, dbn.Compression.NONE, pretty_px=pretty, pretty_ts=pretty)
+            transcoder.write(raw)
+            transcoder.flush()
+            csv_path = tmp_path / f"{path.name}.{pretty}.csv"
+            csv_path.write_bytes(out.getvalue())
+            zst_path = tmp_path / f"{path.name}.{pretty}.csv.zst"
+            with pa.CompressedOutputStream(str(zst_path), "zstd") as sink:
+                sink.write(out.getvalue())
+            for source in (csv_path, zst_path):
+                got = read_records(source)
+                for name in HEADER_FIELDS + BODY_FIELDS + ("action", "side"):
+                    np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{source.name} {name}")
+                np.testing.assert_array_equal(got["levels"], expected["levels"])
+
+
+def test_written_dbn_all_versions_and_chunkings(small_market, tmp_path):
+    records, _ = small_market
+    part = records[:3000]
+    for version in (1, 2, 3):
+        for suffix in (".dbn", ".dbn.zst"):
+            path = write_dbn(tmp_path / f"v{version}{suffix}", part, version=version, mappings={"SYNTH": 1})
+            for chunk_bytes in (1 << 12, 5000, 1 << 24):
+                chunks = list(DbnReader(path, chunk_bytes=chunk_bytes))
+                got = np.concatenate(chunks)
+                assert got.tobytes() == part.tobytes(), (version, suffix, chunk_bytes)
+            meta, msgs = decode_with_databento(path)
+            assert meta.version == 3
+            assert_same_as_decoder(got[:50], msgs[:50])
+
+
+def test_instrument_selection(small_market, tmp_path):
+    records, _ = small_market
+    a = records[:400].copy()
+    b = records[:400].copy()
+    b["instrument_id"] = 7
+    both = np.sort(np.concatenate([a, b]), order="ts_recv", kind="stable")
+    path = write_dbn(tmp_path / "two.dbn", both, mappings={"AAA": 1, "BBB": 7})
+    with pytest.raises(DataError, match="several instruments.*--symbol"):
+        read_records(path)
+    got = read_records(path, symbol="BBB")
+    assert len(got) == 400 and np.all(got["instrument_id"] == 7)
+    assert len(read_records(path, symbol="1")) == 400
+    with pytest.raises(DataError, match="symbol 'CCC' is not in the file"):
+        read_records(path, symbol="CCC")
+
+
+def test_files_are_joined_in_time_order(small_market, tmp_path):
+    records, _ = small_market
+    first = write_dbn(tmp_path / "b_first.dbn", records[:1000])
+    second = write_dbn(tmp_path / "a_second.dbn.zst", records[1000:2500])
+    stream = RecordStream([second, first])
+    got = np.concatenate([chunk for _, chunk in stream])
+    assert got.tobytes() == records[:2500].tobytes()
+    overlap = write_dbn(tmp_path / "overlap.dbn", records[500:1500])
+    with pytest.raises(DataError, match="unsorted timestamps"):
+        list(RecordStream([first, overlap]))
+
+
+@pytest.fixture
+def good_file(small_market, tmp_path):
+    records, _ = small_market
+    return write_dbn(tmp_path / "good.dbn", records[:2000]), records[:2000]
+
+
+def test_truncated_file(good_file, tmp_path):
+    path, _ = good_file
+    data = path.read_bytes()
+    cut = tmp_path / "cut.dbn"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(DataError, match="truncated DBN file"):
+        read_records(cut)
+    cut.write_bytes(data[:30])
+    with pytest.raises(DataError, match="truncated|metadata"):
+        read_records(cut)
+
+
+def test_corrupt_zstd(good_file, tmp_path):
+    path, records = good_file
+    z = write_dbn(tmp_path / "good.dbn.zst", records)
+    data = bytearray(z.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.dbn.zst"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="corrupt|truncated"):
+        read_records(bad)
+    half = tmp_path / "half.dbn.zst"
+    half.write_bytes(z.read_bytes()[: len(data) // 2])
+    with pytest.raises(DataError, match="corrupt or truncated zstd"):
+        read_records(half)
+
+
+def test_corrupt_record_length(good_file, tmp_path):
+    path, _ = good_file
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[4:8], "little")
+    data[header + 5 * RECORD_BYTES] = 1  # a record claiming 4 bytes
+    bad = tmp_path / "badlen.dbn"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="corrupt DBN data"):
+        read_records(bad)
+
+
+def test_empty_and_garbage_files(tmp_path):
+    empty = tmp_path / "empty.dbn"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match="empty"):
+        read_records(empty)
+    garbage = tmp_path / "garbage.dbn"
+    garbage.write_bytes(b"\x00\x01 this is not market data" * 20)
+    with pytest.raises(DataError, match="not a DBN file"):
+        read_records(garbage)
+    with pytest.raises(DataError, match="no such file"):
+        read_records(tmp_path / "missing.dbn")
+
+
+def test_header_only_file_has_no_records(small_market, tmp_path):
+    path = write_dbn(tmp_path / "header_only.dbn", small_market[0][:0])
+    with pytest.raises(DataError, match="no MBP-10 records"):
+        read_records(path)
+
+
+def test_wrong_schema(tmp_path):
+    meta = dbn.Metadata("GLBX.MDP3", 0, dbn.SType.RAW_SYMBOL, dbn.SType.INSTRUMENT_ID, dbn.Schema.TRADES, symbols=["ESH1"], end=10)
+    trade = dbn.TradeMsg(1, 5482, 100, 3720250000000, 1, dbn.Action.TRADE, dbn.Side.BID, 0, 101, flags=128)
+    path = tmp_path / "trades.dbn"
+    path.write_bytes(bytes(meta) + bytes(trade))
+    with pytest.raises(DataError, match="schema is 'trades'.*mbp-10"):
+        read_records(path)
+    # a stream without a schema in its metadata that carries trade records
+    mixed = dbn.Metadata("GLBX.MDP3", 0, dbn.SType.RAW_SYMBOL, dbn.SType.INSTRUMENT_ID, None, symbols=["ESH1"], end=10)
+    path.write_bytes(bytes(mixed) + bytes(trade))
+    with pytest.raises(DataError, match=r"rtype 0 \(trades"):
+        read_records(path)
+    csv = tmp_path / "trades.csv"
+    out = io.BytesIO()
+    transcoder = dbn.Transcoder(out, dbn.Encoding.CSV, dbn.Compression.NONE)
+    transcoder.write(bytes(meta) + bytes(trade))
+    transcoder.flush()
+    csv.write_bytes(out.getvalue())
+    with pytest.raises(DataError, match="mbp-10|MBP-10"):
+        read_records(csv)
+
+
+def test_unsorted_timestamps(good_file, tmp_path):
+    _, records = good_file
+    shuffled = records.copy()
+    shuffled[[700, 701]] = shuffled[[701, 700]]
+    if shuffled["ts_recv"][700] == shuffled["ts_recv"][701]:
+        shuffled["ts_recv"][701] -= 1_000
+    path = write_dbn(tmp_path / "unsorted.dbn", shuffled)
+    with pytest.raises(DataError, match="unsorted timestamps: record 70[12]"):
+        read_records(path)
+
+
+def test_csv_bad_values(dbn_fixtures, tmp_path):
+    path = next(p for p in dbn_fixtures if p.suffix == ".dbn")
+    out = io.BytesIO()
+    transcoder = dbn.Transcoder(out, dbn.Encoding.CSV, dbn.Compression.NONE)
+    transcoder.write(path.read_bytes())
+    transcoder.flush()
+    lines = out.getvalue().decode().splitlines()
+    row = lines[1].split(",")
+    row[8] = "12x.5"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join([lines[0], ",".join(row), *lines[2:]]) + "\n")
+    with pytest.raises(DataError, match="row 1, column price"):
+        read_records(bad)
+    assert UNDEF_PRICE == np.iinfo(np.int64).max

@@ -1,0 +1,349 @@
+"""Hand-computed cases for the env's step function and each reward term (numbarl/env/core.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from numbarl.cuda import rng as crng
+from numbarl.env import core
+from numbarl.env.market import MarketData, causal_volatility
+from numbarl.env.params import (
+    DIR_FLAT,
+    DIR_LONG,
+    DIR_SHORT,
+    EXIT_CAP,
+    EXIT_CLOSE,
+    EXIT_END,
+    EXIT_NONE,
+    EXIT_STOP,
+    EXIT_TARGET,
+    NO_BAR,
+    PORTFOLIO_DIM,
+    EnvParams,
+)
+from numbarl.env.reference import CpuEnv
+
+# tick 0.25, multiplier 2 -> one tick on one contract = 0.5 currency
+QUIET = dict(
+    sizes=(1.0, 2.0),
+    fee_per_contract=0.5,
+    contract_multiplier=2.0,
+    tick_size=0.25,
+    trade_reward_scale=0.0,
+    micro_reward_scale=0.0,
+    holding_cost_rate=0.0,
+    churn_penalty_scale=0.0,
+    opportunity_cost_scale=0.0,
+    conviction_weight=0.0,
+)
+
+
+def consts(**kw):
+    return EnvParams(**{**QUIET, **kw}).step_consts(0.25)
+
+
+def bars(mid_c=100.0, spread_c=0.25, vol_c=0.5, mid_n=100.5, spread_n=0.25, high_n=100.75, low_n=100.0):
+    return core.make_bars(mid_c, mid_c - spread_c / 2, mid_c + spread_c / 2, vol_c, mid_n, mid_n - spread_n / 2, mid_n + spread_n / 2, high_n, low_n)
+
+
+def step(s, direction, size=1.0, target=0.0, stop=0.0, b=None, q_gap=0.0, k=None, last_bar=1000):
+    return core.step_core(s, direction, size, target, stop, bars() if b is None else b, np.float32(q_gap), k or consts(), last_bar)
+
+
+def long_position(cursor=10, size=2.0, entry=100.125, plan_target=0.0, plan_stop=0.0, target_level=0.0, stop_level=0.0, last_entry=10):
+    s = core.initial_portfolio(cursor)
+    return s._replace(
+        position=size, entry_price=entry, entry_bar=cursor - 1, bars_in_trade=1, plan_target=plan_target, plan_stop=plan_stop,
+        target_level=target_level, stop_level=stop_level, last_entry_bar=last_entry,
+    )  # fmt: skip
+
+
+def test_execution_prices_and_trade_pnl():
+    assert core.fill_price(1, 99.875, 100.125, 0.0) == 100.125
+    assert core.fill_price(-1, 99.875, 100.125, 0.25) == 99.625
+    # target on a long at 101: sells at level - half spread (0.125) - slippage (0.25)
+    assert core.level_fill_price(2.0, 101.0, 100.875, 101.125, 0.25) == pytest.approx(100.625)
+    assert core.level_fill_price(-1.0, 99.0, 98.875, 99.125, 0.0) == pytest.approx(99.125)
+    # long 2 from 100.125 to 100.375, multiplier 2, fee 0.5/contract/side: 1.0 - 2.0
+    assert core.trade_net_pnl(2.0, 100.125, 100.375, 0.5, 2.0) == pytest.approx(-1.0)
+    assert core.trade_net_pnl(-1.0, 100.0, 99.0, 0.5, 2.0) == pytest.approx(1.0)
+
+
+def test_resolve_order_table():
+    r = core.resolve_order
+    assert r(DIR_LONG, 0.0, 1) == (False, 1)
+    assert r(DIR_SHORT, 0.0, 1) == (False, -1)
+    assert r(DIR_FLAT, 0.0, 1) == (False, 0)
+    assert r(DIR_LONG, 1.0, 1) == (False, 0)  # hold
+    assert r(DIR_FLAT, 1.0, 1) == (True, 0)  # close
+    assert r(DIR_SHORT, 1.0, 1) == (True, 0)  # locked: the opposite direction only closes
+    assert r(DIR_SHORT, 1.0, 0) == (True, -1)  # unlocked: reversal
+    assert r(DIR_LONG, -0.5, 0) == (True, 1)
+
+
+def test_bar_exit_target_stop_and_both():
+    # long, target 101, stop 99
+    assert core.bar_exit(1.0, 2.0, 2.0, 101.0, 99.0, 101.0, 99.5) == (EXIT_TARGET, 101.0)
+    assert core.bar_exit(1.0, 2.0, 2.0, 101.0, 99.0, 100.5, 99.0) == (EXIT_STOP, 99.0)
+    assert core.bar_exit(1.0, 2.0, 2.0, 101.0, 99.0, 101.5, 98.5) == (EXIT_STOP, 99.0)  # both: stop first
+    assert core.bar_exit(1.0, 2.0, 2.0, 101.0, 99.0, 100.9, 99.1)[0] == EXIT_NONE
+    assert core.bar_exit(1.0, 0.0, 0.0, 101.0, 99.0, 200.0, 1.0)[0] == EXIT_NONE  # no plan levels
+    # short, target 99, stop 101
+    assert core.bar_exit(-1.0, 2.0, 2.0, 99.0, 101.0, 100.0, 99.0) == (EXIT_TARGET, 99.0)
+    assert core.bar_exit(-1.0, 2.0, 2.0, 99.0, 101.0, 101.0, 100.0) == (EXIT_STOP, 101.0)
+
+
+def test_trade_reward_attribution_paid_at_close():
+    k = consts(trade_reward_scale=0.01)
+    assert core.trade_reward(-1.0, k) == pytest.approx(0.01 * -1.0 / 0.5)
+    s = long_position()  # long 2 from 100.125
+    # hold: no trade reward
+    s1, out, t1, t2 = step(s, DIR_LONG, k=k)
+    assert out.reward == 0.0 and t1.reason == EXIT_NONE and t2.reason == EXIT_NONE
+    # close at bar c's bid 99.875: (99.875 - 100.125) * 2 * 2 - 2 * 0.5 * 2 = -3.0 -> -0.06
+    s2, out, t1, t2 = step(s, DIR_FLAT, k=k)
+    assert t1.reason == EXIT_CLOSE and t1.exit_price == 99.875 and t1.pnl == pytest.approx(-3.0)
+    assert out.reward == pytest.approx(0.01 * -3.0 / 0.5)
+    assert out.trade_pnl == pytest.approx(-3.0) and s2.position == 0.0 and s2.trade_count == 1
+
+
+def test_entry_accounting_and_micro_reward():
+    k = consts(micro_reward_scale=100.0)
+    s = core.initial_portfolio(10)
+    s1, out, t1, t2 = step(s, DIR_LONG, size=2.0, k=k)
+    assert s1.position == 2.0 and s1.entry_price == 100.125 and s1.entry_bar == 10 and s1.cursor == 11
+    assert s1.realized == pytest.approx(-1.0)  # entry fee 0.5 * 2
+    assert s1.unrealized == pytest.approx((100.5 - 100.125) * 2 * 2)
+    assert out.bar_pnl == pytest.approx(1.5 - 1.0)
+    # micro: 100 * 2 * (100.5 / 100 - 1) = 1.0
+    assert out.reward == pytest.approx(1.0)
+    assert core.micro_reward(-1.0, 200.0, 199.0, k) == pytest.approx(100.0 * -1.0 * (199.0 / 200.0 - 1.0))
+    assert core.micro_reward(1.0, 0.0, 1.0, k) == 0.0
+
+
+def test_holding_cost():
+    k = consts(holding_cost_rate=0.01)
+    assert core.holding_cost(-2.0, k) == pytest.approx(0.02)
+    _, out, _, _ = step(long_position(), DIR_LONG, k=k)
+    assert out.reward == pytest.approx(-0.02)
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, k=k)
+    assert out.reward == 0.0
+
+
+def test_churn_penalty_is_graduated():
+    k = consts(churn_threshold_bars=20, churn_penalty_scale=0.1)
+    assert core.churn_penalty(1, 5, k) == pytest.approx(0.1 * (1 - 5 / 20))
+    assert core.churn_penalty(1, 0, k) == pytest.approx(0.1)
+    assert core.churn_penalty(1, 20, k) == 0.0
+    assert core.churn_penalty(0, 5, k) == 0.0
+    assert core.churn_penalty(1, 5, consts(churn_threshold_bars=0, churn_penalty_scale=0.1)) == 0.0
+    # re-entry 4 bars after the previous entry (at bar 6), decision at bar 10
+    s = core.initial_portfolio(10)._replace(last_entry_bar=6)
+    s1, out, _, _ = step(s, DIR_SHORT, k=k)
+    assert s1.last_entry_bar == 10
+    assert out.reward == pytest.approx(-0.1 * (1 - 4 / 20))
+    # the first entry of an episode pays nothing
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_SHORT, k=k)
+    assert core.initial_portfolio(10).last_entry_bar == NO_BAR and out.reward == 0.0
+
+
+def test_opportunity_cost_when_flat_and_not_in_backtest():
+    params = EnvParams(**{**QUIET, "opportunity_cost_scale": 0.5})
+    k = params.step_consts(0.25)
+    assert core.opportunity_cost(0.0, -3.0, k) == pytest.approx(1.5)
+    assert core.opportunity_cost(1.0, -3.0, k) == 0.0
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, q_gap=2.0, k=k)
+    assert out.reward == pytest.approx(-1.0)
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_LONG, q_gap=2.0, k=k)
+    assert out.reward == 0.0  # in a position: no opportunity cost
+    kb = params.step_consts(0.25, backtest=True)
+    assert kb.opp_scale == 0.0 and kb.episode_length == 0 and kb.hard_cap == 0
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, q_gap=2.0, k=kb)
+    assert out.reward == 0.0
+
+
+def test_conviction_scaling():
+    k = consts(conviction_weight=0.5, holding_cost_rate=0.01)
+    assert core.conviction_factor(1.0, k) == pytest.approx(0.75)  # 1 + 0.5 * (1/2 - 1)
+    assert core.conviction_factor(2.0, k) == pytest.approx(1.0)
+    assert core.conviction_factor(0.0, k) == 1.0
+    s = long_position(size=1.0)
+    _, out, _, _ = step(s, DIR_LONG, k=k)
+    assert out.reward == pytest.approx(-0.01 * 1.0 * 0.75)
+    # closing step scales with the closed plan's size
+    k2 = consts(conviction_weight=0.5, trade_reward_scale=0.01)
+    _, out, t1, _ = step(s, DIR_FLAT, k=k2)
+    assert out.reward == pytest.approx(0.01 * t1.pnl / 0.5 * 0.75)
+
+
+def test_dsr_update_hand_computed():
+    a, b, r, eta = 0.5, 1.25, 2.0, 0.1
+    d, a2, b2 = core.dsr_update(a, b, r, eta)
+    # dA = 1.5, dB = 2.75, var = 1.0: D = (1.25*1.5 - 0.5*0.5*2.75) / 1 = 1.1875
+    assert d == pytest.approx(1.1875)
+    assert a2 == pytest.approx(0.65) and b2 == pytest.approx(1.525)
+    assert core.dsr_update(0.0, 0.0, 1.0, 0.1)[0] == 0.0  # no variance yet
+    # as a reward term: weight on the closed trade's DSR
+    k = consts(dsr_reward_scale=2.0, dsr_eta=0.1)
+    s = long_position()._replace(dsr_a=0.5, dsr_b=1.25)
+    s2, out, t1, _ = step(s, DIR_FLAT, k=k)
+    d, a2, b2 = core.dsr_update(0.5, 1.25, t1.pnl / 0.5, 0.1)
+    assert out.reward == pytest.approx(2.0 * d) and s2.dsr_a == pytest.approx(a2) and s2.dsr_b == pytest.approx(b2)
+
+
+def test_target_and_stop_exits_in_step():
+    k = consts()
+    # long 1 at 100.125 (bar 9), target 101 stop 99.5; next bar's high 101.25 touches the target
+    s = long_position(size=1.0, plan_target=2.0, plan_stop=1.0, target_level=101.0, stop_level=99.5)
+    s2, out, t1, t2 = step(s, DIR_LONG, b=bars(mid_n=101.0, high_n=101.25, low_n=100.0), k=k)
+    assert t1.reason == EXIT_NONE and t2.reason == EXIT_TARGET and out.exit_reason == EXIT_TARGET
+    assert t2.exit_price == pytest.approx(101.0 - 0.125) and t2.exit_bar == 11 and t2.entry_bar == 9
+    assert t2.pnl == pytest.approx((100.875 - 100.125) * 2 - 1.0)
+    assert s2.position == 0.0 and s2.plan_target == 0.0 and s2.kelly_wins == 1
+    # stop: low 99.25 <= 99.5
+    s2, out, _, t2 = step(s, DIR_LONG, b=bars(mid_n=99.75, high_n=100.0, low_n=99.25), k=k)
+    assert t2.reason == EXIT_STOP and t2.exit_price == pytest.approx(99.5 - 0.125)
+    assert s2.kelly_losses == 1 and s2.kelly_sum_loss == pytest.approx(-t2.pnl)
+    # a new plan gets levels from mid_c +/- mult * vol_c and can exit on the very next bar
+    s2, out, _, t2 = step(core.initial_portfolio(10), DIR_SHORT, 1.0, 1.0, 2.0, b=bars(vol_c=0.5, high_n=100.25, low_n=99.5), k=k)
+    assert t2.reason == EXIT_TARGET and t2.entry_price == 99.875 and t2.exit_price == pytest.approx(99.5 + 0.125)
+
+
+def test_unlocked_reversal_closes_then_opens():
+    k = consts(direction_lock=False)
+    s2, out, t1, t2 = step(long_position(), DIR_SHORT, size=1.0, k=k)
+    assert t1.reason == EXIT_CLOSE and s2.position == -1.0 and s2.entry_price == 99.875 and s2.trade_count == 1
+    s2, out, t1, t2 = step(long_position(), DIR_SHORT, size=1.0, k=consts())
+    assert t1.reason == EXIT_CLOSE and s2.position == 0.0  # locked: closes only
+
+
+def _hand_market(n=40, tick=0.25):
+    mid = 100.0 + 0.25 * np.arange(n)
+    prev = np.concatenate([[mid[0]], mid[:-1]])
+    return MarketData(
+        features=np.arange(n * 2, dtype=np.float32).reshape(n, 2),
+        mid=mid,
+        bid=mid - 0.125,
+        ask=mid + 0.125,
+        high=np.maximum(prev, mid) + 0.25,
+        low=np.minimum(prev, mid) - 0.25,
+        session_id=np.zeros(n, np.int32),
+        timestamps=np.arange(n, dtype=np.int64),
+        tick_size=tick,
+        bars_per_day=100.0,
+    )
+
+
+def _act(direction, size=0, target=0, stop=0):
+    return np.array([[direction, size, target, stop]], np.int32)
+
+
+def test_fill_delay():
+    data = _hand_market()
+    env = CpuEnv(data, EnvParams(**{**QUIET, "fill_delay": 2, "episode_length": 100, "max_episode_bars": 100}), 1, (0, 30))
+    env.reset(seed=3)
+    assert env.state.cursor[0] == 0  # episode longer than the range: start = range start
+    env.step(_act(DIR_LONG, 1))  # decided at bar 0, fills at bar 2's close
+    assert env.state.position[0] == 0 and env.state.pending_due[0] == 2
+    env.step(_act(DIR_SHORT))  # ignored while an order is pending
+    assert env.state.position[0] == 0 and env.state.pending_dir[0] == DIR_LONG
+    env.step(_act(DIR_FLAT))
+    assert env.state.position[0] == 2.0 and env.state.entry_price[0] == data.ask[2] and env.state.entry_bar[0] == 2
+    assert env.state.pending_due[0] == -1
+    env.step(_act(DIR_FLAT))  # close decided at bar 3 fills at bar 5
+    env.step(_act(DIR_LONG))
+    assert env.state.position[0] == 2.0
+    env.step(_act(DIR_LONG))
+    assert env.state.position[0] == 0.0 and env.out.exit_reason[0] == EXIT_CLOSE
+    assert env.out.trade_pnl[0] == pytest.approx((data.bid[5] - data.ask[2]) * 2 * 2 - 2 * 0.5 * 2)
+
+
+def test_position_gated_done_hard_cap_and_soft_reset():
+    data = _hand_market()
+    params = EnvParams(**{**QUIET, "episode_length": 3, "max_episode_bars": 6})
+    env = CpuEnv(data, params, 1, (0, 40), seed=11)
+    env.reset()
+    lo, hi = 0, 40
+    top = min(hi - 2, hi - 1 - 3)
+    assert env.state.cursor[0] == lo + crng.randint(np.uint64(11), 0, 0, core.SLOT_INIT, top - lo + 1)
+    start = int(env.state.cursor[0])
+    dones = []
+    for t in range(3):
+        _, d = env.step(_act(DIR_LONG))
+        dones.append(int(d[0]))
+    assert dones == [0, 0, 0] and env.state.ep_len[0] == 3  # long at the episode length: not done
+    _, d = env.step(_act(DIR_FLAT))  # flat now -> done, then the soft reset
+    assert d[0] == 1 and env.out.exit_reason[0] == EXIT_CLOSE
+    counter = env.counter[0]
+    expected = lo + crng.randint(np.uint64(11), 0, counter, core.SLOT_RESET, top - lo + 1)
+    assert env.state.cursor[0] == expected and env.out.next_bar[0] == expected and env.out.bar[0] == start + 3
+    assert env.state.ep_len[0] == 0 and env.state.realized[0] == 0 and env.state.trade_count[0] == 0
+    assert env.state.kelly_wins[0] + env.state.kelly_losses[0] == 1  # Kelly persists over the soft reset
+    assert env.state.last_entry_bar[0] == NO_BAR
+    # hard cap: holding forever is force-closed at max_episode_bars
+    env.advance()
+    env.state.cursor[0] = 0  # room for the cap before the end of the range
+    for t in range(6):
+        _, d = env.step(_act(DIR_LONG))
+        if t < 5:
+            assert d[0] == 0
+    assert d[0] == 1 and env.out.exit_reason[0] == EXIT_CAP and env.state.position[0] == 0
+
+
+def test_end_of_range_forces_exit():
+    data = _hand_market()
+    env = CpuEnv(data, EnvParams(**{**QUIET, "episode_length": 100, "max_episode_bars": 200}), 1, (5, 9))
+    env.reset()
+    assert env.state.cursor[0] == 5
+    env.step(_act(DIR_SHORT))
+    env.step(_act(DIR_SHORT))
+    _, d = env.step(_act(DIR_SHORT))  # 7 -> 8 = last bar of the range
+    assert d[0] == 1 and env.out.exit_reason[0] == EXIT_END
+    assert env.out.trade_pnl[0] == pytest.approx((data.bid[5] - data.ask[8]) * 2 - 2 * 0.5)
+    assert env.state.cursor[0] == 5
+
+
+def test_causal_volatility_matches_pandas_ewm_and_is_causal(rng):
+    import pandas as pd
+
+    mid = 100 + np.cumsum(rng.standard_normal(300))
+    vol = causal_volatility(mid, 20.0, 4.0, 0.01)
+    d2 = pd.Series(np.diff(mid) ** 2)
+    expected = np.sqrt(d2.ewm(span=20, adjust=True).mean().to_numpy() * 4.0)
+    np.testing.assert_allclose(vol[1:], np.maximum(expected, 0.01), rtol=1e-10)
+    assert vol[0] == 0.01
+    changed = mid.copy()
+    changed[200:] += 50.0  # the future does not move the past
+    np.testing.assert_array_equal(causal_volatility(changed, 20.0, 4.0, 0.01)[:200], vol[:200])
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("sizes", (), "sizes"),
+        ("sizes", (1.0, -1.0), "sizes"),
+        ("targets", (0.0, math.inf), "targets"),
+        ("fill_delay", -1, "fill_delay"),
+        ("episode_length", 0, "episode_length"),
+        ("max_episode_bars", 10, "max_episode_bars"),
+        ("fee_per_contract", -0.1, "fee_per_contract"),
+        ("conviction_weight", 2.0, "conviction_weight"),
+        ("dsr_eta", 0.0, "dsr_eta"),
+        ("tick_size", 0.0, "tick_size"),
+    ],
+)
+def test_params_validation_names_field_and_value(field, value, match):
+    kw = {field: value}
+    if field == "max_episode_bars":
+        kw["episode_length"] = 100
+    with pytest.raises(ValueError, match=rf"EnvParams\.{match} = .*allowed"):
+        EnvParams(**kw)
+
+
+def test_params_derived_sizes():
+    p = EnvParams(sizes=(1.0, 2.0), targets=(0.0, 1.0, 2.0, 3.0, 5.0), stops=(0.0, 1.0))
+    assert p.branch_sizes == (3, 2, 5, 2) and p.max_actions == 5 and p.n_branches == 4
+    assert p.state_dim(10) == 10 + PORTFOLIO_DIM == 18
+    k = p.step_consts(0.5)
+    assert k.max_size == 2.0 and k.tick_value == 0.5 and k.direction_lock == 1 and k.episode_length == 5000

@@ -1,0 +1,215 @@
+"""Dueling branched C51 head: references (hand case, finite differences through head + loss) and
+kernels / the whole layer under the simulator on odd shapes (B=5, H=7, branches (3, 2, 4), 11 atoms)."""
+
+import numpy as np
+import pytest
+
+from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.rl.losses import c51
+from numbarl.rl.nets import c51_head
+from numbarl.rl.nets.base import ParamStore
+from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+
+_cuda = cuda()
+
+BATCH, HIDDEN = 5, 7
+SIZES = (3, 2, 4)
+N_ATOMS = 11
+V_MIN, V_MAX = -2.0, 3.0
+
+
+def _dev(x):
+    return _cuda.to_device(np.ascontiguousarray(x), stream=stream())
+
+
+def _host(x):
+    out = x.copy_to_host(stream=stream())
+    stream().synchronize()
+    return out
+
+
+def _close(actual, expected, atol=2e-5, rtol=2e-4, what=""):
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    same_inf = np.isinf(expected) & (actual == expected)
+    with np.errstate(invalid="ignore"):  # inf - inf where both are the same infinity
+        err = np.where(same_inf, 0.0, np.abs(actual - expected))
+    bound = atol + rtol * np.where(np.isinf(expected), 0.0, np.abs(expected))
+    assert np.all(err <= bound), f"{what}: max excess {np.nanmax(err - bound):.3g}"
+
+
+def _params(rng, hidden=HIDDEN, sizes=SIZES, n_atoms=N_ATOMS):
+    total = sum(sizes) * n_atoms
+    return {
+        "w_value": rng.standard_normal((hidden, n_atoms)) * 0.5,
+        "b_value": rng.standard_normal(n_atoms) * 0.3,
+        "w_adv": rng.standard_normal((hidden, total)) * 0.5,
+        "b_adv": rng.standard_normal(total) * 0.3,
+    }
+
+
+def _layout(sizes, n_atoms, v_min=V_MIN, v_max=V_MAX):
+    return BranchedDuelingC51Head("layout_only", 4, sizes, n_atoms, v_min, v_max).layout
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------
+def test_dueling_combine_hand_computed():
+    """V = [1, 2]; branch 0 (2 actions) A = [[1, 3], [3, 5]] (mean [2, 4]); branch 1 (1 action)."""
+    value = np.array([[1.0, 2.0]])
+    adv = np.array([[1.0, 3.0, 3.0, 5.0, 7.0, -7.0]])  # [branch 0 a0 z0..z1, a1, branch 1 a0]
+    logits = c51_head.dueling_combine_ref(value, adv, (2, 1))
+    np.testing.assert_allclose(logits[0, 0], [[0.0, 1.0], [2.0, 3.0]])  # V + A - mean_a A
+    np.testing.assert_allclose(logits[0, 1, 0], [1.0, 2.0])  # one action: the advantage cancels
+    assert np.all(logits[0, 1, 1] == -np.inf)  # padding
+    probs, q = c51_head.distribution_ref(logits, np.array([-1.0, 1.0]), (2, 1))
+    e = np.exp(1.0)
+    np.testing.assert_allclose(probs[0, 0, 0], [1 / (1 + e), e / (1 + e)])
+    np.testing.assert_allclose(q[0, 0, 0], (e - 1) / (e + 1))
+    assert np.all(probs[0, 1, 1] == 0.0) and q[0, 1, 1] == -np.inf
+
+
+def test_head_and_loss_reference_backward_finite_differences(rng):
+    """The hand-written head backward (from the loss's d_logits) against central differences of
+    loss(head(h, params)) in float64, for every parameter and for h."""
+    params = _params(rng)
+    h = rng.standard_normal((BATCH, HIDDEN))
+    support = c51.make_support(N_ATOMS, V_MIN, V_MAX)
+    actions = np.stack([rng.integers(0, n, BATCH) for n in SIZES], axis=1)
+    target = rng.random((BATCH, len(SIZES), N_ATOMS))
+    target /= target.sum(-1, keepdims=True)  # fixed projected targets (no gradient into them)
+    weights = rng.uniform(0.5, 1.5, BATCH)
+
+    def loss_of(h_, p):
+        logits, _, _ = c51_head.head_forward_ref(h_, p["w_value"], p["b_value"], p["w_adv"], p["b_adv"], SIZES, support)
+        return c51.cross_entropy_loss_ref(logits, actions, target, weights)
+
+    _, _, d_logits = loss_of(h, params)
+    grads = c51_head.head_backward_ref(h, params["w_value"], params["w_adv"], d_logits, SIZES)
+    eps = 1e-6
+    wrt = {"dh": ("h", h)} | {"d" + k: (k, v) for k, v in params.items()}  # "dw_value": ("w_value", ...)
+    for grad_name, (key, value) in wrt.items():
+        fd = np.zeros(value.shape)
+        for idx in np.ndindex(value.shape):
+            for sign in (1.0, -1.0):
+                x = value.copy()
+                x[idx] += sign * eps
+                if key == "h":
+                    loss = loss_of(x, params)[0]
+                else:
+                    loss = loss_of(h, params | {key: x})[0]
+                fd[idx] += sign * loss / (2 * eps)
+        np.testing.assert_allclose(grads[grad_name], fd, atol=1e-8, rtol=1e-5, err_msg=grad_name)
+        assert np.any(grads[grad_name] != 0.0), grad_name
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels vs references
+# ---------------------------------------------------------------------------------------------
+def test_dueling_forward_kernel_matches_reference(rng):
+    layout = _layout(SIZES, N_ATOMS)
+    support = c51.make_support(N_ATOMS, V_MIN, V_MAX)
+    value = (rng.standard_normal((BATCH, N_ATOMS)) * 2).astype(np.float32)
+    adv = (rng.standard_normal((BATCH, sum(SIZES) * N_ATOMS)) * 2).astype(np.float32)
+    adv[0, :N_ATOMS] = 40.0  # a large shared advantage: the dueling mean removes it, no overflow
+    shape = (BATCH, len(SIZES), max(SIZES), N_ATOMS)
+    logits, probs = _cuda.device_array(shape, np.float32), _cuda.device_array(shape, np.float32)
+    q = _cuda.device_array(shape[:3], np.float32)
+    c51_head.dueling_forward(_dev(value), _dev(adv), layout, logits, probs, q, stream())
+    ref_logits = c51_head.dueling_combine_ref(value, adv, SIZES)
+    ref_probs, ref_q = c51_head.distribution_ref(ref_logits, support, SIZES)
+    got_logits, got_probs, got_q = _host(logits), _host(probs), _host(q)
+    _close(got_logits, ref_logits, what="logits")
+    _close(got_probs, ref_probs, atol=1e-6, what="probs")
+    _close(got_q, ref_q, what="q")
+    assert not np.any(np.isnan(got_logits)) and not np.any(np.isnan(got_probs)) and not np.any(np.isnan(got_q))
+    for k, n in enumerate(SIZES):
+        np.testing.assert_allclose(got_probs[:, k, :n].sum(-1), 1.0, atol=1e-5)
+        assert np.all(got_q[:, k, n:] == -np.inf) and np.all(got_probs[:, k, n:] == 0.0)
+
+
+def test_dueling_backward_kernel_matches_reference(rng):
+    layout = _layout(SIZES, N_ATOMS)
+    d_logits = rng.standard_normal((BATCH, len(SIZES), max(SIZES), N_ATOMS)).astype(np.float32)
+    for k, n in enumerate(SIZES):
+        d_logits[:, k, n:] = 1e30  # padding must be ignored, whatever it holds
+    d_value = _cuda.device_array((BATCH, N_ATOMS), np.float32)
+    d_adv = _cuda.device_array((BATCH, sum(SIZES) * N_ATOMS), np.float32)
+    c51_head.dueling_backward(_dev(d_logits), layout, d_value, d_adv, stream())
+    ref_dv, ref_da = c51_head.dueling_backward_ref(d_logits, SIZES)
+    _close(_host(d_value), ref_dv, what="d_value")
+    _close(_host(d_adv), ref_da, what="d_adv")
+
+
+def _build(rng, batch=BATCH, tags=("online",)):
+    head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX)
+    store = ParamStore()
+    head.declare_params(store)
+    store.allocate()
+    values = store.init(rng)
+    acts = Arena("acts")
+    for tag in tags:
+        head.declare_acts(acts, batch, tag, backward=(tag == "online"))
+    acts.allocate()
+    return head, store, values
+
+
+def _named(values, head):
+    return {k: values[v].astype(np.float64) for k, v in head.param_names.items()}
+
+
+def test_layer_forward_backward_matches_reference(rng):
+    head, store, values = _build(rng)
+    p = _named(values, head)
+    h = rng.standard_normal((BATCH, HIDDEN)).astype(np.float32)
+    out = head.forward(_dev(h), stream(), tag="online")
+    ref_logits, ref_probs, ref_q = c51_head.head_forward_ref(h, p["w_value"], p["b_value"], p["w_adv"], p["b_adv"],
+                                                            SIZES, head.support_host)
+    _close(_host(out.logits), ref_logits, what="logits")
+    _close(_host(out.probs), ref_probs, atol=1e-6, what="probs")
+    _close(_host(out.q), ref_q, what="q")
+
+    d_logits = rng.standard_normal(ref_logits.shape).astype(np.float32)
+    for k, n in enumerate(SIZES):
+        d_logits[:, k, n:] = 0.0
+    store.arenas["grads"].load({name: np.full(s.shape, 7.0, np.float32) for name, s in store.specs.items()})
+    dh = head.backward(_dev(d_logits), stream(), tag="online")
+    ref = c51_head.head_backward_ref(h, p["w_value"], p["w_adv"], d_logits, SIZES)
+    grads = store.to_host("grads")  # the stale 7.0s must be overwritten
+    n = head.param_names
+    _close(_host(dh), ref["dh"], atol=1e-4, what="dh")
+    _close(grads[n["w_value"]], ref["dw_value"], atol=1e-4, what="dw_value")
+    _close(grads[n["b_value"]], ref["db_value"], atol=1e-4, what="db_value")
+    _close(grads[n["w_adv"]], ref["dw_adv"], atol=1e-4, what="dw_adv")
+    _close(grads[n["b_adv"]], ref["db_adv"], atol=1e-4, what="db_adv")
+
+
+def test_layer_tags_and_roles_are_independent(rng):
+    """The target pass reads the target arena and its own buffers; the online outputs stay put."""
+    head, store, values = _build(rng, tags=("online", "target"))
+    target_values = {k: (v + rng.standard_normal(v.shape).astype(np.float32)) for k, v in values.items()}
+    store.load(target_values, role="target")
+    h = rng.standard_normal((BATCH, HIDDEN)).astype(np.float32)
+    h_next = rng.standard_normal((BATCH, HIDDEN)).astype(np.float32)
+    online = head.forward(_dev(h), stream(), tag="online")
+    target = head.forward(_dev(h_next), stream(), tag="target", role="target")
+    p_online, p_target = _named(values, head), _named(target_values, head)
+    _, _, q_online = c51_head.head_forward_ref(h, *(p_online[k] for k in ("w_value", "b_value", "w_adv", "b_adv")),
+                                               SIZES, head.support_host)
+    _, probs_target, _ = c51_head.head_forward_ref(h_next, *(p_target[k] for k in ("w_value", "b_value", "w_adv",
+                                                                                   "b_adv")), SIZES, head.support_host)
+    _close(_host(online.q), q_online, what="online q")
+    _close(_host(target.probs), probs_target, atol=1e-6, what="target probs")
+    with pytest.raises(RuntimeError, match="backward=False"):
+        head.backward(_dev(np.zeros(online.logits.shape, np.float32)), stream(), tag="target")
+
+
+def test_head_rejects_bad_configuration():
+    with pytest.raises(ValueError, match="branch_sizes"):
+        BranchedDuelingC51Head("head", HIDDEN, (3, 0), N_ATOMS, V_MIN, V_MAX)
+    with pytest.raises(ValueError, match="v_min"):
+        BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, 1.0, -1.0)
+    head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX)
+    with pytest.raises(KeyError, match="declare_acts"):
+        head.forward(_dev(np.zeros((BATCH, HIDDEN), np.float32)), stream(), tag="next")

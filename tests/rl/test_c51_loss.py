@@ -1,0 +1,250 @@
+"""C51 projection (Eq. 7), double-DQN target and cross-entropy: references, hand cases, kernels."""
+
+import numpy as np
+import pytest
+
+from numbarl.cuda.runtime import cuda, stream
+from numbarl.rl.losses import c51
+
+_cuda = cuda()
+
+SIZES = (3, 2, 4)  # odd branch sizes: padding in branches 0 and 1
+N_ATOMS = 11
+V_MIN, V_MAX = -2.0, 3.0
+
+
+def _dev(x):
+    return _cuda.to_device(np.ascontiguousarray(x), stream=stream())
+
+
+def _host(x):
+    out = x.copy_to_host(stream=stream())
+    stream().synchronize()
+    return out
+
+
+def _close(actual, expected, atol=2e-5, rtol=2e-4, what=""):
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    err = np.abs(actual - expected)
+    bound = atol + rtol * np.abs(expected)
+    assert np.all(err <= bound), f"{what}: max excess {np.max(err - bound):.3g}, max err {np.max(err):.3g}"
+
+
+def scatter_projection(rewards, dones, discounts, next_probs, support):
+    """Algorithm 1 of Bellemare et al. 2017 as CleanRL writes it (floor/ceil + scatter), float64:
+    an independent check of the dense form."""
+    z = np.asarray(support, np.float64)
+    v_min, v_max, dz = z[0], z[-1], z[1] - z[0]
+    out = np.zeros(next_probs.shape)
+    for b in range(len(rewards)):
+        gamma = discounts[b] * (1.0 - dones[b])
+        for j, zj in enumerate(z):
+            tz = min(max(rewards[b] + gamma * zj, v_min), v_max)
+            pos = (tz - v_min) / dz
+            lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+            if lo == hi:  # lands exactly on an atom
+                out[b, lo] += next_probs[b, j]
+            else:
+                out[b, lo] += next_probs[b, j] * (hi - pos)
+                out[b, hi] += next_probs[b, j] * (pos - lo)
+    return out
+
+
+def _random_probs(rng, shape):
+    x = rng.standard_normal(shape) * 1.5
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _loss_inputs(rng, batch, sizes=SIZES, n_atoms=N_ATOMS):
+    nb, na = len(sizes), max(sizes)
+    logits = rng.standard_normal((batch, nb, na, n_atoms)) * 2.0
+    next_q = rng.standard_normal((batch, nb, na))
+    target_probs = _random_probs(rng, (batch, nb, na, n_atoms))
+    actions = np.zeros((batch, nb), np.int32)
+    for k, n in enumerate(sizes):
+        logits[:, k, n:] = -np.inf
+        next_q[:, k, n:] = -np.inf
+        target_probs[:, k, n:] = 0.0
+        actions[:, k] = rng.integers(0, n, batch)
+    rewards = rng.uniform(1.5 * V_MIN, 1.5 * V_MAX, batch)  # some beyond the support
+    dones = (rng.random(batch) < 0.3).astype(np.float32)
+    dones[0], dones[-1] = 1.0, 0.0  # at least one of each
+    discounts = rng.uniform(0.5, 1.0, batch)
+    weights = rng.uniform(0.2, 2.0, batch)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return dict(online_logits=f32(logits), actions=actions, next_q=f32(next_q), target_probs=f32(target_probs),
+                rewards=f32(rewards), dones=dones, discounts=f32(discounts)), f32(weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference: hand-computed cases and edge cases
+# ---------------------------------------------------------------------------------------------
+def test_project_hand_computed():
+    """The docstring example: z = [-1, 0, 1], p = [0.2, 0.5, 0.3]."""
+    support = np.array([-1.0, 0.0, 1.0])
+    p = np.array([[0.2, 0.5, 0.3]] * 3)
+    m = c51.project_distribution_ref([0.5, 2.5, -0.25], [0, 1, 1], [0.5, 0.5, 0.5], p, support)
+    np.testing.assert_allclose(m[0], [0.0, 0.45, 0.55], atol=1e-12)  # T z = [0, 0.5, 1]
+    np.testing.assert_allclose(m[1], [0.0, 0.0, 1.0], atol=1e-12)  # done, reward above v_max
+    np.testing.assert_allclose(m[2], [0.25, 0.75, 0.0], atol=1e-12)  # done, -0.25 splits 1/4 : 3/4
+
+
+def test_project_edge_cases():
+    support = c51.make_support(5, -2.0, 2.0).astype(np.float64)  # [-2, -1, 0, 1, 2], Δz = 1
+    p = np.array([[0.1, 0.2, 0.3, 0.25, 0.15]] * 4)
+    # 0: reward far beyond the support, not done -> every atom clipped to v_max
+    # 1: reward far below, not done -> v_min
+    # 2: γ = 1, r = Δz: every atom lands exactly one support point up; the top one piles at v_max
+    # 3: done with r = 0.4 -> 0.6 at z = 0, 0.4 at z = 1 whatever p is
+    m = c51.project_distribution_ref([50.0, -50.0, 1.0, 0.4], [0, 0, 0, 1], [0.99, 0.99, 1.0, 0.9], p, support)
+    np.testing.assert_allclose(m[0], [0, 0, 0, 0, 1], atol=1e-12)
+    np.testing.assert_allclose(m[1], [1, 0, 0, 0, 0], atol=1e-12)
+    np.testing.assert_allclose(m[2], [0.0, 0.1, 0.2, 0.3, 0.4], atol=1e-12)
+    np.testing.assert_allclose(m[3], [0, 0, 0.6, 0.4, 0], atol=1e-12)
+
+
+def test_project_matches_scatter_algorithm(rng):
+    batch, n_atoms = 40, 21
+    support = c51.make_support(n_atoms, -5.0, 5.0).astype(np.float64)
+    p = _random_probs(rng, (batch, n_atoms))
+    rewards = rng.uniform(-8.0, 8.0, batch)
+    rewards[:5] = rng.integers(-6, 7, 5) * 0.5  # on-grid rewards: exact landings with γ = 1
+    dones = (rng.random(batch) < 0.3).astype(np.float64)
+    discounts = rng.uniform(0.0, 1.0, batch)
+    discounts[:5] = 1.0
+    dones[:5] = 0.0
+    m = c51.project_distribution_ref(rewards, dones, discounts, p, support)
+    np.testing.assert_allclose(m, scatter_projection(rewards, dones, discounts, p, support), atol=1e-12)
+    np.testing.assert_allclose(m.sum(1), 1.0, atol=1e-12)  # mass is preserved
+
+
+def test_double_dqn_argmax_ignores_padding_and_breaks_ties_first():
+    q = np.array([[[1.0, 3.0, 3.0, 9.0], [2.0, 2.0, 5.0, 5.0]]])  # [1, 2 branches, 4]
+    # branch 0 has 3 actions (the 9 is padding), branch 1 has 2 (ties -> first)
+    np.testing.assert_array_equal(c51.double_dqn_actions_ref(q, (3, 2)), [[1, 0]])
+
+
+def test_cross_entropy_hand_computed():
+    """Uniform online logits over z = [-1, 0, 1], target m = [0, 0.45, 0.55]: CE = log 3."""
+    logits = np.zeros((1, 1, 2, 3))
+    logits[0, 0, 1] = [5.0, -1.0, 2.0]  # the action not taken: no effect, zero gradient
+    target = np.array([[[0.0, 0.45, 0.55]]])
+    loss, per_sample, d = c51.cross_entropy_loss_ref(logits, np.array([[0]]), target)
+    assert loss == pytest.approx(np.log(3.0), abs=1e-12)
+    np.testing.assert_allclose(per_sample, [np.log(3.0)], atol=1e-12)
+    np.testing.assert_allclose(d[0, 0, 0], [1 / 3, 1 / 3 - 0.45, 1 / 3 - 0.55], atol=1e-12)
+    np.testing.assert_array_equal(d[0, 0, 1], 0.0)
+
+
+def test_loss_reference_gradient_finite_differences(rng):
+    """∂loss/∂online_logits of the reference against central differences (float64)."""
+    inputs, weights = _loss_inputs(rng, 4)
+    support = c51.make_support(N_ATOMS, V_MIN, V_MAX)
+    args = {k: np.asarray(v, np.float64) if v.dtype != np.int32 else v for k, v in inputs.items()}
+    logits = args.pop("online_logits")
+    w = weights.astype(np.float64)
+
+    def loss_of(x):
+        return c51.c51_loss_ref(x, support=support, branch_sizes=SIZES, weights=w, **args)[0]
+
+    _, _, d_logits, _ = c51.c51_loss_ref(logits, support=support, branch_sizes=SIZES, weights=w, **args)
+    eps = 1e-6
+    fd = np.zeros_like(logits)
+    for idx in zip(*np.nonzero(np.isfinite(logits))):
+        x = logits.copy()
+        x[idx] += eps
+        up = loss_of(x)
+        x[idx] -= 2 * eps
+        fd[idx] = (up - loss_of(x)) / (2 * eps)
+    np.testing.assert_allclose(np.where(np.isfinite(logits), d_logits, 0.0), fd, atol=1e-8, rtol=1e-6)
+    assert np.count_nonzero(d_logits) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels vs references (simulator: tiny odd shapes)
+# ---------------------------------------------------------------------------------------------
+def test_project_kernel_hand_computed():
+    support = c51.make_support(3, -1.0, 1.0)
+    p = np.array([[0.2, 0.5, 0.3]] * 3, np.float32)
+    out = _cuda.device_array((3, 3), np.float32)
+    c51.project_distribution(_dev(np.float32([0.5, 2.5, -0.25])), _dev(np.uint8([0, 1, 1])),
+                             _dev(np.float32([0.5, 0.5, 0.5])), _dev(p), _dev(support), -1.0, 1.0, out, stream())
+    _close(_host(out), [[0.0, 0.45, 0.55], [0.0, 0.0, 1.0], [0.25, 0.75, 0.0]], atol=1e-6, what="projection")
+
+
+@pytest.mark.parametrize("done_dtype", [np.float32, np.uint8])
+def test_project_kernel_matches_reference(rng, done_dtype):
+    batch, n_atoms = 7, N_ATOMS
+    support = c51.make_support(n_atoms, V_MIN, V_MAX)
+    p = _random_probs(rng, (batch, n_atoms)).astype(np.float32)
+    rewards = rng.uniform(-4.0, 5.0, batch).astype(np.float32)
+    rewards[0] = 0.5  # Δz = 0.5: lands on the grid
+    dones = (rng.random(batch) < 0.4).astype(done_dtype)
+    dones[1] = 1
+    discounts = rng.uniform(0.3, 1.0, batch).astype(np.float32)
+    discounts[0], dones[0] = 1.0, 0
+    out = _cuda.device_array((batch, n_atoms), np.float32)
+    c51.project_distribution(_dev(rewards), _dev(dones), _dev(discounts), _dev(p), _dev(support), V_MIN, V_MAX,
+                             out, stream())
+    ref = c51.project_distribution_ref(rewards, dones, discounts, p, support)
+    _close(_host(out), ref, atol=2e-6, rtol=1e-5, what="projection")
+
+
+@pytest.mark.parametrize("use_weights", [False, True])
+def test_loss_kernel_matches_reference(rng, use_weights):
+    batch = 5
+    inputs, weights = _loss_inputs(rng, batch)
+    loss_fn = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX)
+    dev = {k: _dev(v) for k, v in inputs.items()}
+    loss_fn(stream=stream(), weights=_dev(weights) if use_weights else None, **dev)
+    w = weights if use_weights else None
+    loss, per_sample, d_logits, _ = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES, weights=w,
+                                                     **inputs)
+    _close(_host(loss_fn.loss)[0], loss, what="loss")
+    _close(_host(loss_fn.per_sample), per_sample, what="per_sample")
+    got = _host(loss_fn.d_logits)
+    _close(got, d_logits, atol=1e-6, rtol=1e-4, what="d_logits")
+    assert np.all(np.isfinite(got))
+    taken = np.zeros(got.shape, bool)
+    for k in range(len(SIZES)):
+        taken[np.arange(batch), k, inputs["actions"][:, k]] = True
+    assert np.all(got[~taken] == 0.0)  # other actions and padding: exactly zero
+
+
+def test_loss_kernel_hand_computed():
+    """One sample, one branch: uniform logits, target m = [0, 0.45, 0.55] -> CE = log 3."""
+    loss_fn = c51.C51Loss(1, (2,), 3, -1.0, 1.0)
+    logits = np.zeros((1, 1, 2, 3), np.float32)
+    logits[0, 0, 1] = [4.0, 0.0, -4.0]
+    next_q = np.array([[[0.1, 0.7]]], np.float32)  # a* = 1 picks the second target row
+    target_probs = np.array([[[[1.0, 0.0, 0.0], [0.2, 0.5, 0.3]]]], np.float32)
+    loss_fn(_dev(logits), _dev(np.int32([[0]])), _dev(next_q), _dev(target_probs), _dev(np.float32([0.5])),
+            _dev(np.float32([0.0])), _dev(np.float32([0.5])), stream())
+    _close(_host(loss_fn.loss)[0], np.log(3.0), atol=1e-6, what="loss")
+    d = _host(loss_fn.d_logits)
+    _close(d[0, 0, 0], [1 / 3, 1 / 3 - 0.45, 1 / 3 - 0.55], atol=1e-6, what="d_logits")
+    assert np.all(d[0, 0, 1] == 0.0)
+
+
+def test_loss_kernel_invalid_action_is_nan():
+    inputs, _ = _loss_inputs(np.random.default_rng(0), 3)
+    inputs["actions"][1, 1] = SIZES[1]  # one past the branch: padding
+    loss_fn = c51.C51Loss(3, SIZES, N_ATOMS, V_MIN, V_MAX)
+    loss_fn(stream=stream(), **{k: _dev(v) for k, v in inputs.items()})
+    per_sample = _host(loss_fn.per_sample)
+    assert np.isnan(per_sample[1]) and np.all(np.isfinite(per_sample[[0, 2]]))
+    assert np.isnan(_host(loss_fn.loss)[0])
+
+
+def test_loss_launcher_rejects_bad_shapes():
+    loss_fn = c51.C51Loss(3, SIZES, N_ATOMS, V_MIN, V_MAX)
+    inputs, _ = _loss_inputs(np.random.default_rng(1), 3)
+    inputs["next_q"] = inputs["next_q"][:, :2]
+    with pytest.raises(ValueError, match="next_q"):
+        loss_fn(stream=stream(), **{k: _dev(v) for k, v in inputs.items()})
+    with pytest.raises(ValueError, match="n_atoms"):
+        c51.C51Loss(3, SIZES, 1, V_MIN, V_MAX)
+    with pytest.raises(ValueError, match="v_min"):
+        c51.make_support(11, 1.0, 1.0)

@@ -1,0 +1,287 @@
+"""GPU tests of the C51 head and loss at real sizes, and the comparison with the PyTorch peer.
+
+Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_c51.py -m gpu -q`
+(the peer tests need torch; they are skipped without it).
+
+Default model of issue 4: 64 features, trunk 2×512 ReLU, 4 branches (3, 3, 4, 4), 51 atoms,
+batch 16,384, fp32.
+"""
+
+import numpy as np
+import pytest
+
+from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.rl.losses import c51
+from numbarl.rl.nets import c51_head
+from numbarl.rl.nets.base import ParamStore
+from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+from numbarl.rl.nets.mlp import Mlp
+
+pytestmark = pytest.mark.gpu
+
+_cuda = cuda()
+
+BATCH = 16384
+STATE_DIM = 64
+WIDTHS = (512, 512)
+SIZES = (3, 3, 4, 4)
+N_ATOMS = 51
+V_MIN, V_MAX = -10.0, 10.0
+GAMMA = 0.99
+
+
+def _dev(x):
+    return _cuda.to_device(np.ascontiguousarray(x), stream=stream())
+
+
+def _host(x):
+    out = x.copy_to_host(stream=stream())
+    stream().synchronize()
+    return out
+
+
+def _rel_close(actual, expected, rel=1e-4, what=""):
+    """Float32-vs-reference check: norm-relative error and a per-element bound scaled by the
+    largest magnitude (sums over 16,384 samples in a different order differ at ~1e-6)."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} vs {e.shape}"
+    fin = np.isfinite(e)
+    assert np.array_equal(fin, np.isfinite(a)) and np.array_equal(a[~fin], e[~fin]), f"{what}: non-finite entries differ"
+    a, e = a[fin], e[fin]
+    scale = max(np.max(np.abs(e)), 1e-30)
+    norm_err = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+    max_err = np.max(np.abs(a - e)) / scale
+    assert norm_err < rel and max_err < 10 * rel, f"{what}: norm-relative error {norm_err:.3g}, max/scale {max_err:.3g}"
+
+
+def _batch(rng, batch=BATCH):
+    n_steps = rng.integers(1, 4, batch)  # n-step windows cut short by episode ends
+    actions = np.stack([rng.integers(0, n, batch) for n in SIZES], axis=1).astype(np.int32)
+    return {
+        "obs": rng.standard_normal((batch, STATE_DIM)).astype(np.float32),
+        "next_obs": rng.standard_normal((batch, STATE_DIM)).astype(np.float32),
+        "actions": actions,
+        "rewards": (rng.standard_normal(batch) * 3.0).astype(np.float32),  # some beyond the support
+        "dones": (rng.random(batch) < 0.1).astype(np.float32),
+        "discounts": (GAMMA ** n_steps).astype(np.float32),
+        "weights": rng.uniform(0.5, 1.5, batch).astype(np.float32),
+    }
+
+
+class Learner:
+    """numbarl trunk + head + loss wired the way the agent does it (online / next / target tags)."""
+
+    def __init__(self, rng, batch=BATCH, trunk=True):
+        self.store = ParamStore()
+        self.trunk = Mlp("trunk", STATE_DIM, WIDTHS, "relu") if trunk else None
+        hidden = WIDTHS[-1] if trunk else STATE_DIM
+        self.head = BranchedDuelingC51Head("head", hidden, SIZES, N_ATOMS, V_MIN, V_MAX)
+        for layer in ([self.trunk] if trunk else []) + [self.head]:
+            layer.declare_params(self.store)
+        self.store.allocate()
+        self.values = self.store.init(rng)
+        target = {k: v + (0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in self.values.items()}
+        self.store.load(target, role="target")
+        self.target_values = target
+        self.acts = Arena("acts")
+        for tag in ("online", "next", "target"):
+            if trunk:
+                self.trunk.declare_acts(self.acts, batch, tag, backward=(tag == "online"))
+            self.head.declare_acts(self.acts, batch, tag, backward=(tag == "online"))
+        self.acts.allocate()
+        self.loss = c51.C51Loss.for_head(self.head, batch)
+
+    def upload(self, batch):
+        self.batch = {k: _dev(v) for k, v in batch.items()}
+
+    def step(self, s):
+        """Forward x3, loss, backward: no allocation, copy or sync (capturable)."""
+        b = self.batch
+
+        def net(x, tag, role="params"):
+            h = self.trunk.forward(x, s, tag=tag, role=role) if self.trunk is not None else x
+            return self.head.forward(h, s, tag=tag, role=role)
+
+        online = net(b["obs"], "online")
+        nxt = net(b["next_obs"], "next")
+        target = net(b["next_obs"], "target", role="target")
+        self.loss(online.logits, b["actions"], nxt.q, target.probs, b["rewards"], b["dones"], b["discounts"], s,
+                  weights=b["weights"])
+        dh = self.head.backward(self.loss.d_logits, s, tag="online")
+        if self.trunk is not None:
+            self.trunk.backward(dh, s, tag="online")
+
+
+# ---------------------------------------------------------------------------------------------
+# numbarl vs float64 references at the real size (each stage fed the same float32 inputs)
+# ---------------------------------------------------------------------------------------------
+def test_head_and_loss_match_reference_at_real_size(rng):
+    learner = Learner(rng, trunk=False)  # the head reads obs directly: h = obs [B, 64]
+    batch = _batch(rng)
+    learner.upload(batch)
+    learner.step(stream())
+    head, n = learner.head, learner.head.param_names
+    p = {k: learner.values[v].astype(np.float64) for k, v in n.items()}
+    pt = {k: learner.target_values[v].astype(np.float64) for k, v in n.items()}
+    online, nxt, target = head.outputs("online"), head.outputs("next"), head.outputs("target")
+
+    ref = c51_head.head_forward_ref(batch["obs"], p["w_value"], p["b_value"], p["w_adv"], p["b_adv"], SIZES,
+                                    head.support_host)
+    for got, exp, what in zip(online, ref, ("logits", "probs", "q")):
+        _rel_close(_host(got), exp, rel=2e-5, what=f"online {what}")
+    ref_t = c51_head.head_forward_ref(batch["next_obs"], pt["w_value"], pt["b_value"], pt["w_adv"], pt["b_adv"],
+                                      SIZES, head.support_host)
+    _rel_close(_host(target.probs), ref_t[1], rel=2e-5, what="target probs")
+
+    # the loss from numbarl's own float32 head outputs (same a* on both sides)
+    logits_h, next_q_h, target_probs_h = _host(online.logits), _host(nxt.q), _host(target.probs)
+    loss, per_sample, d_logits, _ = c51.c51_loss_ref(logits_h, batch["actions"], next_q_h, target_probs_h,
+                                                     batch["rewards"], batch["dones"], batch["discounts"],
+                                                     head.support_host, SIZES, batch["weights"])
+    assert _host(learner.loss.loss)[0] == pytest.approx(loss, rel=1e-5)
+    _rel_close(_host(learner.loss.per_sample), per_sample, rel=1e-5, what="per_sample")
+    got_d = _host(learner.loss.d_logits)
+    _rel_close(got_d, d_logits, rel=1e-5, what="d_logits")
+
+    g = c51_head.head_backward_ref(batch["obs"], p["w_value"], p["w_adv"], got_d, SIZES)
+    grads = learner.store.to_host("grads")
+    _rel_close(grads[n["w_value"]], g["dw_value"], what="dw_value")
+    _rel_close(grads[n["b_value"]], g["db_value"], what="db_value")
+    _rel_close(grads[n["w_adv"]], g["dw_adv"], what="dw_adv")
+    _rel_close(grads[n["b_adv"]], g["db_adv"], what="db_adv")
+    _rel_close(_host(learner.acts[f"{head.name}.online.dh"]), g["dh"], what="dh")
+
+
+def test_projection_kernel_at_real_size(rng):
+    support = c51.make_support(N_ATOMS, V_MIN, V_MAX)
+    batch = 4099
+    x = rng.standard_normal((batch, N_ATOMS))
+    p = (np.exp(x) / np.exp(x).sum(1, keepdims=True)).astype(np.float32)
+    rewards = (rng.standard_normal(batch) * 6).astype(np.float32)
+    dones = (rng.random(batch) < 0.2).astype(np.uint8)
+    discounts = (GAMMA ** rng.integers(1, 6, batch)).astype(np.float32)
+    out = _cuda.device_array((batch, N_ATOMS), np.float32)
+    c51.project_distribution(_dev(rewards), _dev(dones), _dev(discounts), _dev(p), _dev(support), V_MIN, V_MAX,
+                             out, stream())
+    ref = c51.project_distribution_ref(rewards, dones, discounts, p, support)
+    got = _host(out)
+    assert np.max(np.abs(got - ref)) < 1e-5
+    np.testing.assert_allclose(got.sum(1), 1.0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# graph == eager, determinism
+# ---------------------------------------------------------------------------------------------
+def _snapshot(learner):
+    s = stream()
+    s.synchronize()
+    out = {"loss": _host(learner.loss.loss), "per_sample": _host(learner.loss.per_sample),
+           "d_logits": _host(learner.loss.d_logits)}
+    out.update({f"grad:{k}": v for k, v in learner.store.to_host("grads").items()})
+    return out
+
+
+def _assert_bitwise(a, b):
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
+
+
+def test_graph_replay_equals_eager_bitwise(rng):
+    from numbarl.cuda import graph as graphs
+
+    learner = Learner(rng)
+    learner.upload(_batch(rng))
+    learner.step(stream())
+    eager = _snapshot(learner)
+    learner.store.arenas["grads"].load({k: np.zeros(s.shape, np.float32) for k, s in learner.store.specs.items()})
+    g = graphs.capture(learner.step, stream=stream())
+    g.replay(stream())
+    _assert_bitwise(eager, _snapshot(learner))
+    g.replay(stream())
+    g.replay(stream())
+    _assert_bitwise(eager, _snapshot(learner))
+    assert np.isfinite(eager["loss"][0]) and all(np.all(np.isfinite(v)) for v in eager.values())
+
+
+def test_two_runs_bitwise_identical(rng):
+    seed = int(rng.integers(2**31))
+    snaps = []
+    for _ in range(2):
+        r = np.random.default_rng(seed)
+        learner = Learner(r)
+        learner.upload(_batch(r))
+        learner.step(stream())
+        snaps.append(_snapshot(learner))
+    _assert_bitwise(*snaps)
+
+
+# ---------------------------------------------------------------------------------------------
+# the PyTorch peer: same weights, same batch -> same loss and gradients
+# ---------------------------------------------------------------------------------------------
+def _peer(learner, **kw):
+    from numbarl.rl.torch_peer import PeerSpec, TorchPeer
+
+    spec = PeerSpec.from_numbarl(learner.trunk, learner.head, learner.store)
+    return TorchPeer(spec, learner.values, learner.target_values, **kw)
+
+
+def test_peer_loss_and_gradients_match_numbarl(rng):
+    torch = pytest.importorskip("torch")
+    from numbarl.rl.torch_peer import batch_to_torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    learner = Learner(rng)
+    batch = _batch(rng)
+    learner.upload(batch)
+    learner.step(stream())
+    nb = _snapshot(learner)
+    peer = _peer(learner)
+    tb = batch_to_torch(batch)
+
+    # forward outputs of the online net agree
+    logits, probs, q = peer.outputs(tb["next_obs"])
+    next_q = _host(learner.head.outputs("next").q)
+    _rel_close(next_q, q, rel=1e-5, what="online q on next_obs")
+    _rel_close(_host(learner.head.outputs("target").probs), peer.outputs(tb["next_obs"], target=True)[1], rel=1e-5,
+               what="target probs")
+
+    # a* from numbarl's Q (first maximum over the valid actions, as the kernel does): float32 near-ties
+    # between the two implementations must not pick different target rows
+    a_star = c51.double_dqn_actions_ref(next_q, SIZES)
+    peer_a_star = np.stack([q[:, k, :n].argmax(1) for k, n in enumerate(SIZES)], axis=1)
+    assert np.mean(a_star == peer_a_star) > 0.999
+    loss, per_sample, grads = peer.loss_and_grads(tb, next_actions=torch.as_tensor(a_star, device="cuda"))
+
+    assert nb["loss"][0] == pytest.approx(loss, rel=1e-5)
+    _rel_close(nb["per_sample"], per_sample, rel=1e-5, what="per_sample")
+    assert set(grads) == set(learner.store.specs)
+    for name in learner.store.specs:
+        _rel_close(nb[f"grad:{name}"], grads[name], rel=1e-4, what=f"grad {name}")
+
+
+def test_peer_graphed_step_matches_eager_step(rng):
+    """The peer's CUDA-graphed train step (the benchmark's baseline) updates like its eager step."""
+    pytest.importorskip("torch")
+    from numbarl.rl.torch_peer import batch_to_torch, time_train_step
+
+    learner = Learner(rng, batch=1024)
+    tb = batch_to_torch(_batch(rng, 1024))
+    kw = dict(lr=1e-3, max_grad_norm=1.0, target_tau=0.01)
+    eager, graphed = _peer(learner, **kw), _peer(learner, capturable=True, **kw)
+    for _ in range(6):
+        eager.optimizer.zero_grad(set_to_none=True)
+        eager.train_step(tb)
+    # graphed: 3 warm-up steps on the side stream, a capture (runs nothing), then 3 replays = 6 steps
+    timing = time_train_step(graphed, tb, mode="graphed", iters=3, warmup=0, repeats=1)
+    assert timing["ms_median"] > 0
+    for which in ("online", "target"):
+        a = eager.to_numbarl(getattr(eager, which))
+        b = graphed.to_numbarl(getattr(graphed, which))
+        start = learner.values if which == "online" else learner.target_values
+        assert set(a) == set(b) == set(start)
+        for k in a:
+            assert np.all(np.isfinite(b[k])), k
+            assert np.any(a[k] != start[k]), f"{which} {k} did not move"
+            _rel_close(b[k] - start[k], a[k] - start[k], rel=1e-3, what=f"{which} update of {k}")
