@@ -32,9 +32,12 @@ from pathlib import Path
 
 import databento_dbn as dbn
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pacsv
+try:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pacsv
+except ImportError:  # a dependency; only .dbn.zst and CSV need it (offline GPU hosts may lack it)
+    pa = pc = pacsv = None
 from numba import njit
 
 from numbarl.data.errors import DataError

@@ -1,0 +1,228 @@
+"""Train-step benchmark (issue 4): numbarl's captured train step against the PyTorch peer.
+
+Checks before it times (STYLE): one batch's loss and gradients of numbarl and of the PyTorch peer
+(same weights, same batch) are compared first. Then, in one run on one GPU:
+
+* numbarl train step (graph replay), fp32 and TF32, with a per-phase breakdown (each phase captured
+  as its own graph: sample, target passes, online pass, loss, backward, optimizer);
+* PyTorch peer train step, eager and CUDA-graphed (torch.cuda.graphs), fp32 and TF32;
+* collect step (state gather → online forward → action select → env step → replay write) at
+  N = n_envs: env-steps/s including inference.
+
+    python -m numbarl.bench.train [--json PATH] [--batch 16384] [--n-envs 16384] [--trunk 512,512]
+
+Default model: 64 features, trunk 2×512, 4 branches, 51 atoms, batch 16,384.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+import numpy as np
+
+from numbarl.cuda import backend
+
+
+def _market(n_bars: int, n_features: int, seed: int):
+    from numbarl.env.market import MarketData
+
+    rng = np.random.default_rng(seed)
+    mid = 5000.0 + np.cumsum(rng.choice([-0.25, 0.0, 0.25], size=n_bars, p=[0.3, 0.4, 0.3]))
+    spread = 0.25
+    sessions = np.repeat(np.arange(max(1, n_bars // 5000)), 5000)[:n_bars]
+    sessions = np.concatenate([sessions, np.full(n_bars - len(sessions), sessions[-1] if len(sessions) else 0)])
+    return MarketData(
+        features=rng.standard_normal((n_bars, n_features)).astype(np.float32),
+        mid=mid, bid=mid - spread / 2, ask=mid + spread / 2, high=mid + 0.25, low=mid - 0.25,
+        session_id=sessions.astype(np.int32), timestamps=np.arange(n_bars, dtype=np.int64) * 1_000_000_000,
+        tick_size=0.25, bars_per_day=5000.0)
+
+
+def _time_graph(graph, stream, iters: int, repeats: int = 5) -> float:
+    """Median ms per replay, timed with CUDA events."""
+    from numbarl.cuda.runtime import cuda
+
+    c = cuda()
+    for _ in range(3):
+        graph.replay(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = c.event(timing=True), c.event(timing=True)
+        start.record(stream)
+        for _ in range(iters):
+            graph.replay(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(c.event_elapsed_time(start, end) / iters)
+    return statistics.median(times)
+
+
+def _relerr(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run(args) -> dict:
+    from numbarl.config import AgentConfig
+    from numbarl.cuda import graph as cuda_graph
+    from numbarl.cuda.runtime import device_name, stream
+    from numbarl.env.device import DeviceEnv
+    from numbarl.env.params import EnvParams
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    s = stream()
+    trunk = tuple(int(w) for w in args.trunk.split(","))
+    params = EnvParams()
+    market = _market(args.bars, args.features, args.seed).to_device(params.vol_span, params.vol_horizon_bars)
+    results = {"device": device_name(), "batch": args.batch, "n_envs": args.n_envs, "trunk": trunk,
+               "features": args.features, "branches": params.branch_sizes, "n_atoms": 51, "numbarl": {}, "torch": {}}
+    for compute in ("fp32", "tf32"):
+        cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute)
+        env = DeviceEnv(market, params, args.n_envs, seed=args.seed)
+        agent = DQNAgent(cfg, env.state_dim, params.branch_sizes, args.n_envs, args.seed, epsilon=(1.0, 0.05, 100))
+        env.reset(args.seed, s)
+        collect = cuda_graph.capture(lambda st: agent.collect_step(env, st), s)
+        for _ in range(40):
+            collect.replay(s)
+        collect_ms = _time_graph(collect, s, iters=50)
+        train = cuda_graph.capture(agent.train_step, s)
+        train_ms = _time_graph(train, s, iters=50)
+        r = {"train_step_ms": train_ms, "collect_step_ms": collect_ms,
+             "env_steps_per_s_with_inference": args.n_envs / (collect_ms * 1e-3)}
+        # per-phase breakdown: each phase captured alone (inputs are whatever the last step left)
+        batch = agent.replay.batch
+        phases = {
+            "sample": lambda st: agent.replay.sample(agent.optim.step_counter, st),
+            "target passes (online+target on next_obs)": lambda st: (agent.forward(batch.next_obs, st, "next"),
+                                                                      agent.forward(batch.next_obs, st, "target", "target")),
+            "online pass": lambda st: agent.forward(batch.obs, st, "online"),
+            "loss (projection + CE + d logits)": lambda st: agent.loss(
+                agent.head.outputs("online").logits, batch.action, agent.head.outputs("next").q,
+                agent.head.outputs("target").probs, batch.reward, batch.done, batch.discount, st),
+            "backward (head + trunk)": lambda st: agent.trunk.backward(agent.head.backward(agent.loss.d_logits, st, "online"), st, "online"),
+            "optimizer (norm, clip, AdamW, target)": lambda st: agent.optim.step(st),
+        }
+        r["phases_ms"] = {name: _time_graph(cuda_graph.capture(fn, s), s, iters=50) for name, fn in phases.items()}
+        results["numbarl"][compute] = r
+        if compute == "fp32":
+            results["check"] = _check_against_peer(agent, s)
+            if results["check"].get("available"):
+                results["torch"] = _time_peer(agent, s)
+        del agent, env
+    return results
+
+
+def _peer_batch(agent, s):
+    b = agent.replay.batch
+    host = {"obs": b.obs.copy_to_host(stream=s), "next_obs": b.next_obs.copy_to_host(stream=s),
+            "actions": b.action.copy_to_host(stream=s), "rewards": b.reward.copy_to_host(stream=s),
+            "dones": b.done.copy_to_host(stream=s), "discounts": b.discount.copy_to_host(stream=s)}
+    s.synchronize()
+    return host
+
+
+def _check_against_peer(agent, s) -> dict:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return {"available": False, "why": "torch is not installed"}
+    from numbarl.cuda import graph as cuda_graph
+    from numbarl.rl.torch_peer import PeerSpec, TorchPeer, batch_to_torch
+
+    # one fresh sample, then loss + backward only (no optimizer step), numbarl side
+    agent.replay.sample(agent.optim.step_counter, s)
+    batch = _peer_batch(agent, s)
+    params = agent.store.to_host("params")
+    target = agent.store.to_host("target")
+    b = agent.replay.batch
+    nxt = agent.forward(b.next_obs, s, "next")
+    tgt = agent.forward(b.next_obs, s, "target", "target")
+    onl = agent.forward(b.obs, s, "online")
+    agent.loss(onl.logits, b.action, nxt.q, tgt.probs, b.reward, b.done, b.discount, s)
+    dh = agent.head.backward(agent.loss.d_logits, s, "online")
+    agent.trunk.backward(dh, s, "online")
+    loss = float(agent.loss.loss.copy_to_host(stream=s)[0])
+    grads = agent.store.to_host("grads")
+    del cuda_graph
+    cfg = agent.cfg
+    peer = TorchPeer(PeerSpec.from_numbarl(agent.trunk, agent.head, agent.store), params, target, lr=cfg.lr,
+                     max_grad_norm=cfg.max_grad_norm)
+    p_loss, _, p_grads = peer.loss_and_grads(batch_to_torch(batch))
+    errs = {name: _relerr(grads[name], p_grads[name]) for name in p_grads}
+    return {"available": True, "loss_numbarl": loss, "loss_torch": p_loss,
+            "loss_relerr": abs(loss - p_loss) / max(abs(p_loss), 1e-30),
+            "grad_relerr_max": max(errs.values()), "grad_relerr": errs}
+
+
+def _time_peer(agent, s) -> dict:
+    from numbarl.rl.torch_peer import PeerSpec, TorchPeer, batch_to_torch, time_train_step
+
+    cfg = agent.cfg
+    batch = batch_to_torch(_peer_batch(agent, s))
+    params = agent.store.to_host("params")
+    out = {}
+    for mode in ("eager", "graphed"):
+        for tf32 in (False, True):
+            peer = TorchPeer(PeerSpec.from_numbarl(agent.trunk, agent.head, agent.store), params, lr=cfg.lr,
+                             max_grad_norm=cfg.max_grad_norm, capturable=(mode == "graphed"))
+            r = time_train_step(peer, batch, mode=mode, tf32=tf32, iters=50)
+            out[f"{mode}_{'tf32' if tf32 else 'fp32'}"] = r["ms_median"]
+    return out
+
+
+def table(results: dict) -> str:
+    lines = [f"numbarl train-step benchmark on {results['device']}",
+             f"model: {results['features']} features, trunk {results['trunk']}, branches {results['branches']}, "
+             f"51 atoms, batch {results['batch']}, n_envs {results['n_envs']}"]
+    chk = results.get("check", {})
+    if chk.get("available"):
+        lines.append(f"check vs PyTorch peer: loss {chk['loss_numbarl']:.6f} vs {chk['loss_torch']:.6f} "
+                     f"(rel {chk['loss_relerr']:.1e}), max grad rel err {chk['grad_relerr_max']:.1e}")
+    lines.append(f"{'':<44}{'fp32 ms':>10}{'tf32 ms':>10}")
+    nb = results["numbarl"]
+    lines.append(f"{'numbarl train step (graph)':<44}{nb['fp32']['train_step_ms']:>10.3f}{nb['tf32']['train_step_ms']:>10.3f}")
+    t = results.get("torch") or {}
+    if t:
+        lines.append(f"{'PyTorch peer, eager':<44}{t['eager_fp32']:>10.3f}{t['eager_tf32']:>10.3f}")
+        lines.append(f"{'PyTorch peer, CUDA-graphed':<44}{t['graphed_fp32']:>10.3f}{t['graphed_tf32']:>10.3f}")
+        for prec in ("fp32", "tf32"):
+            lines.append(f"speed-up {prec}: {t[f'eager_{prec}'] / nb[prec]['train_step_ms']:.2f}x vs eager, "
+                         f"{t[f'graphed_{prec}'] / nb[prec]['train_step_ms']:.2f}x vs graphed")
+    for prec in ("fp32", "tf32"):
+        lines.append(f"collect step ({prec}) {nb[prec]['collect_step_ms']:.3f} ms -> "
+                     f"{nb[prec]['env_steps_per_s_with_inference']:.3e} env-steps/s incl. inference")
+    lines.append("phases (fp32 / tf32, ms, each captured alone):")
+    for name in nb["fp32"]["phases_ms"]:
+        lines.append(f"  {name:<44}{nb['fp32']['phases_ms'][name]:>8.3f}{nb['tf32']['phases_ms'][name]:>8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    backend.select()
+    p = argparse.ArgumentParser(prog="numbarl-bench train", description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--n-envs", type=int, default=16384)
+    p.add_argument("--trunk", default="512,512")
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--bars", type=int, default=200_000)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if backend.simulator_active():
+        print("numbarl-bench train needs a GPU (the simulator cannot time kernels)", file=sys.stderr)
+        return 2
+    results = run(args)
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
