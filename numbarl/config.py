@@ -58,6 +58,8 @@ class DataConfig:
     """Seed of the synthetic market (independent of the training seed)."""
     synth_scale: str = "default"
     """Size of the synthetic market's sessions: 'tiny' (tests, simulator) or 'default'."""
+    synth_bars_per_day: int = 0
+    """Imbalance bars per synthetic session (0 = the scale's default)."""
     symbol: str = ""
     """Instrument to keep when a DBN file holds several ('' = the only one)."""
     features: str = ""
@@ -67,6 +69,7 @@ class DataConfig:
         _check("data", "synth_sessions", self.synth_sessions, lo=3, hi=10_000)
         _check("data", "synth_signal", self.synth_signal, lo=0.0, hi=100.0)
         _check("data", "synth_scale", self.synth_scale, choices=("tiny", "default"))
+        _check("data", "synth_bars_per_day", self.synth_bars_per_day, lo=0, hi=1_000_000)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ def _synth_spec(dcfg) -> dict:
     else:
         spec = {"events_per_session": synth.DEFAULT_EVENTS, "bars_per_day": synth.DEFAULT_BARS_PER_DAY}
     spec["sessions"] = dcfg.synth_sessions
+    if dcfg.synth_bars_per_day:
+        spec["bars_per_day"] = dcfg.synth_bars_per_day
     spec["signal"] = 0.0 if dcfg.synth_null else dcfg.synth_signal
     spec["null"] = dcfg.synth_null
     spec["seed"] = dcfg.synth_seed

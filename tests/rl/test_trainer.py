@@ -1,0 +1,148 @@
+"""numbarl-train end to end under the simulator: a tiny run leaves a complete run folder, a killed
+and resumed run ends exactly like an uninterrupted one, a non-finite loss stops the run with a
+message naming the step and tensor, and bad input gives one clear error and writes nothing."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from numbarl.cli import train_cmd
+from numbarl.rl import trainer
+from numbarl.rl.runio import RunDir
+
+# the tiny preset, made smaller still so three runs fit in the test budget
+FAST = ["--preset", "tiny", "--quiet", "--set", "data.synth_bars_per_day=40", "--set", "train.collect_steps_per_epoch=4",
+        "--set", "train.log_interval=2", "--set", "train.learning_starts=3"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("numbarl-cache")
+
+
+@pytest.fixture
+def run_cli(cache_dir, monkeypatch):
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+
+    def run(*args):
+        return CliRunner().invoke(train_cmd, list(args), catch_exceptions=True)
+
+    return run
+
+
+def _final_params(path):
+    arrays, state = RunDir.open(path).load_checkpoint("latest")
+    return {k: v for k, v in arrays.items() if k.startswith(("params/", "adam_m/", "target/", "env/", "replay/"))}, state
+
+
+def _metrics(path):
+    summary = json.loads((path / "summary.json").read_text())
+    return [(f["fold"], f["val"], f["test"], f["val_sharpe_per_epoch"]) for f in summary["folds"]]
+
+
+def test_tiny_run_leaves_complete_run_folder(run_cli, tmp_path):
+    out = tmp_path / "run"
+    r = run_cli(*FAST, "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    for name in ("config.json", "run.json", "metrics.jsonl", "metrics.csv", "summary.json", "report.html", "report.png",
+                 "trades_val.csv", "trades_test.csv", "checkpoints/latest.json", "checkpoints/best.json"):
+        assert (out / name).is_file(), name
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = [rec["kind"] for rec in records]
+    assert kinds.count("val") == 2 and kinds.count("test") == 1 and "train" in kinds
+    train = [rec for rec in records if rec["kind"] == "train"]
+    assert all(np.isfinite(rec["loss"]) for rec in train if rec["train_step"] > 0)
+    summary = json.loads((out / "summary.json").read_text())
+    fold = summary["folds"][0]
+    assert fold["best_checkpoint"].startswith("fold0-epoch")
+    assert "sharpe" in fold["test"] and "oracle_test" in fold
+    assert summary["numbarl_version"] and summary["device"]
+    # the windows are chronological and disjoint: nothing of validation/test inside training
+    w = fold["window"]
+    assert w["train"][1] <= w["val"][0] and w["val"][1] <= w["test"][0]
+
+
+def test_resume_equals_uninterrupted(run_cli, tmp_path, monkeypatch):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    r = run_cli(*FAST, "--out", str(full))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+
+    original = trainer.FoldTrainer.collect_once
+
+    def dying(self):  # the process dies in the middle of epoch 2, after the epoch-1 checkpoint
+        if self.epoch == 1 and self.collect_steps == 6:
+            raise KeyboardInterrupt("killed")
+        original(self)
+
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", dying)
+    r = run_cli(*FAST, "--out", str(killed))
+    assert r.exit_code != 0
+    assert not (killed / "summary.json").exists()
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", original)
+    r = run_cli("--resume", str(killed), "--quiet")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+
+    a, state_a = _final_params(full)
+    b, state_b = _final_params(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k], equal_nan=True), k
+    assert state_a["collect_steps"] == state_b["collect_steps"]
+    assert _metrics(full) == _metrics(killed)
+    strip = lambda recs: [{k: v for k, v in rec.items() if k != "env_steps_per_s"} for rec in recs]  # noqa: E731
+    assert strip(RunDir.open(full).read_metrics()) == strip(RunDir.open(killed).read_metrics())
+
+
+def test_nonfinite_loss_stops_run_and_keeps_last_good_checkpoint(run_cli, tmp_path, monkeypatch):
+    out = tmp_path / "nan"
+    original = trainer.FoldTrainer.save
+
+    def save_then_poison(self):  # after the epoch-1 checkpoint a weight turns NaN
+        tag = original(self)
+        name = "trunk.fc0.w"
+        value = self.agent.store.to_host("params")[name]
+        value[0, 0] = np.nan
+        self.agent.store.load({name: value})
+        return tag
+
+    monkeypatch.setattr(trainer.FoldTrainer, "save", save_then_poison)
+    r = run_cli(*FAST, "--out", str(out))
+    assert r.exit_code == 3, r.output + repr(r.exception)
+    assert "non-finite loss at train step" in r.output and "params:trunk.fc0.w" in r.output
+    arrays, state = RunDir.open(out).load_checkpoint("latest")
+    assert state["epoch"] == 1
+    assert all(np.all(np.isfinite(v)) for k, v in arrays.items() if k.startswith("params/"))
+
+
+def _schema_file(tmp_path):
+    import databento_dbn as dbn
+
+    meta = dbn.Metadata("GLBX.MDP3", 0, dbn.SType.RAW_SYMBOL, dbn.SType.INSTRUMENT_ID, dbn.Schema.MBP_1,
+                        symbols=["X"], end=1)
+    path = tmp_path / "mbp1.dbn"
+    path.write_bytes(bytes(meta))
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "schema", "config", "sessions", "resume"])
+def test_bad_input_one_clear_error_nothing_written(run_cli, tmp_path, case):
+    out = tmp_path / "run"
+    args = {
+        "missing": (["--data", str(tmp_path / "nowhere.dbn")], "no such file or folder"),
+        "schema": (["--data", str(_schema_file(tmp_path))], "mbp-1"),
+        "config": (["--set", "agent.lr=-1"], "agent.lr = -1.0 is out of range"),
+        "sessions": (["--set", "train.train_sessions=50"], "needs 52 sessions; the data has 6"),
+        "resume": (None, "not a numbarl run"),
+    }[case]
+    if case == "resume":
+        (tmp_path / "notarun").mkdir()
+        (tmp_path / "notarun" / "x.txt").write_text("x")
+        r = run_cli("--resume", str(tmp_path / "notarun"), "--quiet")
+    else:
+        r = run_cli(*FAST, *args[0], "--out", str(out))
+    assert r.exit_code == 2, r.output + repr(r.exception)
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and args[1] in errors[0], r.output
+    assert not out.exists()
