@@ -36,17 +36,23 @@ branches shorter than max_actions are never read as actions):
     actions        int32/int64 [B, n_branches]               taken action per branch
     rewards        float32 [B]                               n-step return Σ γ^k r_{t+k}
     dones          float32/uint8/int32 [B]                   1 when the n-step window ended an episode
-    discounts      float32 [B]                               γ^m, m = actual steps in the window
+    discounts      float32 [B]                               γ^m >= 0, m = actual steps in the window
     weights        float32 [B] or None                       importance weights
     d_logits       float32 [B, n_branches, max_actions, Z]   gradient for the head's backward
     per_sample     float32 [B]                               (1/n_branches) Σ_k CE[b, k], unweighted
     loss           float32 [1]                               L above
 
-Thread mapping: `c51_loss_kernel` runs one thread per (b, k): argmax, a log-sum-exp over the taken
-action's logits, then for each atom i the dense Eq. 7 sum over j (Z² hat evaluations, registers
-only), the CE term and d_logits; it also writes the zeros of the other actions' rows. The scalar
-loss comes from `c51_loss_reduce_kernel`, ONE block that sums samples in a fixed strided order and
-then a fixed shared-memory tree: the same inputs give the same bits on every run (no atomics).
+Thread mapping (two launches):
+  * `c51_loss_kernel`: one row of LANES = 32 threads per (b, k), ROWS = 8 rows per block. Lane l
+    owns atoms i = l, l + 32, ...: Eq. 7's m_i as the dense sum over j (`project_atom_dev`, the
+    same device function as the standalone `project_distribution`), the CE terms, and coalesced
+    stores of d_logits (gradient row and the zeros of the other actions / padding). Row maxima and
+    sums are folded in lane order through shared memory (`numbarl.cuda.reduce.row_fold`).
+  * `c51_loss_reduce_kernel`, ONE block: per-sample means over branches and the scalar loss, by a
+    fixed strided order then a fixed shared-memory tree: the same inputs give the same bits on
+    every run (no atomics).
+Measured on the H200 (B = 16,384, 4 branches, 51 atoms): a first version with one thread per
+(b, k) doing the Z² hat evaluations alone and row-strided d_logits stores took 0.62 ms.
 """
 
 from __future__ import annotations
@@ -59,9 +65,11 @@ from numbarl.cuda.runtime import Arena, cuda
 
 _cuda = cuda()  # selects the backend (GPU or simulator) before numba is imported below
 
-from numba import njit  # noqa: E402  (numba must be imported after the backend switch)
+from numba import float32, njit  # noqa: E402  (numba must be imported after the backend switch)
 
-BLOCK = 128  # threads per block of the per-(sample, branch) kernels
+from numbarl.cuda.reduce import LANES, OP_MAX, OP_SUM, ROWS, row_fold  # noqa: E402
+
+BLOCK = 128  # threads per block of the elementwise projection kernel
 REDUCE_BLOCK = 256  # threads of the single-block loss reduction (power of two)
 
 _ZERO = np.float32(0.0)
@@ -233,7 +241,7 @@ def hat_weight(target_z, z_i, inv_delta_z):
 
 @_cuda.jit(device=True)
 def project_atom_dev(i, reward, gamma, probs_row, support, v_min, v_max, inv_delta_z):
-    """m_i of Eq. 7 for one sample: Σ_j hat(T z_j, z_i) · p_j, fixed order over j."""
+    """m_i of Eq. 7 for one sample: Σ_j hat(T z_j, z_i) · p_j, dense, in the order j = 0..Z-1."""
     z_i = support[i]
     m = _ZERO
     for j in range(support.shape[0]):
@@ -254,7 +262,7 @@ def bootstrap_gamma_dev(discounts, dones, b):
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
 def project_distribution_kernel(rewards, dones, discounts, next_probs, support, v_min, v_max, inv_delta_z, out):
-    """out[b, i] = m_i (Eq. 7) for next_probs [B, Z]; one thread per (b, i)."""
+    """out[b, i] = m_i (Eq. 7) for next_probs [B, Z]; one thread per (b, i), coalesced over i."""
     t = _cuda.grid(1)
     n_atoms = support.shape[0]
     if t >= out.shape[0] * n_atoms:
@@ -267,65 +275,75 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
 
 @_cuda.jit(cache=True)
 def c51_loss_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, weights, use_weights,
-                    support, branch_sizes, v_min, v_max, inv_delta_z, grad_scale, ce_out, d_logits):
-    """One thread per (sample b, branch k): double-DQN argmax, Eq. 7, CE[b, k] and d_logits rows.
+                    support, branch_sizes, v_min, v_max, inv_delta_z, grad_scale, target_dist, ce, d_logits):
+    """One row of LANES threads per (sample b, branch k); ROWS rows per block, block (LANES, ROWS).
 
-    grad_scale = 1 / (B · n_branches); ce_out [B, n_branches]. An action index outside the branch
-    makes CE NaN (loud) instead of reading out of bounds.
+    Every lane finds a* (A_k broadcast reads); lane l owns atoms i = l, l + LANES, ...: Eq. 7's
+    m_i (dense sum over j), the taken action's logits for the log-sum-exp, the CE terms and the
+    d_logits stores (coalesced). Row folds (max, Σexp, CE) go through shared memory in lane order
+    (reduce.row_fold). An action outside the branch gives CE = NaN and zero gradients. No early
+    return: rows past the end still reach every barrier.
     """
-    t = _cuda.grid(1)
+    fold_max = _cuda.shared.array((ROWS, LANES), float32)
+    fold_sum = _cuda.shared.array((ROWS, LANES), float32)
+    fold_ce = _cuda.shared.array((ROWS, LANES), float32)
+    lane = _cuda.threadIdx.x
+    ty = _cuda.threadIdx.y
     n_branches = branch_sizes.shape[0]
-    batch = online_logits.shape[0]
-    if t >= batch * n_branches:
-        return
-    b = t // n_branches
-    k = t - b * n_branches
-    n_actions = branch_sizes[k]
-    max_actions = online_logits.shape[2]
-    n_atoms = support.shape[0]
+    batch, _, max_actions, n_atoms = online_logits.shape
+    r = _cuda.blockIdx.x * ROWS + ty
+    b = r // n_branches
+    k = r - b * n_branches
+    valid = r < batch * n_branches
+    taken = -1
+    live = False
+    if valid:
+        taken = actions[b, k]
+        live = taken >= 0 and taken < branch_sizes[k]
 
-    # zero rows: every action except the taken one, padding included
-    taken = actions[b, k]
-    for a in range(max_actions):
-        if a != taken:
-            for i in range(n_atoms):
-                d_logits[b, k, a, i] = _ZERO
-    if taken < 0 or taken >= n_actions:
-        ce_out[b, k] = _NAN
-        return
-
-    # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins)
-    best = 0
-    best_q = next_q[b, k, 0]
-    for a in range(1, n_actions):
-        q = next_q[b, k, a]
-        if q > best_q:
-            best_q = q
-            best = a
-    probs_row = target_probs[b, k, best]  # [Z] target-net distribution at a*
-    gamma = bootstrap_gamma_dev(discounts, dones, b)
-    reward = rewards[b]
-
-    # log-sum-exp of the online logits at the taken action
-    logits_row = online_logits[b, k, taken]
+    # log-sum-exp of the online logits at the taken action (max-shifted)
     mx = _NEG_INF
-    for i in range(n_atoms):
-        mx = max(mx, logits_row[i])
+    if live:
+        for i in range(lane, n_atoms, LANES):
+            mx = max(mx, online_logits[b, k, taken, i])
+    mx = row_fold(fold_max, ty, lane, mx, OP_MAX)
     total = _ZERO
-    for i in range(n_atoms):
-        total += math.exp(logits_row[i] - mx)
-    log_norm = mx + math.log(total)
+    if live:
+        for i in range(lane, n_atoms, LANES):
+            total += math.exp(online_logits[b, k, taken, i] - mx)
+    total = row_fold(fold_sum, ty, lane, total, OP_SUM)
 
-    scale = grad_scale
-    if use_weights != 0:
-        scale = grad_scale * weights[b]
-    ce = _ZERO
-    for i in range(n_atoms):
-        m = project_atom_dev(i, reward, gamma, probs_row, support, v_min, v_max, inv_delta_z)
-        logp = logits_row[i] - log_norm
-        ce -= m * logp
-        d_logits[b, k, taken, i] = scale * (math.exp(logp) - m)
-    ce_out[b, k] = ce
+    acc = _ZERO
+    if live:
+        log_norm = mx + math.log(total)
+        # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins)
+        best = 0
+        best_q = next_q[b, k, 0]
+        for a in range(1, branch_sizes[k]):
+            q = next_q[b, k, a]
+            if q > best_q:
+                best_q = q
+                best = a
+        probs_row = target_probs[b, k, best]  # [Z] target-net distribution at a*
+        gamma = bootstrap_gamma_dev(discounts, dones, b)
+        reward = rewards[b]
+        scale = grad_scale
+        if use_weights != 0:
+            scale = grad_scale * weights[b]
+        for i in range(lane, n_atoms, LANES):
+            m = project_atom_dev(i, reward, gamma, probs_row, support, v_min, v_max, inv_delta_z)
+            target_dist[b, k, i] = m
+            logp = online_logits[b, k, taken, i] - log_norm
+            acc -= m * logp
+            d_logits[b, k, taken, i] = scale * (math.exp(logp) - m)
+    acc = row_fold(fold_ce, ty, lane, acc, OP_SUM)
+    if valid:
+        for a in range(max_actions):  # zeros: other actions and padding (all rows when not live)
+            if a != taken or not live:
+                for i in range(lane, n_atoms, LANES):
+                    d_logits[b, k, a, i] = _ZERO
+        if lane == 0:
+            ce[b, k] = acc if live else _NAN
 
 
 @_cuda.jit(cache=True)
@@ -394,7 +412,7 @@ def project_distribution(rewards, dones, discounts, next_probs, support, v_min, 
     _check("support", support, (n_atoms,), _F32)
     _check("out", out, (batch, n_atoms), _F32)
     v_min32, v_max32, inv_dz = support_scalars(n_atoms, v_min, v_max)
-    project_distribution_kernel[_grid(batch * n_atoms), BLOCK, stream](
+    project_distribution_kernel[_grid(batch * n_atoms), BLOCK, stream](  # one thread per (b, i)
         rewards, dones, discounts, next_probs, support, v_min32, v_max32, inv_dz, out)
 
 
@@ -438,6 +456,7 @@ class C51Loss:
         arena = Arena("c51_loss")
         arena.add("d_logits", (self.batch, self.n_branches, self.max_actions, self.n_atoms), np.float32)
         arena.add("ce", (self.batch, self.n_branches), np.float32)
+        arena.add("target_dist", (self.batch, self.n_branches, self.n_atoms), np.float32)
         arena.add("per_sample", (self.batch,), np.float32)
         arena.add("loss", (1,), np.float32)
         arena.add("support", (self.n_atoms,), np.float32)
@@ -470,6 +489,11 @@ class C51Loss:
         return self.arena["ce"]
 
     @property
+    def target_dist(self):
+        """Projected double-DQN targets m, float32 [B, n_branches, Z] (valid after a call)."""
+        return self.arena["target_dist"]
+
+    @property
     def support(self):
         return self.arena["support"]
 
@@ -489,9 +513,9 @@ class C51Loss:
             weights = self.per_sample  # any float32 [B]; never read when use_weights == 0
         else:
             _check("weights", weights, (b,), _F32)
-        c51_loss_kernel[_grid(b * nb), BLOCK, stream](
+        c51_loss_kernel[max(1, -(-b * nb // ROWS)), (LANES, ROWS), stream](
             online_logits, actions, next_q, target_probs, rewards, dones, discounts, weights, use_weights,
             self.support, self.arena["branch_sizes"], self.v_min, self.v_max, self.inv_delta_z, self.grad_scale,
-            self.ce, self.d_logits)
+            self.target_dist, self.ce, self.d_logits)
         c51_loss_reduce_kernel[1, REDUCE_BLOCK, stream](
             self.ce, weights, use_weights, self.inv_branches, self.inv_batch, self.per_sample, self.loss)
