@@ -115,8 +115,8 @@ def test_dueling_forward_kernel_matches_reference(rng):
     adv[0, :N_ATOMS] = 40.0  # a large shared advantage: the dueling mean removes it, no overflow
     shape = (BATCH, len(SIZES), max(SIZES), N_ATOMS)
     logits, probs = _cuda.device_array(shape, np.float32), _cuda.device_array(shape, np.float32)
-    q = _cuda.device_array(shape[:3], np.float32)
-    c51_head.dueling_forward(_dev(value), _dev(adv), layout, logits, probs, q, stream())
+    q, lse = _cuda.device_array(shape[:3], np.float32), _cuda.device_array(shape[:3], np.float32)
+    c51_head.dueling_forward(_dev(value), _dev(adv), layout, logits, lse, q, stream(), probs=probs)
     ref_logits = c51_head.dueling_combine_ref(value, adv, SIZES)
     ref_probs, ref_q = c51_head.distribution_ref(ref_logits, support, SIZES)
     got_logits, got_probs, got_q = _host(logits), _host(probs), _host(q)
@@ -183,6 +183,29 @@ def test_layer_forward_backward_matches_reference(rng):
     _close(grads[n["b_value"]], ref["db_value"], atol=1e-4, what="db_value")
     _close(grads[n["w_adv"]], ref["dw_adv"], atol=1e-4, what="dw_adv")
     _close(grads[n["b_adv"]], ref["db_adv"], atol=1e-4, what="db_adv")
+
+
+def test_layer_outputs_per_pass(rng):
+    """A pass declared with outputs=("q",) computes Q (and no probs); ("logits",) only logits."""
+    head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX)
+    store = ParamStore()
+    head.declare_params(store)
+    store.allocate()
+    p = _named(store.init(rng), head)
+    acts = Arena("acts")
+    head.declare_acts(acts, BATCH, "next", backward=False, outputs=("q",))
+    head.declare_acts(acts, BATCH, "online", outputs=("logits",))
+    acts.allocate()
+    h = rng.standard_normal((BATCH, HIDDEN)).astype(np.float32)
+    nxt = head.forward(_dev(h), stream(), tag="next")
+    online = head.forward(_dev(h), stream(), tag="online")
+    assert nxt.probs is None and online.probs is None and online.q is None
+    ref_logits, _, ref_q = c51_head.head_forward_ref(h, p["w_value"], p["b_value"], p["w_adv"], p["b_adv"], SIZES,
+                                                    head.support_host)
+    _close(_host(nxt.q), ref_q, what="q")
+    _close(_host(online.logits), ref_logits, what="logits")
+    with pytest.raises(ValueError, match="unknown outputs"):
+        head.declare_acts(Arena("more"), BATCH, "bad", outputs=("value",))
 
 
 def test_layer_tags_and_roles_are_independent(rng):
