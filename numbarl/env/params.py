@@ -114,8 +114,9 @@ class EnvParams:
     # --- execution and costs ---
     tick_size: float | None = None
     """Price increment; None takes MarketData.tick_size (the fxcache meta value)."""
-    contract_multiplier: float = 1.0
-    """Currency per price unit per contract (e.g. 50 for ES)."""
+    contract_multiplier: float = 50.0
+    """Currency per price unit per contract (default 50: CME E-mini S&P 500, the market the
+    synthetic data imitates; with 1.0 a $1 fee would cost 4 ticks per side and swamp any edge)."""
     fee_per_contract: float = 1.0
     """Fee in currency per contract per side (paid at entry and at exit)."""
     slippage_ticks: float = 0.0

@@ -105,8 +105,9 @@ def trunk_ops_from_layers(layers) -> list:
         cls_name = type(layer).__name__.lower()
         activation = getattr(layer, "activation", None)
         if "layernorm" in cls_name or "gamma" in names:
-            ops.append(TrunkOp("layernorm", names.get("gamma", getattr(layer, "gamma_name", None)),
-                               names.get("beta", getattr(layer, "beta_name", None)), float(getattr(layer, "eps", 1e-5))))
+            gamma = names.get("gamma", getattr(layer, "gamma_name", None))
+            beta = names.get("beta", getattr(layer, "beta_name", None))
+            ops.append(TrunkOp("layernorm", gamma, beta, float(getattr(layer, "eps", 1e-5))))
         elif names.get("w") or getattr(layer, "w_name", None):
             ops.append(TrunkOp("linear", names.get("w", getattr(layer, "w_name", None)),
                                names.get("b", getattr(layer, "b_name", None))))

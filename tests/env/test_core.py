@@ -346,4 +346,4 @@ def test_params_derived_sizes():
     assert p.branch_sizes == (3, 2, 5, 2) and p.max_actions == 5 and p.n_branches == 4
     assert p.state_dim(10) == 10 + PORTFOLIO_DIM == 18
     k = p.step_consts(0.5)
-    assert k.max_size == 2.0 and k.tick_value == 0.5 and k.direction_lock == 1 and k.episode_length == 5000
+    assert k.max_size == 2.0 and k.tick_value == 0.5 * p.contract_multiplier and k.direction_lock == 1 and k.episode_length == 5000

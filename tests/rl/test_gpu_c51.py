@@ -47,7 +47,8 @@ def _rel_close(actual, expected, rel=1e-4, what=""):
     e = np.asarray(expected, np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} vs {e.shape}"
     fin = np.isfinite(e)
-    assert np.array_equal(fin, np.isfinite(a)) and np.array_equal(a[~fin], e[~fin]), f"{what}: non-finite entries differ"
+    same_nonfinite = np.array_equal(fin, np.isfinite(a)) and np.array_equal(a[~fin], e[~fin])
+    assert same_nonfinite, f"{what}: non-finite entries differ"
     a, e = a[fin], e[fin]
     scale = max(np.max(np.abs(e)), 1e-30)
     norm_err = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)

@@ -276,7 +276,8 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
 @_cuda.jit(cache=True)
 def c51_loss_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, weights, use_weights,
                     support, branch_sizes, v_min, v_max, inv_delta_z, grad_scale, target_dist, ce, d_logits):
-    """One row of LANES threads per (sample b, branch k); ROWS rows per block, block (LANES, ROWS).
+    """One row of LANES threads per (sample b, branch k); block (LANES, ROWS) holds ROWS samples of
+    one branch k = blockIdx.y.
 
     Every lane finds a* (A_k broadcast reads); lane l owns atoms i = l, l + LANES, ...: Eq. 7's
     m_i (dense sum over j), the taken action's logits for the log-sum-exp, the CE terms and the
@@ -289,12 +290,10 @@ def c51_loss_kernel(online_logits, actions, next_q, target_probs, rewards, dones
     fold_ce = _cuda.shared.array((ROWS, LANES), float32)
     lane = _cuda.threadIdx.x
     ty = _cuda.threadIdx.y
-    n_branches = branch_sizes.shape[0]
+    b = _cuda.blockIdx.x * ROWS + ty  # grid (ceil(B / ROWS), n_branches): no integer division
+    k = _cuda.blockIdx.y
     batch, _, max_actions, n_atoms = online_logits.shape
-    r = _cuda.blockIdx.x * ROWS + ty
-    b = r // n_branches
-    k = r - b * n_branches
-    valid = r < batch * n_branches
+    valid = b < batch
     taken = -1
     live = False
     if valid:
@@ -304,13 +303,17 @@ def c51_loss_kernel(online_logits, actions, next_q, target_probs, rewards, dones
     # log-sum-exp of the online logits at the taken action (max-shifted)
     mx = _NEG_INF
     if live:
-        for i in range(lane, n_atoms, LANES):
+        i = lane  # (while loops: range() with a step divides to get its trip count)
+        while i < n_atoms:
             mx = max(mx, online_logits[b, k, taken, i])
+            i += LANES
     mx = row_fold(fold_max, ty, lane, mx, OP_MAX)
     total = _ZERO
     if live:
-        for i in range(lane, n_atoms, LANES):
+        i = lane
+        while i < n_atoms:
             total += math.exp(online_logits[b, k, taken, i] - mx)
+            i += LANES
     total = row_fold(fold_sum, ty, lane, total, OP_SUM)
 
     acc = _ZERO
@@ -330,18 +333,22 @@ def c51_loss_kernel(online_logits, actions, next_q, target_probs, rewards, dones
         scale = grad_scale
         if use_weights != 0:
             scale = grad_scale * weights[b]
-        for i in range(lane, n_atoms, LANES):
+        i = lane
+        while i < n_atoms:
             m = project_atom_dev(i, reward, gamma, probs_row, support, v_min, v_max, inv_delta_z)
             target_dist[b, k, i] = m
             logp = online_logits[b, k, taken, i] - log_norm
             acc -= m * logp
             d_logits[b, k, taken, i] = scale * (math.exp(logp) - m)
+            i += LANES
     acc = row_fold(fold_ce, ty, lane, acc, OP_SUM)
     if valid:
         for a in range(max_actions):  # zeros: other actions and padding (all rows when not live)
             if a != taken or not live:
-                for i in range(lane, n_atoms, LANES):
+                i = lane
+                while i < n_atoms:
                     d_logits[b, k, a, i] = _ZERO
+                    i += LANES
         if lane == 0:
             ce[b, k] = acc if live else _NAN
 
@@ -513,7 +520,7 @@ class C51Loss:
             weights = self.per_sample  # any float32 [B]; never read when use_weights == 0
         else:
             _check("weights", weights, (b,), _F32)
-        c51_loss_kernel[max(1, -(-b * nb // ROWS)), (LANES, ROWS), stream](
+        c51_loss_kernel[(max(1, -(-b // ROWS)), nb), (LANES, ROWS), stream](
             online_logits, actions, next_q, target_probs, rewards, dones, discounts, weights, use_weights,
             self.support, self.arena["branch_sizes"], self.v_min, self.v_max, self.inv_delta_z, self.grad_scale,
             self.target_dist, self.ce, self.d_logits)

@@ -168,7 +168,8 @@ def dueling_logit_dev(value, adv, b, z, first, a, n_actions, inv_n, n_atoms):
 @_cuda.jit(cache=True)
 def dueling_head_kernel(value, adv, branch_sizes, branch_offsets, branch_inv_sizes, support, want_stats,
                         want_probs, logits, lse, q, probs):
-    """One row of LANES threads per (b, k, a) output row; ROWS rows per block, block (LANES, ROWS).
+    """One row of LANES threads per (b, k, a) output row; block (LANES, ROWS) holds ROWS samples b
+    of one (a, k) = (blockIdx.y, blockIdx.z).
 
     Lane l owns atoms z = l, l + LANES, ...: it writes the dueling logits (coalesced), and when
     want_stats the row's max and Σexp / Σexp·z are folded in lane order through shared memory
@@ -179,13 +180,12 @@ def dueling_head_kernel(value, adv, branch_sizes, branch_offsets, branch_inv_siz
     fold_sum = _cuda.shared.array((ROWS, LANES), float32)
     fold_q = _cuda.shared.array((ROWS, LANES), float32)
     lane = _cuda.threadIdx.x
+    b = _cuda.blockIdx.x * ROWS + _cuda.threadIdx.y  # grid (ceil(B / ROWS), max_actions, n_branches):
+    a = _cuda.blockIdx.y  # no integer division anywhere (64-bit division is slow on the GPU)
+    k = _cuda.blockIdx.z
     ty = _cuda.threadIdx.y
-    batch, n_branches, max_actions, n_atoms = logits.shape
-    r = _cuda.blockIdx.x * ROWS + ty
-    a = r % max_actions
-    k = (r // max_actions) % n_branches
-    b = r // (max_actions * n_branches)
-    valid = r < batch * n_branches * max_actions
+    n_atoms = logits.shape[3]
+    valid = b < logits.shape[0]
     live = False
     n_actions = 1
     first = 0
@@ -196,28 +196,34 @@ def dueling_head_kernel(value, adv, branch_sizes, branch_offsets, branch_inv_siz
         first = branch_offsets[k] * n_atoms
         inv_n = branch_inv_sizes[k]
         if not live:  # padding: defined, never NaN
-            for z in range(lane, n_atoms, LANES):
+            z = lane
+            while z < n_atoms:
                 logits[b, k, a, z] = _NEG_INF
                 if want_probs:
                     probs[b, k, a, z] = _ZERO
+                z += LANES
             if lane == 0 and want_stats:
                 lse[b, k, a] = _NEG_INF
                 q[b, k, a] = _NEG_INF
     mx = _NEG_INF
     if live:
-        for z in range(lane, n_atoms, LANES):
+        z = lane  # (a while loop: range() with a step divides to get its trip count)
+        while z < n_atoms:
             x = dueling_logit_dev(value, adv, b, z, first, a, n_actions, inv_n, n_atoms)
             logits[b, k, a, z] = x
             mx = max(mx, x)
+            z += LANES
     if want_stats:
         mx = row_fold(fold_max, ty, lane, mx, OP_MAX)
         total = _ZERO
         expected = _ZERO
         if live:
-            for z in range(lane, n_atoms, LANES):
+            z = lane
+            while z < n_atoms:
                 e = math.exp(dueling_logit_dev(value, adv, b, z, first, a, n_actions, inv_n, n_atoms) - mx)
                 total += e
                 expected += e * support[z]
+                z += LANES
         total = row_fold(fold_sum, ty, lane, total, OP_SUM)
         expected = row_fold(fold_q, ty, lane, expected, OP_SUM)
         if live:
@@ -226,9 +232,11 @@ def dueling_head_kernel(value, adv, branch_sizes, branch_offsets, branch_inv_siz
                 lse[b, k, a] = log_norm
                 q[b, k, a] = expected / total
             if want_probs:
-                for z in range(lane, n_atoms, LANES):
+                z = lane
+                while z < n_atoms:
                     x = dueling_logit_dev(value, adv, b, z, first, a, n_actions, inv_n, n_atoms)
                     probs[b, k, a, z] = math.exp(x - log_norm)
+                    z += LANES
 
 
 @_cuda.jit(cache=True)
@@ -391,7 +399,8 @@ class BranchedDuelingC51Head:
     def _arena(self, tag: str) -> Arena:
         acts = self._acts.get(tag)
         if acts is None:
-            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; call declare_acts(acts, batch, {tag!r})")
+            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; "
+                           f"call declare_acts(acts, batch, {tag!r})")
         return acts
 
     def forward(self, h, stream, tag: str = "online", role: str = "params") -> C51Outputs:
@@ -399,7 +408,8 @@ class BranchedDuelingC51Head:
         acts = self._arena(tag)
         batch = self._batch[tag]
         if tuple(h.shape) != (batch, self.hidden):
-            raise ValueError(f"{self.name}.forward({tag!r}): h has shape {tuple(h.shape)}, expected {(batch, self.hidden)}")
+            raise ValueError(f"{self.name}.forward({tag!r}): h has shape {tuple(h.shape)}, "
+                             f"expected {(batch, self.hidden)}")
         if self.store is None:
             raise RuntimeError(f"{self.name}: declare_params(store) was not called")
         params, n = self.store.arenas[role], self.param_names
@@ -489,8 +499,8 @@ def dueling_forward(value, adv, layout: Arena, logits, lse, q, stream, stats: bo
         _check("probs", probs, logits.shape)
         if not stats:
             raise ValueError("c51 head: probs need the row statistics (stats=True)")
-    n_rows = batch * n_branches * max_actions
-    dueling_head_kernel[max(1, -(-n_rows // ROWS)), (LANES, ROWS), stream](
+    grid = (max(1, -(-batch // ROWS)), max_actions, n_branches)
+    dueling_head_kernel[grid, (LANES, ROWS), stream](
         value, adv, sizes, layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"], bool(stats),
         want_probs, logits, lse, q, probs if want_probs else logits)  # logits: placeholder, never written
 
