@@ -13,28 +13,7 @@ _cuda = cuda()
 ACTS = ["identity", "relu", "silu", "gelu", "gelu_tanh", "tanh", "sigmoid"]
 
 
-def dev(x, s):
-    return _cuda.to_device(np.ascontiguousarray(x), stream=s)
-
-
-def host(d, s):
-    out = d.copy_to_host(stream=s)
-    s.synchronize()
-    return out
-
-
-def assert_close(got, ref, atol, rtol):
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg="NaN positions differ")
-    ok = ~np.isnan(ref)
-    err = np.abs(got[ok] - ref[ok])
-    bound = atol + rtol * np.abs(ref[ok])
-    worst = int(np.argmax(err - bound)) if err.size else 0
-    assert np.all(err <= bound), (
-        f"max excess at ref={ref[ok][worst]!r}: got {got[ok][worst]!r} (atol {atol}, rtol {rtol})"
-    )
+from numbarl.cuda.testing import assert_close, to_device as dev, to_host as host  # noqa: E402
 
 
 def odd_size(rng, lo=300, hi=700):

@@ -29,28 +29,7 @@ BATCH, WIDTH = 16384, 512
 FLAT = 1_000_003  # ~ the optimizer's flat gradient buffer, odd on purpose
 
 
-def dev(x, s):
-    d = _cuda.to_device(np.ascontiguousarray(x), stream=s)
-    return d
-
-
-def host(d, s):
-    out = d.copy_to_host(stream=s)
-    s.synchronize()
-    return out
-
-
-def assert_close(got, ref, atol, rtol):
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg="NaN positions differ")
-    inf = np.isinf(ref)
-    np.testing.assert_array_equal(got[inf], ref[inf], err_msg="infinities differ")
-    ok = ~np.isnan(ref) & ~inf
-    err = np.abs(got[ok] - ref[ok])
-    bound = atol + rtol * np.abs(ref[ok])
-    assert np.all(err <= bound), f"max error {err.max() if err.size else 0:.3g} (atol {atol}, rtol {rtol})"
+from numbarl.cuda.testing import assert_close, to_device as dev, to_host as host  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
