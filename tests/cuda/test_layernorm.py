@@ -24,7 +24,7 @@ def params(rng, n_cols):
 def test_forward_backward_against_reference(rng):
     s = stream()
     n_rows = int(rng.integers(9, 16))  # two row blocks
-    n_cols = int(rng.integers(4 * red.LANES + 1, 5 * red.LANES))  # unrolled mean loop + remainder
+    n_cols = int(rng.integers(4 * red.LANES + 1, 5 * red.LANES + 2))  # unrolled mean loop + remainder
     x = (rng.standard_normal((n_rows, n_cols)) * 2 + 3).astype(np.float32)
     dy = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
     gamma, beta = params(rng, n_cols)

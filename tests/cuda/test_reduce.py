@@ -158,7 +158,7 @@ def test_flat_argument_errors():
 def test_row_reductions_against_reference(rng):
     s = stream()
     n_rows = int(rng.integers(9, 16))  # two row blocks, the second partly empty
-    n_cols = int(rng.integers(4 * red.LANES + 1, 5 * red.LANES))  # unrolled loop + remainder
+    n_cols = int(rng.integers(4 * red.LANES + 1, 5 * red.LANES + 2))  # unrolled loop + remainder
     big = rng.standard_normal((n_rows, n_cols + 7)).astype(np.float32)
     x = big[:, 3 : 3 + n_cols]  # a strided 2-D view on the device
     dbig = dev(big, s)
@@ -225,9 +225,9 @@ def test_col_plan_depends_on_rows_only():
 def test_col_sum_against_reference_and_accumulate(rng):
     s = stream()
     n_rows = int(rng.integers(2 * red.CHUNK_ROWS + 1, 3 * red.CHUNK_ROWS))  # three chunks
-    n_cols = int(rng.integers(red.LANES + 1, 2 * red.LANES))  # two column tiles
+    n_cols = int(rng.integers(red.LANES + 1, 2 * red.LANES + 2))  # two or more column tiles
     x = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
-    x[int(rng.integers(n_rows)), 5] = np.nan  # NaN stays in its column
+    x[int(rng.integers(n_rows)), n_cols // 2] = np.nan  # NaN stays in its column
     plan = red.ColSum(n_rows, n_cols)
     assert plan.partials.shape == (3, n_cols)
     dxx = dev(x, s)
