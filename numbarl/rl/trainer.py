@@ -202,6 +202,7 @@ class FoldTrainer:
         self.epoch = 0
         self.best_sharpe = -math.inf
         self.best_tag = None
+        self.best_val = None  # the best epoch's validation BacktestResult (not kept across a resume)
         self.val_history = []
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -347,9 +348,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         while ft.epoch < cfg.train.epochs:
             ft.run_epoch()
             # VALIDATE (logged before the checkpoint so a resume keeps it)
-            _, m, score = ft.validate()
+            val_result, m, score = ft.validate()
             if score > ft.best_sharpe or ft.best_tag is None:
-                ft.best_sharpe, ft.best_tag = score, ft.tag(ft.epoch)
+                ft.best_sharpe, ft.best_tag, ft.best_val = score, ft.tag(ft.epoch), val_result
             tag = ft.save()
             run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
             progress.log(f"fold {fold.index} epoch {ft.epoch}: val Sharpe {m.get('sharpe')} | trades "
@@ -357,7 +358,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
         best_arrays, _ = run.load_checkpoint(ft.best_tag)
         ft.agent.store.load({k.split("/", 1)[1]: v for k, v in best_arrays.items() if k.startswith("params/")})
-        val_result = ft.evaluate(fold.val)
+        val_result = ft.best_val if ft.best_val is not None else ft.evaluate(fold.val)
         test_result = ft.evaluate(fold.test)
         val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
         run.log({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m})

@@ -13,7 +13,7 @@ from numbarl.rl import trainer
 from numbarl.rl.runio import RunDir
 
 # the tiny preset, made smaller still so three runs fit in the test budget
-FAST = ["--preset", "tiny", "--quiet", "--set", "data.synth_bars_per_day=40", "--set", "train.collect_steps_per_epoch=4",
+FAST = ["--preset", "tiny", "--quiet", "--set", "data.synth_bars_per_day=30", "--set", "train.collect_steps_per_epoch=4",
         "--set", "train.log_interval=2", "--set", "train.learning_starts=3"]
 
 
