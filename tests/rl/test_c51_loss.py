@@ -185,6 +185,12 @@ def test_project_kernel_matches_reference(rng, done_dtype):
     dones[1] = 1
     discounts = rng.uniform(0.3, 1.0, batch).astype(np.float32)
     discounts[0], dones[0] = 1.0, 0
+    # edges: γ = 0 (one target point), rewards exactly at v_min / v_max, a reward far above the
+    # support (every atom piles on v_max)
+    rewards[2], discounts[2], dones[2] = 0.5, 0.0, 0
+    rewards[3], dones[3] = V_MIN, 1
+    rewards[4], discounts[4], dones[4] = V_MAX, 1.0, 0
+    rewards[5], dones[5] = 40.0, 0
     out = _cuda.device_array((batch, n_atoms), np.float32)
     c51.project_distribution(_dev(rewards), _dev(dones), _dev(discounts), _dev(p), _dev(support), V_MIN, V_MAX,
                              out, stream())
