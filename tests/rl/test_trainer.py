@@ -22,14 +22,25 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("numbarl-cache")
 
 
+def _invoke(*args):
+    return CliRunner().invoke(train_cmd, list(args), catch_exceptions=True)
+
+
 @pytest.fixture
 def run_cli(cache_dir, monkeypatch):
     monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+    return _invoke
 
-    def run(*args):
-        return CliRunner().invoke(train_cmd, list(args), catch_exceptions=True)
 
-    return run
+@pytest.fixture(scope="module")
+def full_run(cache_dir, tmp_path_factory):
+    """One uninterrupted tiny run, shared by the run-folder and the resume tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NUMBARL_CACHE", str(cache_dir))
+        out = tmp_path_factory.mktemp("full") / "run"
+        r = _invoke(*FAST, "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return out
 
 
 def _final_params(path):
@@ -42,10 +53,8 @@ def _metrics(path):
     return [(f["fold"], f["val"], f["test"], f["val_sharpe_per_epoch"]) for f in summary["folds"]]
 
 
-def test_tiny_run_leaves_complete_run_folder(run_cli, tmp_path):
-    out = tmp_path / "run"
-    r = run_cli(*FAST, "--out", str(out))
-    assert r.exit_code == 0, r.output + repr(r.exception)
+def test_tiny_run_leaves_complete_run_folder(full_run):
+    out = full_run
     for name in ("config.json", "run.json", "metrics.jsonl", "metrics.csv", "summary.json", "report.html", "report.png",
                  "trades_val.csv", "trades_test.csv", "checkpoints/latest.json", "checkpoints/best.json"):
         assert (out / name).is_file(), name
@@ -64,11 +73,8 @@ def test_tiny_run_leaves_complete_run_folder(run_cli, tmp_path):
     assert w["train"][1] <= w["val"][0] and w["val"][1] <= w["test"][0]
 
 
-def test_resume_equals_uninterrupted(run_cli, tmp_path, monkeypatch):
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    r = run_cli(*FAST, "--out", str(full))
-    assert r.exit_code == 0, r.output + repr(r.exception)
-
+def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
+    full, killed = full_run, tmp_path / "killed"
     original = trainer.FoldTrainer.collect_once
 
     def dying(self):  # the process dies in the middle of epoch 2, after the epoch-1 checkpoint
