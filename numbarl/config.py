@@ -223,7 +223,7 @@ class Config:
 PRESETS: dict[str, Config] = {
     "tiny": Config(
         preset="tiny",
-        data=DataConfig(synth_sessions=6, synth_scale="tiny", synth_bars_per_day=60),
+        data=DataConfig(synth_sessions=6, synth_scale="tiny", synth_bars_per_day=30),
         agent=AgentConfig(trunk=(16,), n_atoms=11, batch_size=16, replay_capacity=256, n_step=2,
                           target_period=4, lr=1e-3),
         train=TrainConfig(n_envs=4, epochs=2, collect_steps_per_epoch=6, learning_starts=3,
