@@ -77,9 +77,13 @@ def test_metrics_match_independent_empyrical_implementation(rng):
     for p in range(pnl.shape[0]):
         want = empyrical_reference(pnl[p], pos[p], session, trades[trades.policy == p], bpd, capital)
         got, reasons = m.policy(p)
-        assert reasons == {}
+        # a random policy can end with no losing trades: then (and only then) a ratio is NaN with a
+        # reason, and the independent reference must be degenerate (NaN or inf) there too
+        for name in reasons:
+            assert math.isnan(got[name]) and not math.isfinite(want[name]), (name, reasons[name], want[name])
         for name in M.METRIC_NAMES:
-            assert got[name] == pytest.approx(want[name], rel=RTOL, abs=1e-12), name
+            if name not in reasons:
+                assert got[name] == pytest.approx(want[name], rel=RTOL, abs=1e-12), name
 
 
 def test_hand_computed_small_case():
