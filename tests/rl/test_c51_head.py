@@ -2,6 +2,8 @@
 kernels / the whole layer under the simulator on odd shapes (B=5, H=7, branches (3, 2, 4), 11 atoms)."""
 
 import numpy as np
+
+from numbarl.cuda.testing import to_device, to_host
 import pytest
 
 from numbarl.cuda.runtime import Arena, cuda, stream
@@ -19,13 +21,11 @@ V_MIN, V_MAX = -2.0, 3.0
 
 
 def _dev(x):
-    return _cuda.to_device(np.ascontiguousarray(x), stream=stream())
+    return to_device(x, stream())
 
 
 def _host(x):
-    out = x.copy_to_host(stream=stream())
-    stream().synchronize()
-    return out
+    return to_host(x, stream())
 
 
 def _close(actual, expected, atol=2e-5, rtol=2e-4, what=""):

@@ -1,6 +1,8 @@
 """C51 projection (Eq. 7), double-DQN target and cross-entropy: references, hand cases, kernels."""
 
 import numpy as np
+
+from numbarl.cuda.testing import to_device, to_host
 import pytest
 
 from numbarl.cuda.runtime import cuda, stream
@@ -14,13 +16,11 @@ V_MIN, V_MAX = -2.0, 3.0
 
 
 def _dev(x):
-    return _cuda.to_device(np.ascontiguousarray(x), stream=stream())
+    return to_device(x, stream())
 
 
 def _host(x):
-    out = x.copy_to_host(stream=stream())
-    stream().synchronize()
-    return out
+    return to_host(x, stream())
 
 
 def _close(actual, expected, atol=2e-5, rtol=2e-4, what=""):
