@@ -14,6 +14,13 @@ import sys
 
 _ENV = "NUMBA_ENABLE_CUDASIM"
 
+# The simulator runs every thread of a block as a Python thread while the launching thread polls
+# them in a busy loop; with Python's default 5 ms GIL switch interval most of a block's time is
+# that poll holding the GIL. 0.1 ms makes simulated kernels 4-8x faster (measured on the C51 head
+# kernel: 1.9 s -> 0.25 s per launch). Applied once, only when the simulator is selected.
+SIM_SWITCH_INTERVAL_S = 1e-4
+_tuned = False
+
 
 def gpu_present() -> bool:
     """True when the CUDA driver loads and reports at least one device."""
@@ -46,6 +53,8 @@ def select(simulate: bool | None = None) -> bool:
                 "numba.cuda was imported before numbarl.cuda.backend.select(); the backend can no "
                 f"longer switch to {'the simulator' if simulate else 'the GPU'}. Call select() first."
             )
+        if active:
+            _tune_simulator()
         return active
     if simulate is None:
         simulate = os.environ.get(_ENV, "") == "1" or not gpu_present()
@@ -57,7 +66,16 @@ def select(simulate: bool | None = None) -> bool:
         from numba.core import config
 
         config.reload_config()
+    if simulate:
+        _tune_simulator()
     return simulate
+
+
+def _tune_simulator() -> None:
+    global _tuned
+    if not _tuned:
+        sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
+        _tuned = True
 
 
 def simulator_active() -> bool:
