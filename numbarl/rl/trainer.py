@@ -125,6 +125,11 @@ def _finite(x):
     return float(x) if x is not None and math.isfinite(float(x)) else None
 
 
+def _num(x, spec: str = ".3g") -> str:
+    """A metric for a log line: compact, and 'n/a' for a missing (degenerate) value."""
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
 def metrics_dict(metrics, p: int = 0) -> dict:
     values, reasons = metrics.policy(p)
     out = {k: _finite(v) for k, v in values.items()}
@@ -145,6 +150,24 @@ class Progress:
 
             self._console = Console(stderr=True)
         self._last_width = 0
+        self.total_steps = 0  # collect steps this run will take (all folds), for the ETA
+        self.done_steps = 0
+        self._t0 = time.perf_counter()
+
+    def plan(self, total_steps: int):
+        self.total_steps, self.done_steps, self._t0 = int(total_steps), 0, time.perf_counter()
+
+    def step_done(self):
+        self.done_steps += 1
+
+    def eta(self) -> str:
+        """Remaining wall time from the mean time per collect step so far (validation included)."""
+        if not self.done_steps or not self.total_steps:
+            return "--"
+        left = (time.perf_counter() - self._t0) / self.done_steps * max(self.total_steps - self.done_steps, 0)
+        m, sec = divmod(int(round(left)), 60)
+        h, m = divmod(m, 60)
+        return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
     def log(self, msg: str):
         if self.live:
@@ -236,6 +259,7 @@ class FoldTrainer:
         else:
             self.collect_graph.replay(self.stream)
         self.collect_steps += 1
+        self.progress.step_done()
 
     def train_once(self):
         if self.train_graph is None:
@@ -264,8 +288,9 @@ class FoldTrainer:
                 self.run.log(record)
                 self.progress.status(
                     f"fold {self.fold.index} epoch {self.epoch + 1}/{t.epochs} step {self.collect_steps} "
-                    f"| {env_steps_per_s:,.0f} env-steps/s | loss {stats['loss']:.4f} | eps {stats['epsilon']:.3f} "
-                    f"| last val Sharpe {self.val_history[-1] if self.val_history else float('nan'):.2f}")
+                    f"| {_num(env_steps_per_s)} env-steps/s | loss {stats['loss']:.4f} | eps {stats['epsilon']:.3f} "
+                    f"| last val Sharpe {_num(self.val_history[-1] if self.val_history else None, '.2f')} "
+                    f"| ETA {self.progress.eta()}")
                 if stats["nonfinite_step"] >= 0:
                     self.stop_nonfinite(stats)
         self.epoch += 1
@@ -333,6 +358,10 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                           "device": device_name(), "preset": cfg.preset, "bars_per_day": cache.bars_per_day,
                           "data": str(cache.path)}
     done_folds = {f["fold"] for f in summary["folds"]}
+    steps_left = sum(cfg.train.epochs for f in folds if f.index not in done_folds) * cfg.train.collect_steps_per_epoch
+    if resume is not None:
+        steps_left -= resume[1]["collect_steps"]
+    progress.plan(steps_left)
     t_start = time.time()
     for fold in folds:
         if fold.index in done_folds:
@@ -353,8 +382,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                 ft.best_sharpe, ft.best_tag, ft.best_val = score, ft.tag(ft.epoch), val_result
             tag = ft.save()
             run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
-            progress.log(f"fold {fold.index} epoch {ft.epoch}: val Sharpe {m.get('sharpe')} | trades "
-                         f"{m.get('n_trades')} | return {m.get('total_return')} | checkpoint {tag}")
+            progress.log(f"fold {fold.index} epoch {ft.epoch}: val Sharpe {_num(m.get('sharpe'), '.2f')} | trades "
+                         f"{_num(m.get('n_trades'), '.0f')} | return {_num(m.get('total_return'), '.3%')} "
+                         f"| checkpoint {tag}")
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
         best_arrays, _ = run.load_checkpoint(ft.best_tag)
         ft.agent.store.load({k.split("/", 1)[1]: v for k, v in best_arrays.items() if k.startswith("params/")})
@@ -381,9 +411,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         summary["wall_time_s"] = summary.get("wall_time_s", 0.0) + (time.time() - t_start)
         t_start = time.time()
         run.write_summary(summary)
-        progress.log(f"fold {fold.index} test: Sharpe {test_m.get('sharpe')} | return {test_m.get('total_return')} "
-                     f"| trades {test_m.get('n_trades')}"
-                     + (f" | oracle Sharpe {entry['oracle_test'].get('sharpe')}" if oracle is not None else ""))
+        progress.log(f"fold {fold.index} test: Sharpe {_num(test_m.get('sharpe'), '.2f')} | return "
+                     f"{_num(test_m.get('total_return'), '.3%')} | trades {_num(test_m.get('n_trades'), '.0f')}"
+                     + (f" | oracle Sharpe {_num(entry['oracle_test'].get('sharpe'), '.2f')}" if oracle is not None else ""))
     run.write_csv()
     from numbarl.rl.report import write_report
 
