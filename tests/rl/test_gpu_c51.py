@@ -274,7 +274,10 @@ def test_peer_graphed_step_matches_eager_step(rng):
     learner = Learner(rng, batch=1024)
     tb = batch_to_torch(_batch(rng, 1024))
     kw = dict(lr=1e-3, max_grad_norm=1.0, target_tau=0.01)
-    eager, graphed = _peer(learner, **kw), _peer(learner, capturable=True, **kw)
+    # both capturable: the same AdamW arithmetic (the step count on the GPU), so the only difference
+    # is eager launches vs one graph; Adam's m/sqrt(v) amplifies rounding where grads are ~0, so
+    # two optimizer variants would not agree to a useful tolerance
+    eager, graphed = _peer(learner, capturable=True, **kw), _peer(learner, capturable=True, **kw)
     for _ in range(6):
         eager.optimizer.zero_grad(set_to_none=True)
         eager.train_step(tb)
@@ -292,4 +295,4 @@ def test_peer_graphed_step_matches_eager_step(rng):
             # capturable AdamW differs from the default (foreach) one in rounding, and Adam's
             # normalised step turns a 1e-7 gradient difference on a near-zero moment into a
             # visible one: 1e-2 of the update still catches a wrong or missing step
-            _rel_close(b[k] - start[k], a[k] - start[k], rel=1e-2, what=f"{which} update of {k}")
+            _rel_close(b[k] - start[k], a[k] - start[k], rel=1e-3, what=f"{which} update of {k}")

@@ -42,17 +42,20 @@ branches shorter than max_actions are never read as actions):
     per_sample     float32 [B]                               (1/n_branches) Σ_k CE[b, k], unweighted
     loss           float32 [1]                               L above
 
-Thread mapping (two launches):
-  * `c51_loss_kernel`: one row of LANES = 32 threads per (b, k), ROWS = 8 rows per block. Lane l
-    owns atoms i = l, l + 32, ...: Eq. 7's m_i as the dense sum over j (`project_atom_dev`, the
-    same device function as the standalone `project_distribution`), the CE terms, and coalesced
-    stores of d_logits (gradient row and the zeros of the other actions / padding). Row maxima and
-    sums are folded in lane order through shared memory (`numbarl.cuda.reduce.row_fold`).
+Thread mapping (three launches; grids are (sample chunk, branch[, action]) so that no thread
+divides an index, 64-bit integer division being slow on the GPU):
+  * `c51_target_kernel`, one thread per (b, k): the argmax over next_q, Eq. 7 into
+    target_dist[b, k, :] by `project_row_dev` (the dense sum evaluated as a two-pointer sweep over
+    its non-zero terms: O(Z) instead of Z², same sums), the log-sum-exp of the taken action's
+    logits and CE[b, k];
+  * `c51_grad_kernel`, elementwise over d_logits: coalesced stores of the gradient row and of the
+    zeros (other actions, padding);
   * `c51_loss_reduce_kernel`, ONE block: per-sample means over branches and the scalar loss, by a
     fixed strided order then a fixed shared-memory tree: the same inputs give the same bits on
     every run (no atomics).
 Measured on the H200 (B = 16,384, 4 branches, 51 atoms): a first version with one thread per
-(b, k) doing the Z² hat evaluations alone and row-strided d_logits stores took 0.62 ms.
+(b, k) doing the Z² hat evaluations and row-strided d_logits stores took 0.62 ms; one 32-lane
+group per (b, k) with the dense sum spread over lanes was slower than this split.
 """
 
 from __future__ import annotations
@@ -61,16 +64,19 @@ import math
 
 import numpy as np
 
-from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda.runtime import Arena, cuda, simulator
 
 _cuda = cuda()  # selects the backend (GPU or simulator) before numba is imported below
 
-from numba import float32, njit  # noqa: E402  (numba must be imported after the backend switch)
+from numba import njit  # noqa: E402  (numba must be imported after the backend switch)
 
-from numbarl.cuda.reduce import LANES, OP_MAX, OP_SUM, ROWS, row_fold  # noqa: E402
-
-BLOCK = 128  # threads per block of the elementwise projection kernel
-REDUCE_BLOCK = 256  # threads of the single-block loss reduction (power of two)
+# Launch shapes. Under the simulator every thread is a Python thread, so the same kernels run
+# with small blocks (one thread walks a whole atom row): results are the same sums in the same order.
+_SIM = simulator()
+BLOCK = 16 if _SIM else 128  # threads per block of the per-(sample, branch) kernels
+EW_ATOMS = 1 if _SIM else 64  # block x of the elementwise kernels: threads along the atoms (loop beyond)
+EW_ROWS = 8 if _SIM else 4  # block y of the elementwise kernels: samples per block
+REDUCE_BLOCK = 16 if _SIM else 256  # threads of the single-block loss reduction (power of two)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -240,13 +246,34 @@ def hat_weight(target_z, z_i, inv_delta_z):
 
 
 @_cuda.jit(device=True)
-def project_atom_dev(i, reward, gamma, probs_row, support, v_min, v_max, inv_delta_z):
-    """m_i of Eq. 7 for one sample: Σ_j hat(T z_j, z_i) · p_j, dense, in the order j = 0..Z-1."""
-    z_i = support[i]
-    m = _ZERO
-    for j in range(support.shape[0]):
-        m += hat_weight(target_atom(reward, gamma, support[j], v_min, v_max), z_i, inv_delta_z) * probs_row[j]
-    return m
+def project_row_dev(reward, gamma, probs_row, support, v_min, v_max, inv_delta_z, out_row):
+    """out_row[i] = m_i of Eq. 7 for one sample, i = 0..Z-1: the dense sum over j in the order
+    j = 0..Z-1 with its zero terms skipped.
+
+    γ >= 0 makes T z_j non-decreasing in j, so the j with a non-zero hat for z_i form one
+    contiguous run whose start only moves right as i grows: a two-pointer sweep visits O(Z) pairs
+    instead of Z². The skipped terms are exactly 0 (hat = 0), so each sum equals the dense one.
+    """
+    n_atoms = support.shape[0]
+    lo = 0  # first j whose target may still reach z_i's hat
+    for i in range(n_atoms):
+        z_i = support[i]
+        while lo < n_atoms:
+            target_z = target_atom(reward, gamma, support[lo], v_min, v_max)
+            if target_z < z_i and hat_weight(target_z, z_i, inv_delta_z) == _ZERO:
+                lo += 1  # below z_i's hat, hence below every later atom's
+            else:
+                break
+        m = _ZERO
+        j = lo
+        while j < n_atoms:
+            target_z = target_atom(reward, gamma, support[j], v_min, v_max)
+            w = hat_weight(target_z, z_i, inv_delta_z)
+            if w == _ZERO and target_z > z_i:
+                break  # above z_i's hat: so are all later j
+            m += w * probs_row[j]
+            j += 1
+        out_row[i] = m
 
 
 @_cuda.jit(device=True)
@@ -262,95 +289,88 @@ def bootstrap_gamma_dev(discounts, dones, b):
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
 def project_distribution_kernel(rewards, dones, discounts, next_probs, support, v_min, v_max, inv_delta_z, out):
-    """out[b, i] = m_i (Eq. 7) for next_probs [B, Z]; one thread per (b, i), coalesced over i."""
-    t = _cuda.grid(1)
-    n_atoms = support.shape[0]
-    if t >= out.shape[0] * n_atoms:
+    """out[b, :] = Eq. 7 projection of next_probs[b, :]; one thread per sample b."""
+    b = _cuda.grid(1)
+    if b >= out.shape[0]:
         return
-    b = t // n_atoms
-    i = t - b * n_atoms
     gamma = bootstrap_gamma_dev(discounts, dones, b)
-    out[b, i] = project_atom_dev(i, rewards[b], gamma, next_probs[b], support, v_min, v_max, inv_delta_z)
+    project_row_dev(rewards[b], gamma, next_probs[b], support, v_min, v_max, inv_delta_z, out[b])
 
 
 @_cuda.jit(cache=True)
-def c51_loss_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, weights, use_weights,
-                    support, branch_sizes, v_min, v_max, inv_delta_z, grad_scale, target_dist, ce, d_logits):
-    """One row of LANES threads per (sample b, branch k); block (LANES, ROWS) holds ROWS samples of
-    one branch k = blockIdx.y.
-
-    Every lane finds a* (A_k broadcast reads); lane l owns atoms i = l, l + LANES, ...: Eq. 7's
-    m_i (dense sum over j), the taken action's logits for the log-sum-exp, the CE terms and the
-    d_logits stores (coalesced). Row folds (max, Σexp, CE) go through shared memory in lane order
-    (reduce.row_fold). An action outside the branch gives CE = NaN and zero gradients. No early
-    return: rows past the end still reach every barrier.
+def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
+                      branch_sizes, v_min, v_max, inv_delta_z, target_dist, lse, ce):
+    """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
+    Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
+    into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
+    an out-of-bounds read.
     """
-    fold_max = _cuda.shared.array((ROWS, LANES), float32)
-    fold_sum = _cuda.shared.array((ROWS, LANES), float32)
-    fold_ce = _cuda.shared.array((ROWS, LANES), float32)
-    lane = _cuda.threadIdx.x
-    ty = _cuda.threadIdx.y
-    b = _cuda.blockIdx.x * ROWS + ty  # grid (ceil(B / ROWS), n_branches): no integer division
+    b = _cuda.blockIdx.x * BLOCK + _cuda.threadIdx.x
     k = _cuda.blockIdx.y
-    batch, _, max_actions, n_atoms = online_logits.shape
-    valid = b < batch
-    taken = -1
-    live = False
-    if valid:
-        taken = actions[b, k]
-        live = taken >= 0 and taken < branch_sizes[k]
+    if b >= online_logits.shape[0]:
+        return
+    n_actions = branch_sizes[k]
+    n_atoms = support.shape[0]
+    taken = actions[b, k]
+    if taken < 0 or taken >= n_actions:
+        lse[b, k] = _NAN
+        ce[b, k] = _NAN
+        return
 
-    # log-sum-exp of the online logits at the taken action (max-shifted)
+    # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins)
+    best = 0
+    best_q = next_q[b, k, 0]
+    for a in range(1, n_actions):
+        q = next_q[b, k, a]
+        if q > best_q:
+            best_q = q
+            best = a
+    gamma = bootstrap_gamma_dev(discounts, dones, b)
+    m_row = target_dist[b, k]
+    project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, v_min, v_max, inv_delta_z, m_row)
+
+    # log-sum-exp of the online logits at the taken action, then CE = -Σ m_i log p_i
+    logits_row = online_logits[b, k, taken]
     mx = _NEG_INF
-    if live:
-        i = lane  # (while loops: range() with a step divides to get its trip count)
-        while i < n_atoms:
-            mx = max(mx, online_logits[b, k, taken, i])
-            i += LANES
-    mx = row_fold(fold_max, ty, lane, mx, OP_MAX)
+    for i in range(n_atoms):
+        mx = max(mx, logits_row[i])
     total = _ZERO
-    if live:
-        i = lane
-        while i < n_atoms:
-            total += math.exp(online_logits[b, k, taken, i] - mx)
-            i += LANES
-    total = row_fold(fold_sum, ty, lane, total, OP_SUM)
-
+    for i in range(n_atoms):
+        total += math.exp(logits_row[i] - mx)
+    log_norm = mx + math.log(total)
+    lse[b, k] = log_norm
     acc = _ZERO
-    if live:
-        log_norm = mx + math.log(total)
-        # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins)
-        best = 0
-        best_q = next_q[b, k, 0]
-        for a in range(1, branch_sizes[k]):
-            q = next_q[b, k, a]
-            if q > best_q:
-                best_q = q
-                best = a
-        probs_row = target_probs[b, k, best]  # [Z] target-net distribution at a*
-        gamma = bootstrap_gamma_dev(discounts, dones, b)
-        reward = rewards[b]
-        scale = grad_scale
-        if use_weights != 0:
-            scale = grad_scale * weights[b]
-        i = lane
-        while i < n_atoms:
-            m = project_atom_dev(i, reward, gamma, probs_row, support, v_min, v_max, inv_delta_z)
-            target_dist[b, k, i] = m
-            logp = online_logits[b, k, taken, i] - log_norm
-            acc -= m * logp
-            d_logits[b, k, taken, i] = scale * (math.exp(logp) - m)
-            i += LANES
-    acc = row_fold(fold_ce, ty, lane, acc, OP_SUM)
-    if valid:
-        for a in range(max_actions):  # zeros: other actions and padding (all rows when not live)
-            if a != taken or not live:
-                i = lane
-                while i < n_atoms:
-                    d_logits[b, k, a, i] = _ZERO
-                    i += LANES
-        if lane == 0:
-            ce[b, k] = acc if live else _NAN
+    for i in range(n_atoms):
+        acc -= m_row[i] * (logits_row[i] - log_norm)
+    ce[b, k] = acc
+
+
+@_cuda.jit(cache=True)
+def c51_grad_kernel(online_logits, actions, branch_sizes, target_dist, lse, weights, use_weights, grad_scale,
+                    d_logits):
+    """Thread (z, b) of d_logits row (b, k, a), grid (ceil(B / EW_ROWS), max_actions, n_branches),
+    block (EW_ATOMS, EW_ROWS): grad_scale · w_b · (softmax_z - m_z) at the taken action, 0 for
+    every other action, padding and invalid actions. Stores coalesced over z."""
+    b = _cuda.blockIdx.x * EW_ROWS + _cuda.threadIdx.y
+    a = _cuda.blockIdx.y
+    k = _cuda.blockIdx.z
+    if b >= d_logits.shape[0]:
+        return
+    n_atoms = d_logits.shape[3]
+    z = _cuda.threadIdx.x
+    taken = actions[b, k]
+    if a != taken or taken >= branch_sizes[k]:
+        while z < n_atoms:
+            d_logits[b, k, a, z] = _ZERO
+            z += EW_ATOMS
+        return
+    scale = grad_scale
+    if use_weights != 0:
+        scale = grad_scale * weights[b]
+    log_norm = lse[b, k]
+    while z < n_atoms:
+        d_logits[b, k, a, z] = scale * (math.exp(online_logits[b, k, a, z] - log_norm) - target_dist[b, k, z])
+        z += EW_ATOMS
 
 
 @_cuda.jit(cache=True)
@@ -419,7 +439,7 @@ def project_distribution(rewards, dones, discounts, next_probs, support, v_min, 
     _check("support", support, (n_atoms,), _F32)
     _check("out", out, (batch, n_atoms), _F32)
     v_min32, v_max32, inv_dz = support_scalars(n_atoms, v_min, v_max)
-    project_distribution_kernel[_grid(batch * n_atoms), BLOCK, stream](  # one thread per (b, i)
+    project_distribution_kernel[_grid(batch), BLOCK, stream](  # one thread per sample
         rewards, dones, discounts, next_probs, support, v_min32, v_max32, inv_dz, out)
 
 
@@ -432,7 +452,7 @@ def support_scalars(n_atoms: int, v_min: float, v_max: float):
 class C51Loss:
     """Plan for the fused distributional double-DQN loss: owns every buffer it writes.
 
-    Built once before capture (allocates an Arena); `__call__` only launches two kernels:
+    Built once before capture (allocates an Arena); `__call__` only launches three kernels:
 
         loss_fn = C51Loss(batch=16384, branch_sizes=(3, 3, 4, 4), n_atoms=51, v_min=-10, v_max=10)
         loss_fn(online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
@@ -464,6 +484,7 @@ class C51Loss:
         arena.add("d_logits", (self.batch, self.n_branches, self.max_actions, self.n_atoms), np.float32)
         arena.add("ce", (self.batch, self.n_branches), np.float32)
         arena.add("target_dist", (self.batch, self.n_branches, self.n_atoms), np.float32)
+        arena.add("lse", (self.batch, self.n_branches), np.float32)
         arena.add("per_sample", (self.batch,), np.float32)
         arena.add("loss", (1,), np.float32)
         arena.add("support", (self.n_atoms,), np.float32)
@@ -506,7 +527,7 @@ class C51Loss:
 
     def __call__(self, online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
                  weights=None) -> None:
-        """Enqueue loss + d_logits (two launches; no allocation, copy or sync: capturable)."""
+        """Enqueue loss + d_logits (three launches; no allocation, copy or sync: capturable)."""
         b, nb, na, nz = self.batch, self.n_branches, self.max_actions, self.n_atoms
         _check("online_logits", online_logits, (b, nb, na, nz), _F32)
         _check("target_probs", target_probs, (b, nb, na, nz), _F32)
@@ -520,9 +541,12 @@ class C51Loss:
             weights = self.per_sample  # any float32 [B]; never read when use_weights == 0
         else:
             _check("weights", weights, (b,), _F32)
-        c51_loss_kernel[(max(1, -(-b // ROWS)), nb), (LANES, ROWS), stream](
-            online_logits, actions, next_q, target_probs, rewards, dones, discounts, weights, use_weights,
-            self.support, self.arena["branch_sizes"], self.v_min, self.v_max, self.inv_delta_z, self.grad_scale,
-            self.target_dist, self.ce, self.d_logits)
+        lse, target_dist = self.arena["lse"], self.target_dist
+        c51_target_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
+            online_logits, actions, next_q, target_probs, rewards, dones, discounts, self.support,
+            self.arena["branch_sizes"], self.v_min, self.v_max, self.inv_delta_z, target_dist, lse, self.ce)
+        c51_grad_kernel[(max(1, -(-b // EW_ROWS)), na, nb), (EW_ATOMS, EW_ROWS), stream](
+            online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
+            self.grad_scale, self.d_logits)
         c51_loss_reduce_kernel[1, REDUCE_BLOCK, stream](
             self.ce, weights, use_weights, self.inv_branches, self.inv_batch, self.per_sample, self.loss)
