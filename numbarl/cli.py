@@ -110,7 +110,7 @@ def backtest_main():
 # numbarl-bench
 # ---------------------------------------------------------------------------------------------
 BENCHES = {"runtime": "numbarl.bench.runtime", "kernels": "numbarl.bench.kernels",
-           "env": "numbarl.bench.env", "train": "numbarl.bench.train"}
+           "env": "numbarl.bench.env", "head": "numbarl.bench.head", "train": "numbarl.bench.train"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "ignore_unknown_options": True})
@@ -119,7 +119,8 @@ BENCHES = {"runtime": "numbarl.bench.runtime", "kernels": "numbarl.bench.kernels
 @click.option("--simulate", is_flag=True, help="Force the numba CUDA simulator (only --check makes sense there).")
 def bench_cmd(what, args, simulate):
     """GPU benchmarks: runtime (launch overhead, GEMM vs torch), kernels (reductions), env
-    (env steps/s, backtest bar-steps/s), train (train step vs PyTorch), or all."""
+    (env steps/s, backtest bar-steps/s), head (the C51 head's dueling softmax per pass), train
+    (train step vs PyTorch; --profile lists GPU time per kernel), or all."""
     backend.select(True if simulate else None)
     import importlib
 

@@ -119,7 +119,7 @@ class AgentConfig:
         for w in self.trunk:
             _check("agent", "trunk[]", w, lo=1, hi=16384)
         _check("agent", "activation", self.activation, choices=("relu", "silu"))
-        _check("agent", "n_atoms", self.n_atoms, lo=2, hi=1024)
+        _check("agent", "n_atoms", self.n_atoms, lo=2, hi=512)  # the head keeps a sample's rows in shared memory
         if not self.v_min < self.v_max:
             raise ConfigError(f"agent.v_min = {self.v_min} must be < agent.v_max = {self.v_max}")
         _check("agent", "gamma", self.gamma, lo=0.0, hi=1.0)

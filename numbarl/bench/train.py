@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -60,6 +61,50 @@ def _time_graph(graph, stream, iters: int, repeats: int = 5) -> float:
         end.synchronize()
         times.append(c.event_elapsed_time(start, end) / iters)
     return statistics.median(times)
+
+
+def kernel_name(mangled: str) -> str:
+    """Readable kernel name: the function of a numba kernel's Itanium-mangled name, others cut short."""
+    if mangled.startswith("_ZN"):
+        i, parts = 3, []
+        while i < len(mangled) and mangled[i].isdigit():
+            j = i
+            while mangled[j].isdigit():
+                j += 1
+            n = int(mangled[i:j])
+            parts.append(mangled[j:j + n])
+            i = j + n
+        if parts:
+            return parts[-1]
+    return mangled[:90]
+
+
+def kernel_profile(step_fn, s, steps: int = 10) -> dict:
+    """GPU time per kernel of one step (CUPTI through torch.profiler; the step runs eagerly, so each
+    launch is timed alone): {kernel: {"calls": per step, "us": per step}}, empty without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {}
+    step_fn(s)
+    s.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn(s)
+        s.synchronize()
+    out: dict = {}
+    for evt in prof.events():
+        dev = str(getattr(evt, "device_type", ""))
+        if "CUDA" not in dev:
+            continue
+        us = getattr(evt, "device_time", None)
+        if us is None:
+            us = getattr(evt, "cuda_time", 0.0)
+        name = kernel_name(evt.name)
+        slot = out.setdefault(name, {"calls": 0.0, "us": 0.0})
+        slot["calls"] += 1.0 / steps
+        slot["us"] += float(us) / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
 
 
 def _relerr(a, b) -> float:
@@ -108,6 +153,9 @@ def run(args) -> dict:
             "optimizer (norm, clip, AdamW, target)": lambda st: agent.optim.step(st),
         }
         r["phases_ms"] = {name: _time_graph(cuda_graph.capture(fn, s), s, iters=50) for name, fn in phases.items()}
+        if getattr(args, "profile", False):
+            r["kernels_train"] = kernel_profile(agent.train_step, s)
+            r["kernels_collect"] = kernel_profile(lambda st: agent.collect_step(env, st), s)
         results["numbarl"][compute] = r
         if compute == "fp32":
             results["check"] = _check_against_peer(agent, s)
@@ -199,6 +247,15 @@ def table(results: dict) -> str:
     lines.append("phases (fp32 / tf32, ms, each captured alone):")
     for name in nb["fp32"]["phases_ms"]:
         lines.append(f"  {name:<44}{nb['fp32']['phases_ms'][name]:>8.3f}{nb['tf32']['phases_ms'][name]:>8.3f}")
+    for prec in ("fp32", "tf32"):
+        for what in ("train", "collect"):
+            prof = nb[prec].get(f"kernels_{what}")
+            if not prof:
+                continue
+            total = sum(v["us"] for v in prof.values())
+            lines.append(f"kernels of one eager {what} step ({prec}): {total:.1f} us of GPU time")
+            for name, v in prof.items():
+                lines.append(f"  {name[:60]:<60}{v['calls']:>6.1f} x{v['us']:>10.1f} us{100 * v['us'] / max(total, 1e-9):>6.1f}%")
     return "\n".join(lines)
 
 
@@ -212,6 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, default=64)
     p.add_argument("--bars", type=int, default=200_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="also list GPU time per kernel (needs torch)")
     args = p.parse_args(argv)
     if backend.simulator_active():
         print("numbarl-bench train needs a GPU (the simulator cannot time kernels)", file=sys.stderr)
@@ -221,6 +279,12 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
+    if args.profile:
+        # after a CUPTI session (torch.profiler) the interpreter's teardown of the CUDA libraries
+        # can abort ("double free", seen on the H200): everything is written, so leave directly
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

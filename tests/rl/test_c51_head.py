@@ -116,7 +116,7 @@ def test_dueling_forward_kernel_matches_reference(rng):
     shape = (BATCH, len(SIZES), max(SIZES), N_ATOMS)
     logits, probs = _cuda.device_array(shape, np.float32), _cuda.device_array(shape, np.float32)
     q, lse = _cuda.device_array(shape[:3], np.float32), _cuda.device_array(shape[:3], np.float32)
-    c51_head.dueling_forward(_dev(value), _dev(adv), layout, logits, lse, q, stream(), probs=probs)
+    c51_head.dueling_forward(_dev(value), _dev(adv), layout, stream(), logits=logits, lse=lse, q=q, probs=probs)
     ref_logits = c51_head.dueling_combine_ref(value, adv, SIZES)
     ref_probs, ref_q = c51_head.distribution_ref(ref_logits, support, SIZES)
     got_logits, got_probs, got_q = _host(logits), _host(probs), _host(q)
@@ -186,26 +186,35 @@ def test_layer_forward_backward_matches_reference(rng):
 
 
 def test_layer_outputs_per_pass(rng):
-    """A pass declared with outputs=("q",) computes Q (and no probs); ("logits",) only logits."""
+    """Each pass computes exactly the outputs it declared (one launch), each equal to the reference;
+    B = 9 leaves a partial block."""
     head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX)
     store = ParamStore()
     head.declare_params(store)
     store.allocate()
     p = _named(store.init(rng), head)
     acts = Arena("acts")
-    head.declare_acts(acts, BATCH, "next", backward=False, outputs=("q",))
-    head.declare_acts(acts, BATCH, "online", outputs=("logits",))
+    batch = 9
+    declared = {"next": ("q",), "online": ("logits",), "target": ("probs",), "both": ("logits", "q")}
+    for tag, outputs in declared.items():
+        head.declare_acts(acts, batch, tag, backward=(tag == "online"), outputs=outputs)
     acts.allocate()
-    h = rng.standard_normal((BATCH, HIDDEN)).astype(np.float32)
-    nxt = head.forward(_dev(h), stream(), tag="next")
-    online = head.forward(_dev(h), stream(), tag="online")
-    assert nxt.probs is None and online.probs is None and online.q is None
-    ref_logits, _, ref_q = c51_head.head_forward_ref(h, p["w_value"], p["b_value"], p["w_adv"], p["b_adv"], SIZES,
-                                                    head.support_host)
-    _close(_host(nxt.q), ref_q, what="q")
-    _close(_host(online.logits), ref_logits, what="logits")
-    with pytest.raises(ValueError, match="unknown outputs"):
+    h = rng.standard_normal((batch, HIDDEN)).astype(np.float32)
+    ref_logits, ref_probs, ref_q = c51_head.head_forward_ref(h, p["w_value"], p["b_value"], p["w_adv"], p["b_adv"],
+                                                            SIZES, head.support_host)
+    refs = {"logits": ref_logits, "probs": ref_probs, "q": ref_q}
+    for tag, outputs in declared.items():
+        out = head.forward(_dev(h), stream(), tag=tag)
+        for what in ("logits", "probs", "q"):
+            got = getattr(out, what)
+            if what not in outputs:
+                assert got is None, (tag, what)
+            else:
+                _close(_host(got), refs[what], atol=1e-6 if what == "probs" else 2e-5, what=f"{tag} {what}")
+    with pytest.raises(ValueError, match="non-empty subset"):
         head.declare_acts(Arena("more"), BATCH, "bad", outputs=("value",))
+    with pytest.raises(ValueError, match="non-empty subset"):
+        head.declare_acts(Arena("more"), BATCH, "bad", outputs=())
 
 
 def test_layer_tags_and_roles_are_independent(rng):

@@ -44,6 +44,7 @@ threads touch adjacent atoms (coalesced), each loops over the branches and their
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -53,8 +54,21 @@ from numbarl.cuda.runtime import Arena, cuda
 _cuda = cuda()  # selects the backend (GPU or simulator) before numba-using modules are imported
 
 from numbarl.cuda import blas  # noqa: E402
-from numbarl.rl.losses.c51 import BLOCK, EW_ATOMS, EW_ROWS, make_support  # noqa: E402  (launch shapes)
+from numba import float32  # noqa: E402
+
+from numbarl.cuda.runtime import simulator  # noqa: E402
+from numbarl.rl.losses.c51 import EW_ATOMS, EW_ROWS, make_support  # noqa: E402  (launch shapes)
 from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init  # noqa: E402
+
+# Forward launch shape: HEAD_SAMPLES samples per block, HEAD_TX lanes along the atoms, HEAD_TY
+# thread rows. Under the simulator (every thread a Python thread): 4 threads, lanes walk whole rows.
+# NUMBARL_HEAD_TY / NUMBARL_HEAD_SAMPLES override them for tuning (`python -m numbarl.bench.head`).
+_SIM = simulator()
+HEAD_TX = 1 if _SIM else 64
+HEAD_TY = int(os.environ.get("NUMBARL_HEAD_TY", 4 if _SIM else 2))
+HEAD_THREADS = HEAD_TX * HEAD_TY
+HEAD_SAMPLES = int(os.environ.get("NUMBARL_HEAD_SAMPLES", 4 if _SIM else 8))  # at most (shared memory)
+SHARED_BYTES_MAX = 48 * 1024  # dynamic shared memory a block may use without an opt-in
 
 _ZERO = np.float32(0.0)
 _NEG_INF = np.float32(-np.inf)
@@ -156,86 +170,143 @@ def head_backward_ref(h, w_value, w_adv, d_logits, branch_sizes):
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@_cuda.jit(device=True)
-def dueling_logit_dev(value, adv, b, z, first, a, n_actions, inv_n, n_atoms):
-    """V[b, z] + A[b, k, a, z] - mean_a' A[b, k, a', z]; first = column of (branch k, action 0)."""
-    s = _ZERO
-    for a2 in range(n_actions):
-        s += adv[b, first + a2 * n_atoms + z]
-    return value[b, z] + adv[b, first + a * n_atoms + z] - s * inv_n
-
-
 @_cuda.jit(cache=True)
-def dueling_logits_kernel(value, adv, branch_sizes, branch_offsets, branch_inv_sizes, logits):
-    """Thread (z, b) of row (b, k, a): grid (ceil(B / EW_ROWS), max_actions, n_branches), block
-    (EW_ATOMS, EW_ROWS); stores coalesced over z, padding rows -inf."""
-    b = _cuda.blockIdx.x * EW_ROWS + _cuda.threadIdx.y
-    a = _cuda.blockIdx.y
-    k = _cuda.blockIdx.z
-    if b >= logits.shape[0]:
-        return
-    n_atoms = logits.shape[3]
-    n_actions = branch_sizes[k]
-    z = _cuda.threadIdx.x
-    if a >= n_actions:  # padding: defined, never NaN
-        while z < n_atoms:
-            logits[b, k, a, z] = _NEG_INF
-            z += EW_ATOMS
-        return
-    first = branch_offsets[k] * n_atoms
-    inv_n = branch_inv_sizes[k]
-    while z < n_atoms:
-        logits[b, k, a, z] = dueling_logit_dev(value, adv, b, z, first, a, n_actions, inv_n, n_atoms)
-        z += EW_ATOMS
+def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, branch_inv_sizes, support,
+                        max_actions, samples, want_logits, want_stats, want_probs, logits, lse, q, probs):
+    """One block per `samples` samples, block (HEAD_TX, HEAD_TY), dynamic shared memory
+    (`head_shared_floats`): the block's value and advantage rows are loaded once, coalesced, and
+    every output is computed from shared memory. value [B·Z] and adv [B·ΣA·Z] are flat views.
 
+    1. load  V [S, Z] and A [S, ΣA·Z]: one contiguous span each, four loads in flight per thread;
+    2. base  base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k), thread row per sample, lane
+             per atom (and the support, once per block);
+    3. stats one thread per (s, k, a) row: x_z = A + base; row max, then lse = max + log Σ e and
+             Q = Σ e·z / Σ e with e = exp(x_z - max) (skipped for a logits-only pass); padding
+             rows lse = q = -inf;
+    4. rows  thread row per (s, k, a), lanes along z: logits x_z and/or probs exp(x_z - lse),
+             coalesced stores; padding logits -inf, probs 0.
+    Fixed summation orders, no atomics: the same inputs give the same bits on every run.
+    """
+    sh = _cuda.shared.array(0, float32)
+    batch = value.shape[0] // n_atoms
+    n_branches = branch_sizes.shape[0]
+    tx = _cuda.threadIdx.x
+    ty = _cuda.threadIdx.y
+    t = ty * HEAD_TX + tx
+    b0 = _cuda.blockIdx.x * samples
+    n_s = min(samples, batch - b0)
+    rows_per_sample = n_branches * max_actions
+    n_rows = n_s * rows_per_sample
+    off_a = samples * n_atoms  # shared layout: V | A | base | lse | support
+    off_base = off_a + samples * width
+    off_lse = off_base + samples * n_branches * n_atoms
+    off_support = off_lse + samples * rows_per_sample
 
-@_cuda.jit(cache=True)
-def row_stats_kernel(logits, branch_sizes, support, lse, q):
-    """One thread per (b, k, a) row, grid (ceil(B / BLOCK), max_actions, n_branches): max-shifted
-    lse = log Σ_z exp(logits) and q = Σ_z p_z z_z; padding rows get lse = q = -inf."""
-    b = _cuda.blockIdx.x * BLOCK + _cuda.threadIdx.x
-    a = _cuda.blockIdx.y
-    k = _cuda.blockIdx.z
-    if b >= logits.shape[0]:
-        return
-    if a >= branch_sizes[k]:
-        lse[b, k, a] = _NEG_INF
-        q[b, k, a] = _NEG_INF
-        return
-    n_atoms = logits.shape[3]
-    row = logits[b, k, a]
-    mx = _NEG_INF
-    for z in range(n_atoms):
-        mx = max(mx, row[z])
-    total = _ZERO
-    expected = _ZERO
-    for z in range(n_atoms):
-        e = math.exp(row[z] - mx)
-        total += e
-        expected += e * support[z]
-    lse[b, k, a] = mx + math.log(total)
-    q[b, k, a] = expected / total
+    # 1. load (the block's rows are contiguous in both GEMM outputs)
+    n_load = n_s * width
+    src = b0 * width
+    i = t
+    while i + 3 * HEAD_THREADS < n_load:  # four independent loads before the stores
+        x0 = adv[src + i]
+        x1 = adv[src + i + HEAD_THREADS]
+        x2 = adv[src + i + 2 * HEAD_THREADS]
+        x3 = adv[src + i + 3 * HEAD_THREADS]
+        sh[off_a + i] = x0
+        sh[off_a + i + HEAD_THREADS] = x1
+        sh[off_a + i + 2 * HEAD_THREADS] = x2
+        sh[off_a + i + 3 * HEAD_THREADS] = x3
+        i += 4 * HEAD_THREADS
+    while i < n_load:
+        sh[off_a + i] = adv[src + i]
+        i += HEAD_THREADS
+    i = t
+    while i < n_s * n_atoms:
+        sh[i] = value[b0 * n_atoms + i]
+        i += HEAD_THREADS
+    _cuda.syncthreads()
 
+    # 2. per-branch base row: base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k)
+    s = ty
+    while s < n_s:
+        for k in range(n_branches):
+            n_actions = branch_sizes[k]
+            first = off_a + s * width + branch_offsets[k] * n_atoms
+            inv_n = branch_inv_sizes[k]
+            out = off_base + (s * n_branches + k) * n_atoms
+            z = tx
+            while z < n_atoms:
+                acc = _ZERO
+                for a in range(n_actions):
+                    acc += sh[first + a * n_atoms + z]
+                sh[out + z] = sh[s * n_atoms + z] - acc * inv_n
+                z += HEAD_TX
+        s += HEAD_TY
+    i = t
+    while i < n_atoms:
+        sh[off_support + i] = support[i]
+        i += HEAD_THREADS
+    _cuda.syncthreads()
 
-@_cuda.jit(cache=True)
-def softmax_probs_kernel(logits, lse, branch_sizes, probs):
-    """probs = exp(logits - lse), 0 at padding; same grid and block as dueling_logits_kernel."""
-    b = _cuda.blockIdx.x * EW_ROWS + _cuda.threadIdx.y
-    a = _cuda.blockIdx.y
-    k = _cuda.blockIdx.z
-    if b >= logits.shape[0]:
-        return
-    n_atoms = logits.shape[3]
-    z = _cuda.threadIdx.x
-    if a >= branch_sizes[k]:
-        while z < n_atoms:
-            probs[b, k, a, z] = _ZERO
-            z += EW_ATOMS
-        return
-    log_norm = lse[b, k, a]
-    while z < n_atoms:
-        probs[b, k, a, z] = math.exp(logits[b, k, a, z] - log_norm)
-        z += EW_ATOMS
+    # 3. row statistics: log-sum-exp and Q, one thread per row
+    if want_stats or want_probs:
+        r = t
+        while r < n_rows:
+            s = r // rows_per_sample
+            rem = r - s * rows_per_sample
+            k = rem // max_actions
+            a = rem - k * max_actions
+            log_norm = _NEG_INF
+            q_val = _NEG_INF
+            if a < branch_sizes[k]:
+                a_row = off_a + s * width + (branch_offsets[k] + a) * n_atoms
+                b_row = off_base + (s * n_branches + k) * n_atoms
+                mx = _NEG_INF
+                for z in range(n_atoms):
+                    mx = max(mx, sh[a_row + z] + sh[b_row + z])
+                total = _ZERO
+                expected = _ZERO
+                for z in range(n_atoms):
+                    e = math.exp(sh[a_row + z] + sh[b_row + z] - mx)
+                    total += e
+                    expected += e * sh[off_support + z]
+                log_norm = mx + math.log(total)
+                q_val = expected / total
+            sh[off_lse + r] = log_norm
+            if want_stats:
+                lse[b0 + s, k, a] = log_norm
+                q[b0 + s, k, a] = q_val
+            r += HEAD_THREADS
+        _cuda.syncthreads()
+
+    # 4. logits and / or probabilities, coalesced along the atoms
+    if want_logits or want_probs:
+        for s in range(n_s):
+            for k in range(n_branches):
+                n_actions = branch_sizes[k]
+                b_row = off_base + (s * n_branches + k) * n_atoms
+                a = ty
+                while a < max_actions:
+                    z = tx
+                    if a < n_actions:
+                        a_row = off_a + s * width + (branch_offsets[k] + a) * n_atoms
+                        log_norm = _ZERO
+                        if want_probs:
+                            log_norm = sh[off_lse + (s * n_branches + k) * max_actions + a]
+                        while z < n_atoms:
+                            x = sh[a_row + z] + sh[b_row + z]
+                            if want_logits:
+                                logits[b0 + s, k, a, z] = x
+                            if want_probs:
+                                probs[b0 + s, k, a, z] = math.exp(x - log_norm)
+                            z += HEAD_TX
+                    else:  # padding: defined, never NaN
+                        while z < n_atoms:
+                            if want_logits:
+                                logits[b0 + s, k, a, z] = _NEG_INF
+                            if want_probs:
+                                probs[b0 + s, k, a, z] = _ZERO
+                            z += HEAD_TX
+                    a += HEAD_TY
 
 
 @_cuda.jit(cache=True)
@@ -318,6 +389,8 @@ class BranchedDuelingC51Head:
         layout.add("branch_offsets", (self.n_branches,), np.int32)
         layout.add("branch_inv_sizes", (self.n_branches,), np.float32)
         layout.add("support", (self.n_atoms,), np.float32)
+        layout.add("unused4", (1, 1, 1, 1), np.float32)  # stands in for an output a pass does not want
+        layout.add("unused3", (1, 1, 1), np.float32)
         layout.allocate()
         layout.load({
             "branch_sizes": np.asarray(self.branch_sizes, np.int32),
@@ -329,7 +402,7 @@ class BranchedDuelingC51Head:
         self.store: ParamStore | None = None
         self._acts: dict[str, Arena] = {}
         self._batch: dict[str, int] = {}
-        self._stats: dict[str, bool] = {}  # per tag: compute lse and Q
+        self._wants: dict[str, frozenset] = {}  # per tag: the outputs it computes
         self._inputs: dict[str, object] = {}
 
     # -- names --------------------------------------------------------------------------------
@@ -358,24 +431,27 @@ class BranchedDuelingC51Head:
     def declare_acts(self, acts: Arena, batch: int, tag: str, backward: bool = True, outputs=OUTPUTS) -> None:
         """Buffers of one pass. backward=False skips the backward scratch (target / next passes).
 
-        outputs: which of "logits", "probs", "q" the pass needs; logits are always computed, "q"
-        adds one row-statistics launch, "probs" that one and an elementwise one. A train step
-        declares ("logits",) for the online pass, ("q",) for the next-obs pass and ("probs",) for
-        the target pass; acting declares ("q",).
+        outputs: which of "logits", "probs", "q" the pass computes (one kernel launch either way;
+        each output left out is a [B, n_branches, max_actions, Z] store saved). "q" also writes the
+        row log-sum-exp (lse). The train step declares ("logits", "q") for the online pass (logits
+        for the loss, Q for the logged Q-mean), ("q",) for the next-obs pass and ("probs",) for the
+        target pass; acting and evaluation declare ("q",).
         """
         unknown = set(outputs) - set(OUTPUTS)
-        if unknown:
-            raise ValueError(f"{self.name}: unknown outputs {sorted(unknown)}; choose from {OUTPUTS}")
+        if unknown or not outputs:
+            raise ValueError(f"{self.name}: outputs must be a non-empty subset of {OUTPUTS} (got {tuple(outputs)})")
         b, z = int(batch), self.n_atoms
         shape4 = (b, self.n_branches, self.max_actions, z)
         acts.add(self._act(tag, "value"), (b, z), np.float32)
         acts.add(self._act(tag, "adv"), (b, self.total_actions * z), np.float32)
-        acts.add(self._act(tag, "logits"), shape4, np.float32)
-        acts.add(self._act(tag, "lse"), shape4[:3], np.float32)  # small; written only with q / probs
-        acts.add(self._act(tag, "q"), shape4[:3], np.float32)
+        if "logits" in outputs:
+            acts.add(self._act(tag, "logits"), shape4, np.float32)
+        if "q" in outputs:
+            acts.add(self._act(tag, "lse"), shape4[:3], np.float32)
+            acts.add(self._act(tag, "q"), shape4[:3], np.float32)
         if "probs" in outputs:
             acts.add(self._act(tag, "probs"), shape4, np.float32)
-        self._stats[tag] = "q" in outputs or "probs" in outputs
+        self._wants[tag] = frozenset(outputs)
         if backward:
             acts.add(self._act(tag, "d_value"), (b, z), np.float32)
             acts.add(self._act(tag, "d_adv"), (b, self.total_actions * z), np.float32)
@@ -390,7 +466,7 @@ class BranchedDuelingC51Head:
             name = self._act(tag, what)
             return acts[name] if name in acts else None
 
-        return C51Outputs(view("logits"), view("probs"), view("q") if self._stats[tag] else None)
+        return C51Outputs(view("logits"), view("probs"), view("q"))
 
     def _arena(self, tag: str) -> Arena:
         acts = self._acts.get(tag)
@@ -413,8 +489,8 @@ class BranchedDuelingC51Head:
         blas.gemm(h, params[n["w_value"]], value, bias=params[n["b_value"]], compute=self.compute, stream=stream)
         blas.gemm(h, params[n["w_adv"]], adv, bias=params[n["b_adv"]], compute=self.compute, stream=stream)
         out = self.outputs(tag)
-        dueling_forward(value, adv, self.layout, out.logits, acts[self._act(tag, "lse")], acts[self._act(tag, "q")],
-                        stream, stats=self._stats[tag], probs=out.probs)
+        lse = acts[self._act(tag, "lse")] if out.q is not None else None
+        dueling_forward(value, adv, self.layout, stream, logits=out.logits, lse=lse, q=out.q, probs=out.probs)
         self._inputs[tag] = h
         return out
 
@@ -471,38 +547,54 @@ def _check(name, arr, shape, dtype=np.float32):
         raise TypeError(f"c51 head: {name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
 
 
-def dueling_forward(value, adv, layout: Arena, logits, lse, q, stream, stats: bool = True, probs=None) -> None:
-    """Dueling combination into the padded logits; with stats, lse and Q; with probs, probabilities.
+def head_shared_floats(samples: int, n_atoms: int, width: int, n_branches: int, max_actions: int) -> int:
+    """float32 slots of dynamic shared memory one forward block uses (V | A | base | lse, support)."""
+    return samples * (n_atoms + width + n_branches * n_atoms + n_branches * max_actions) + n_atoms
 
-    value [B, Z], adv [B, ΣA·Z]; logits (and probs) [B, n_branches, max_actions, Z]; lse, q
-    [B, n_branches, max_actions] (written only when stats). layout: Arena with int32 branch_sizes /
-    branch_offsets, float32 branch_inv_sizes and support (`BranchedDuelingC51Head.layout`).
+
+def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None) -> None:
+    """The dueling combination and its softmax in one launch; writes only the outputs given.
+
+    value [B, Z], adv [B, ΣA·Z]; logits, probs [B, n_branches, max_actions, Z]; lse, q
+    [B, n_branches, max_actions] (both or neither). layout: Arena with int32 branch_sizes /
+    branch_offsets, float32 branch_inv_sizes, support and the unused4 / unused3 stand-ins
+    (`BranchedDuelingC51Head.layout`).
     """
-    batch, n_branches, max_actions, n_atoms = logits.shape
+    given = [x for x in (logits, probs) if x is not None]
+    if (lse is None) != (q is None):
+        raise ValueError("c51 head: lse and q are written together: give both or neither")
+    if not given and q is None:
+        raise ValueError("c51 head: dueling_forward needs at least one output (logits, probs or q)")
+    batch, n_atoms = value.shape
     sizes = layout["branch_sizes"]
-    _check("logits", logits, logits.shape)
+    n_branches = sizes.shape[0]
+    max_actions = (given[0].shape[2] if given else q.shape[2])
+    shape4 = (batch, n_branches, max_actions, n_atoms)
     _check("value", value, (batch, n_atoms))
     _check("adv", adv, (batch, adv.shape[1]))
-    _check("lse", lse, logits.shape[:3])
-    _check("q", q, logits.shape[:3])
     _check("support", layout["support"], (n_atoms,))
-    if sizes.shape[0] != n_branches:
-        raise ValueError(f"c51 head: layout has {sizes.shape[0]} branches, logits have {n_branches}")
+    for name, arr in (("logits", logits), ("probs", probs)):
+        if arr is not None:
+            _check(name, arr, shape4)
+    for name, arr in (("lse", lse), ("q", q)):
+        if arr is not None:
+            _check(name, arr, shape4[:3])
     if adv.shape[1] % n_atoms:
         raise ValueError(f"c51 head: adv has {adv.shape[1]} columns, not a multiple of {n_atoms} atoms")
-    if probs is not None:
-        _check("probs", probs, logits.shape)
-        if not stats:
-            raise ValueError("c51 head: probs need the row statistics (stats=True)")
-    ew_grid = (max(1, -(-batch // EW_ROWS)), max_actions, n_branches)
-    dueling_logits_kernel[ew_grid, (EW_ATOMS, EW_ROWS), stream](
-        value, adv, sizes, layout["branch_offsets"], layout["branch_inv_sizes"], logits)
-    if not stats:
-        return
-    row_stats_kernel[(max(1, -(-batch // BLOCK)), max_actions, n_branches), BLOCK, stream](
-        logits, sizes, layout["support"], lse, q)
-    if probs is not None:
-        softmax_probs_kernel[ew_grid, (EW_ATOMS, EW_ROWS), stream](logits, lse, sizes, probs)
+    per_sample = (head_shared_floats(1, n_atoms, adv.shape[1], n_branches, max_actions) - n_atoms) * 4
+    samples = min(HEAD_SAMPLES, (SHARED_BYTES_MAX - n_atoms * 4) // per_sample)
+    if samples < 1:
+        raise ValueError(f"c51 head: {n_atoms} atoms x {adv.shape[1] // n_atoms} actions need {per_sample} bytes of "
+                         f"shared memory per sample, more than a block's {SHARED_BYTES_MAX}")
+    shared_bytes = head_shared_floats(samples, n_atoms, adv.shape[1], n_branches, max_actions) * 4
+    u4, u3 = layout["unused4"], layout["unused3"]
+    grid = max(1, -(-batch // samples))
+    dueling_head_kernel[grid, (HEAD_TX, HEAD_TY), stream, shared_bytes](
+        value.reshape(value.size), adv.reshape(adv.size), np.int64(n_atoms), np.int64(adv.shape[1]), sizes,
+        layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
+        np.int64(max_actions), np.int64(samples), logits is not None, q is not None, probs is not None,
+        u4 if logits is None else logits, u3 if lse is None else lse, u3 if q is None else q,
+        u4 if probs is None else probs)
 
 
 def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:
