@@ -62,11 +62,11 @@ from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_
 
 # Forward launch shape: HEAD_SAMPLES samples per block, HEAD_TX lanes along the atoms, HEAD_TY
 # thread rows. Under the simulator (every thread a Python thread): 4 threads, lanes walk whole rows.
-# NUMBARL_HEAD_TY / NUMBARL_HEAD_SAMPLES override them for tuning (`python -m numbarl.bench.head`).
+# NUMBARL_HEAD_TY / NUMBARL_HEAD_SAMPLES override them for tuning (`python -m numbarl.bench.head`); the
+# kernel reads its shape from blockDim and `samples`, so a cached compile never bakes a stale one in.
 _SIM = simulator()
 HEAD_TX = 1 if _SIM else 64
 HEAD_TY = int(os.environ.get("NUMBARL_HEAD_TY", 4 if _SIM else 2))
-HEAD_THREADS = HEAD_TX * HEAD_TY
 HEAD_SAMPLES = int(os.environ.get("NUMBARL_HEAD_SAMPLES", 4 if _SIM else 8))  # at most (shared memory)
 SHARED_BYTES_MAX = 48 * 1024  # dynamic shared memory a block may use without an opt-in
 
@@ -192,7 +192,10 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
     n_branches = branch_sizes.shape[0]
     tx = _cuda.threadIdx.x
     ty = _cuda.threadIdx.y
-    t = ty * HEAD_TX + tx
+    lanes = _cuda.blockDim.x  # the launch shape is read, not compiled in: a cached kernel serves any shape
+    rows_y = _cuda.blockDim.y
+    threads = lanes * rows_y
+    t = ty * lanes + tx
     b0 = _cuda.blockIdx.x * samples
     n_s = min(samples, batch - b0)
     rows_per_sample = n_branches * max_actions
@@ -206,23 +209,23 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
     n_load = n_s * width
     src = b0 * width
     i = t
-    while i + 3 * HEAD_THREADS < n_load:  # four independent loads before the stores
+    while i + 3 * threads < n_load:  # four independent loads before the stores
         x0 = adv[src + i]
-        x1 = adv[src + i + HEAD_THREADS]
-        x2 = adv[src + i + 2 * HEAD_THREADS]
-        x3 = adv[src + i + 3 * HEAD_THREADS]
+        x1 = adv[src + i + threads]
+        x2 = adv[src + i + 2 * threads]
+        x3 = adv[src + i + 3 * threads]
         sh[off_a + i] = x0
-        sh[off_a + i + HEAD_THREADS] = x1
-        sh[off_a + i + 2 * HEAD_THREADS] = x2
-        sh[off_a + i + 3 * HEAD_THREADS] = x3
-        i += 4 * HEAD_THREADS
+        sh[off_a + i + threads] = x1
+        sh[off_a + i + 2 * threads] = x2
+        sh[off_a + i + 3 * threads] = x3
+        i += 4 * threads
     while i < n_load:
         sh[off_a + i] = adv[src + i]
-        i += HEAD_THREADS
+        i += threads
     i = t
     while i < n_s * n_atoms:
         sh[i] = value[b0 * n_atoms + i]
-        i += HEAD_THREADS
+        i += threads
     _cuda.syncthreads()
 
     # 2. per-branch base row: base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k)
@@ -239,12 +242,12 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
                 for a in range(n_actions):
                     acc += sh[first + a * n_atoms + z]
                 sh[out + z] = sh[s * n_atoms + z] - acc * inv_n
-                z += HEAD_TX
-        s += HEAD_TY
+                z += lanes
+        s += rows_y
     i = t
     while i < n_atoms:
         sh[off_support + i] = support[i]
-        i += HEAD_THREADS
+        i += threads
     _cuda.syncthreads()
 
     # 3. row statistics: log-sum-exp and Q, one thread per row
@@ -275,7 +278,7 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
             if want_stats:
                 lse[b0 + s, k, a] = log_norm
                 q[b0 + s, k, a] = q_val
-            r += HEAD_THREADS
+            r += threads
         _cuda.syncthreads()
 
     # 4. logits and / or probabilities, coalesced along the atoms
@@ -298,15 +301,15 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
                                 logits[b0 + s, k, a, z] = x
                             if want_probs:
                                 probs[b0 + s, k, a, z] = math.exp(x - log_norm)
-                            z += HEAD_TX
+                            z += lanes
                     else:  # padding: defined, never NaN
                         while z < n_atoms:
                             if want_logits:
                                 logits[b0 + s, k, a, z] = _NEG_INF
                             if want_probs:
                                 probs[b0 + s, k, a, z] = _ZERO
-                            z += HEAD_TX
-                    a += HEAD_TY
+                            z += lanes
+                    a += rows_y
 
 
 @_cuda.jit(cache=True)
