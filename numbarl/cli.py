@@ -1,5 +1,5 @@
 """numbarl's command-line entry points (click): numbarl-train, numbarl-data, numbarl-backtest,
-numbarl-bench.
+numbarl-compare, numbarl-bench.
 
 The CLI only maps options onto the config (STYLE rule 5) and turns expected errors (bad data,
 bad config, not a run) into one line on stderr and exit code 2. The backend (GPU or simulator)
@@ -104,6 +104,28 @@ def backtest_cmd(run_dir, checkpoint, data, split, fold, as_json, simulate):
 
 def backtest_main():
     backtest_cmd(prog_name="numbarl-backtest")
+
+
+# ---------------------------------------------------------------------------------------------
+# numbarl-compare
+# ---------------------------------------------------------------------------------------------
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print rows, spread and config differences as JSON.")
+def compare_cmd(run_dirs, as_json):
+    """Out-of-sample results of several runs (e.g. a seed sweep) side by side: one row per run
+    and fold from each summary.json, the spread of the test numbers, and the config fields that
+    differ. Reads files only (no GPU)."""
+    try:
+        from numbarl.rl import compare
+
+        click.echo(compare.main(run_dirs, as_json=as_json))
+    except _expected_errors() as e:
+        _fail(e)
+
+
+def compare_main():
+    compare_cmd(prog_name="numbarl-compare")
 
 
 # ---------------------------------------------------------------------------------------------

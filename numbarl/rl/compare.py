@@ -1,0 +1,150 @@
+"""numbarl-compare: out-of-sample results of several runs side by side, with their spread.
+
+One learning run is one draw: the same config with another seed can land far from it (see
+docs/RESULTS.md). `numbarl-compare runs/s0 runs/s1 runs/s2` reads each run's summary.json (no GPU,
+nothing re-scored) and prints one row per (run, fold) — seed, best epoch, validation and test
+Sharpe, the oracle's test Sharpe and the ratio on synthetic data, return, trades, drawdown — then
+the spread of the test numbers over all rows (mean, sample std, min, median, max) and which
+config fields differ between the runs, so that a seed sweep is not mistaken for a config change.
+
+    rows = compare_rows([RunDir.open(p) for p in paths])
+    print(format_table(rows, summarize(rows), config_differences(runs)))
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from numbarl.rl.runio import RunDir, RunError, flatten_record
+
+COLUMNS = (  # (key, header, format)
+    ("run", "run", "{}"),
+    ("seed", "seed", "{}"),
+    ("fold", "fold", "{}"),
+    ("best_epoch", "best ep", "{}"),
+    ("val_sharpe", "val Sharpe", "{:.2f}"),
+    ("test_sharpe", "test Sharpe", "{:.2f}"),
+    ("oracle_sharpe", "oracle", "{:.2f}"),
+    ("test_over_oracle", "test/oracle", "{:.2f}"),
+    ("test_return", "test return", "{:.3%}"),
+    ("test_trades", "trades", "{:.0f}"),
+    ("test_max_drawdown", "max DD", "{:.2%}"),
+)
+SPREAD = ("test_sharpe", "test_over_oracle", "test_return")
+
+
+def _num(x):
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
+
+
+def _epoch(tag) -> int | None:
+    if isinstance(tag, str) and "epoch" in tag:
+        try:
+            return int(tag.rsplit("epoch", 1)[1])
+        except ValueError:
+            return None
+    return None
+
+
+def compare_rows(runs: list[RunDir]) -> list[dict]:
+    """One row per (run, fold) from the runs' summary.json files; RunError for an unfinished run."""
+    if not runs:
+        raise RunError("numbarl-compare needs at least one run folder")
+    rows = []
+    for run in runs:
+        if not run.summary_path.is_file():
+            raise RunError(f"{run.path} has no summary.json: its training has not finished a fold yet")
+        summary = run.read_summary()
+        folds = summary.get("folds") or []
+        if not folds:
+            raise RunError(f"{run.summary_path} lists no finished fold")
+        for f in folds:
+            val, test = f.get("val") or {}, f.get("test") or {}
+            oracle = _num((f.get("oracle_test") or {}).get("sharpe"))
+            t_sharpe = _num(test.get("sharpe"))
+            rows.append({
+                "run": run.path.name or str(run.path), "path": str(run.path), "seed": f.get("seed", summary.get("seed")),
+                "fold": f.get("fold"), "best_epoch": _epoch(f.get("best_checkpoint")),
+                "val_sharpe": _num(val.get("sharpe")), "test_sharpe": t_sharpe, "oracle_sharpe": oracle,
+                "test_over_oracle": t_sharpe / oracle if t_sharpe is not None and oracle else None,
+                "test_return": _num(test.get("total_return")), "test_trades": _num(test.get("n_trades")),
+                "test_max_drawdown": _num(test.get("max_drawdown")),
+            })
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Spread of each SPREAD column over the rows that have it: n, mean, std (sample), min, median, max."""
+    out = {}
+    for key in SPREAD:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if not values:
+            continue
+        out[key] = {"n": len(values), "mean": statistics.fmean(values),
+                    "std": statistics.stdev(values) if len(values) > 1 else None,
+                    "min": min(values), "median": statistics.median(values), "max": max(values)}
+    positives = [r["test_sharpe"] for r in rows if r.get("test_sharpe") is not None]
+    out["positive_test_sharpe"] = {"count": sum(v > 0 for v in positives), "of": len(positives)}
+    return out
+
+
+def config_differences(runs: list[RunDir], ignore=("train.seed",)) -> dict:
+    """{field: [value per run]} for the config fields that differ between the runs (seed excluded)."""
+    flats = [flatten_record(run.config) for run in runs]
+    keys = sorted(set().union(*flats)) if flats else []
+    diff = {}
+    for k in keys:
+        if k in ignore:
+            continue
+        values = [f.get(k) for f in flats]
+        if any(v != values[0] for v in values[1:]):
+            diff[k] = values
+    return diff
+
+
+def _cell(value, fmt) -> str:
+    if value is None:
+        return "n/a"
+    try:
+        return fmt.format(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def format_table(rows: list[dict], spread: dict, differences: dict) -> str:
+    """The human-readable comparison: rows, spread, differing config fields."""
+    cells = [[h for _, h, _ in COLUMNS]] + [[_cell(r.get(k), f) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    fmt = dict((k, f) for k, _, f in COLUMNS)
+    for key, s in spread.items():
+        if key == "positive_test_sharpe":
+            continue
+        std = _cell(s["std"], fmt[key])
+        lines.append(f"{key:<17} n={s['n']}  mean {_cell(s['mean'], fmt[key])}  std {std}  min {_cell(s['min'], fmt[key])}"
+                     f"  median {_cell(s['median'], fmt[key])}  max {_cell(s['max'], fmt[key])}")
+    pos = spread.get("positive_test_sharpe")
+    if pos:
+        lines.append(f"positive test Sharpe: {pos['count']} of {pos['of']}")
+    if differences:
+        lines.append("config fields that differ (besides the seed): "
+                     + "; ".join(f"{k} = {', '.join(map(str, v))}" for k, v in differences.items()))
+    else:
+        lines.append("configs identical apart from the seed")
+    return "\n".join(lines)
+
+
+def main(run_dirs, as_json: bool = False) -> str:
+    """numbarl-compare: the text (or JSON) comparison of the given run folders."""
+    import json
+
+    runs = [RunDir.open(p) for p in run_dirs]
+    rows = compare_rows(runs)
+    spread = summarize(rows)
+    diff = config_differences(runs)
+    if as_json:
+        return json.dumps({"rows": rows, "spread": spread, "config_differences": diff}, indent=2, default=str)
+    return format_table(rows, spread, diff)

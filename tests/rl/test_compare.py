@@ -1,0 +1,69 @@
+"""numbarl-compare: rows per (run, fold) from summary.json, the spread, config differences, errors."""
+
+import json
+import statistics
+
+import pytest
+from click.testing import CliRunner
+
+from numbarl.cli import compare_cmd
+from numbarl.rl import compare
+from numbarl.rl.runio import RunDir, RunError
+
+
+def _run(tmp_path, name, seed, tests, lr=1e-3, oracle=200.0):
+    """A finished run folder whose folds have the given test Sharpe ratios."""
+    run = RunDir.create(tmp_path / name, {"preset": "default", "agent": {"lr": lr}, "train": {"seed": seed}})
+    folds = []
+    for i, t in enumerate(tests):
+        folds.append({"fold": i, "seed": seed + 1000 * i, "best_checkpoint": f"fold{i}-epoch{i + 3:04d}",
+                      "val": {"sharpe": t + 10.0}, "test": {"sharpe": t, "total_return": t / 1000,
+                                                             "n_trades": 100.0, "max_drawdown": -0.01},
+                      "oracle_test": {"sharpe": oracle}})
+    run.write_summary({"folds": folds, "seed": seed})
+    return run
+
+
+def test_rows_spread_and_identical_configs(tmp_path):
+    runs = [_run(tmp_path, "s0", 0, [64.4]), _run(tmp_path, "s1", 1, [-18.1]), _run(tmp_path, "s2", 2, [102.2, 114.2])]
+    rows = compare.compare_rows(runs)
+    assert [(r["run"], r["fold"]) for r in rows] == [("s0", 0), ("s1", 0), ("s2", 0), ("s2", 1)]
+    assert rows[3]["seed"] == 1002 and rows[3]["best_epoch"] == 4
+    assert rows[1]["test_over_oracle"] == pytest.approx(-18.1 / 200.0)
+    spread = compare.summarize(rows)
+    values = [64.4, -18.1, 102.2, 114.2]
+    assert spread["test_sharpe"]["mean"] == pytest.approx(statistics.fmean(values))
+    assert spread["test_sharpe"]["std"] == pytest.approx(statistics.stdev(values))
+    assert spread["test_sharpe"]["median"] == pytest.approx(83.3)
+    assert spread["test_sharpe"]["min"] == -18.1 and spread["test_sharpe"]["max"] == 114.2
+    assert spread["positive_test_sharpe"] == {"count": 3, "of": 4}
+    assert compare.config_differences(runs) == {}
+    text = compare.main([str(r.path) for r in runs])
+    assert "configs identical apart from the seed" in text and "positive test Sharpe: 3 of 4" in text
+    assert "-18.10" in text and "n=4" in text
+
+
+def test_config_differences_and_missing_oracle(tmp_path):
+    a = _run(tmp_path, "a", 0, [1.0])
+    b = _run(tmp_path, "b", 0, [2.0], lr=3e-4)
+    summary = b.read_summary()
+    del summary["folds"][0]["oracle_test"]
+    b.write_summary(summary)
+    assert compare.config_differences([a, b]) == {"agent.lr": [1e-3, 3e-4]}
+    rows = compare.compare_rows([a, b])
+    assert rows[1]["oracle_sharpe"] is None and rows[1]["test_over_oracle"] is None
+    out = json.loads(compare.main([str(a.path), str(b.path)], as_json=True))
+    assert out["config_differences"] == {"agent.lr": [1e-3, 3e-4]}
+    assert out["spread"]["test_over_oracle"]["n"] == 1
+
+
+def test_unfinished_run_and_non_run_are_clear_errors(tmp_path):
+    unfinished = RunDir.create(tmp_path / "u", {"train": {"seed": 0}})
+    with pytest.raises(RunError, match="has no summary.json"):
+        compare.compare_rows([unfinished])
+    (tmp_path / "plain").mkdir()
+    result = CliRunner().invoke(compare_cmd, [str(tmp_path / "plain")])
+    assert result.exit_code == 2
+    assert "not a numbarl run folder" in result.output
+    result = CliRunner().invoke(compare_cmd, [str(unfinished.path)])
+    assert result.exit_code == 2 and "has no summary.json" in result.output
