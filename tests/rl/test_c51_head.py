@@ -245,3 +245,23 @@ def test_head_rejects_bad_configuration():
     head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX)
     with pytest.raises(KeyError, match="declare_acts"):
         head.forward(_dev(np.zeros((BATCH, HIDDEN), np.float32)), stream(), tag="next")
+
+
+def test_forward_launch_shape_gives_the_same_bits(rng):
+    """The kernel reads its shape from blockDim and `samples`: any block / samples per block (here
+    lanes 1-2, thread rows 1-3, 1-4 samples, partial last blocks) gives bit-identical outputs."""
+    layout = _layout(SIZES, N_ATOMS)
+    batch = 7
+    value = _dev((rng.standard_normal((batch, N_ATOMS)) * 2).astype(np.float32))
+    adv = _dev((rng.standard_normal((batch, sum(SIZES) * N_ATOMS)) * 2).astype(np.float32))
+    shape = (batch, len(SIZES), max(SIZES), N_ATOMS)
+    results = []
+    for block, samples in (((1, 4), 4), ((1, 1), 1), ((2, 3), 3), ((1, 2), 2)):
+        logits, probs = _cuda.device_array(shape, np.float32), _cuda.device_array(shape, np.float32)
+        q, lse = _cuda.device_array(shape[:3], np.float32), _cuda.device_array(shape[:3], np.float32)
+        c51_head.dueling_forward(value, adv, layout, stream(), logits=logits, lse=lse, q=q, probs=probs,
+                                 block=block, samples=samples)
+        results.append([_host(x) for x in (logits, probs, q, lse)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)

@@ -43,7 +43,6 @@ threads touch adjacent atoms (coalesced), each loops over the branches and their
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -61,12 +60,13 @@ from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_
 
 # Forward launch shape: HEAD_SAMPLES samples per block, HEAD_TX lanes along the atoms, HEAD_TY
 # thread rows. Under the simulator (every thread a Python thread): 4 threads, lanes walk whole rows.
-# NUMBARL_HEAD_TY / NUMBARL_HEAD_SAMPLES override them for tuning (`python -m numbarl.bench.head`); the
-# kernel reads its shape from blockDim and `samples`, so a cached compile never bakes a stale one in.
+# The kernel reads its shape from blockDim and a `samples` argument (never compiled-in constants,
+# which numba's on-disk cache would serve stale), so `dueling_forward(..., block=, samples=)` can
+# try other shapes: `python -m numbarl.bench.head --shapes 64x2x8,64x1x8`.
 _SIM = simulator()
 HEAD_TX = 1 if _SIM else 64
-HEAD_TY = int(os.environ.get("NUMBARL_HEAD_TY", 4 if _SIM else 2))
-HEAD_SAMPLES = int(os.environ.get("NUMBARL_HEAD_SAMPLES", 4 if _SIM else 8))  # at most (shared memory)
+HEAD_TY = 4 if _SIM else 2
+HEAD_SAMPLES = 4 if _SIM else 8  # at most (fewer when a sample's rows need more shared memory)
 SHARED_BYTES_MAX = 48 * 1024  # dynamic shared memory a block may use without an opt-in
 
 _ZERO = np.float32(0.0)
@@ -554,13 +554,15 @@ def head_shared_floats(samples: int, n_atoms: int, width: int, n_branches: int, 
     return samples * (n_atoms + width + n_branches * n_atoms + n_branches * max_actions) + n_atoms
 
 
-def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None) -> None:
+def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None,
+                    block=None, samples=None) -> None:
     """The dueling combination and its softmax in one launch; writes only the outputs given.
 
     value [B, Z], adv [B, ΣA·Z]; logits, probs [B, n_branches, max_actions, Z]; lse, q
     [B, n_branches, max_actions] (both or neither). layout: Arena with int32 branch_sizes /
     branch_offsets, float32 branch_inv_sizes, support and the unused4 / unused3 stand-ins
-    (`BranchedDuelingC51Head.layout`).
+    (`BranchedDuelingC51Head.layout`). block (lanes, thread rows) and samples (per block, at most)
+    default to HEAD_TX/HEAD_TY and HEAD_SAMPLES; every shape gives the same bits.
     """
     given = [x for x in (logits, probs) if x is not None]
     if (lse is None) != (q is None):
@@ -584,14 +586,15 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     if adv.shape[1] % n_atoms:
         raise ValueError(f"c51 head: adv has {adv.shape[1]} columns, not a multiple of {n_atoms} atoms")
     per_sample = (head_shared_floats(1, n_atoms, adv.shape[1], n_branches, max_actions) - n_atoms) * 4
-    samples = min(HEAD_SAMPLES, (SHARED_BYTES_MAX - n_atoms * 4) // per_sample)
+    samples = min(HEAD_SAMPLES if samples is None else int(samples), (SHARED_BYTES_MAX - n_atoms * 4) // per_sample)
     if samples < 1:
         raise ValueError(f"c51 head: {n_atoms} atoms x {adv.shape[1] // n_atoms} actions need {per_sample} bytes of "
                          f"shared memory per sample, more than a block's {SHARED_BYTES_MAX}")
     shared_bytes = head_shared_floats(samples, n_atoms, adv.shape[1], n_branches, max_actions) * 4
     u4, u3 = layout["unused4"], layout["unused3"]
     grid = max(1, -(-batch // samples))
-    dueling_head_kernel[grid, (HEAD_TX, HEAD_TY), stream, shared_bytes](
+    block = (HEAD_TX, HEAD_TY) if block is None else tuple(int(x) for x in block)
+    dueling_head_kernel[grid, block, stream, shared_bytes](
         value.reshape(value.size), adv.reshape(adv.size), np.int64(n_atoms), np.int64(adv.shape[1]), sizes,
         layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
         np.int64(max_actions), np.int64(samples), logits is not None, q is not None, probs is not None,
