@@ -359,7 +359,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                           "data": str(cache.path)}
     done_folds = {f["fold"] for f in summary["folds"]}
     steps_left = sum(cfg.train.epochs for f in folds if f.index not in done_folds) * cfg.train.collect_steps_per_epoch
-    if resume is not None:
+    if resume is not None and resume[1]["fold"] not in done_folds:
         steps_left -= resume[1]["collect_steps"]
     progress.plan(steps_left)
     t_start = time.time()
