@@ -36,7 +36,8 @@ def empyrical_reference(pnl, pos, session, trades, bars_per_day, capital):
     t = trades["pnl"].to_numpy()
     out["n_trades"] = len(t)
     out["win_rate"] = float((t > 0).mean())
-    out["profit_factor"] = float(t[t > 0].sum() / -t[t < 0].sum())
+    with np.errstate(divide="ignore", invalid="ignore"):  # no losing trade: inf / nan, as numbarl's reason says
+        out["profit_factor"] = float(t[t > 0].sum() / -t[t < 0].sum())
     out["avg_trade"] = float(t.mean())
     out["trade_sharpe"] = float(t.mean() / t.std(ddof=1))
     out["avg_hold"] = float((trades["exit_bar"] - trades["entry_bar"]).mean())
