@@ -5,7 +5,7 @@ Measures, on a synthetic multi-million-record MBP-10 stream (numbarl.data.synth)
   1. bars + features: BarBuilder over record chunks (as when streaming a file) followed by the
      default 64 features, excluding decode -- records per second;
   2. decode: numbarl.data.readers.DbnReader over the same records written as .dbn and .dbn.zst
-     (zstd + databento_dbn.Transcoder + numpy view) -- records per second.
+     (zstd stream, metadata by databento_dbn, records as numpy views) -- records per second.
 Before timing it checks that the streamed bars equal one-shot bars and that decoding returns the
 written records byte for byte.
 

@@ -3,13 +3,19 @@
 Everything is streamed in chunks (``chunk_bytes`` of decompressed input at a time), so a
 multi-GB day never has to fit in memory twice:
 
-    file --zstd stream (pyarrow)--> DBN bytes --databento_dbn.Transcoder (decode, upgrade to v3)-->
-    DBN v3 bytes --numba walk over record headers--> MBP10_DTYPE chunk (records.py)
+    file --zstd stream (pyarrow)--> DBN bytes --metadata: databento_dbn.Metadata.decode
+                                              --records: numpy view (only MBP-10 records back to
+                                                back) or a numba walk over record headers
+                                                (control records skipped)--> MBP10_DTYPE chunk
 
-``databento_dbn.Transcoder`` decodes every record, checks record lengths and upgrades DBN v1/v2
-to v3 (the MBP-10 body is the same in all three); its output is the DBN v3 encoding, which is
-exactly ``MBP10_DTYPE``, so records become numpy arrays without per-record Python. The test
-suite compares these arrays field by field with ``databento_dbn.DBNDecoder``'s Python objects.
+The MBP-10 record is the same 368 bytes in DBN v1, v2 and v3 (the versions differ in the
+metadata and in other record types), and its encoding is exactly ``MBP10_DTYPE`` (records.py),
+so records become numpy arrays without per-record Python and without re-encoding; the walk
+checks every record's length and rtype. ``databento_dbn.Metadata.decode`` reads the v1-v3
+metadata (upgraded to v3). The test suite compares these arrays field by field with
+``databento_dbn.DBNDecoder``'s Python objects for v1, v2 and v3 files, plain and zstd.
+(An earlier version passed the bytes through ``databento_dbn.Transcoder`` to upgrade them:
+1.2 M records/s; see docs/BENCHMARKS.md for this path's rate.)
 
 CSV: Databento's CSV export (``Transcoder(..., Encoding.CSV)`` / ``to_csv``), with or without
 ``pretty_px`` / ``pretty_ts`` and the optional ``symbol`` column, optionally zstd-compressed;
@@ -24,7 +30,6 @@ backwards. Every problem is a :class:`DataError` naming the file, record and val
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +127,20 @@ def _read(stream, n: int, path: Path) -> bytes:
         raise DataError(f"{path}: corrupt or truncated zstd data ({exc})") from None
 
 
+def _readinto(stream, view, path: Path) -> int:
+    """Fill `view` from the stream (fewer bytes only at end of file); the number of bytes read."""
+    total = 0
+    try:
+        while total < len(view):
+            n = stream.readinto(view[total:])
+            if not n:
+                break
+            total += n
+    except (OSError, pa.ArrowException) as exc:
+        raise DataError(f"{path}: corrupt or truncated zstd data ({exc})") from None
+    return total
+
+
 def sniff_kind(path) -> str:
     """'dbn' or 'csv' from the first decompressed bytes (not the file name)."""
     path = Path(path)
@@ -145,21 +164,6 @@ def sniff_kind(path) -> str:
 # ---------------------------------------------------------------------------------------------
 # DBN
 # ---------------------------------------------------------------------------------------------
-class _Sink(io.RawIOBase):
-    """File-like target of the Transcoder that just keeps the bytes written to it."""
-
-    def __init__(self):
-        super().__init__()
-        self.parts: list[bytes] = []
-
-    def writable(self):
-        return True
-
-    def write(self, data):
-        self.parts.append(bytes(data))
-        return len(data)
-
-
 @njit(cache=True)
 def _walk_records(buf, out):
     """Copy the MBP-10 records of ``buf`` (DBN record bytes) into ``out`` (uint8 [cap, 368]).
@@ -207,38 +211,27 @@ class DbnReader:
         self.path = Path(path)
         self.chunk_bytes = int(chunk_bytes)
         self._stream, compressed = _open_bytes(self.path)
-        self._sink = _Sink()
-        self._transcoder = dbn.Transcoder(
-            self._sink,
-            dbn.Encoding.DBN,
-            dbn.Compression.NONE,
-            upgrade_policy=dbn.VersionUpgradePolicy.UPGRADE_TO_V3,
-        )
-        self._pending = b""  # decoded bytes not yet returned as records
+        self._pending = b""  # file bytes not yet returned as records
         self._eof = False
         self.records_read = 0
         self.info = SourceInfo(self.path, "dbn", compressed)
         self._read_header()
 
     def _feed(self) -> bool:
-        """Push one chunk of file bytes through the transcoder; False at end of file."""
+        """Read one chunk of file bytes behind the pending ones; False at end of file."""
         if self._eof:
             return False
-        data = _read(self._stream, self.chunk_bytes, self.path)
-        if not data:
+        carry = len(self._pending)
+        buf = bytearray(carry + self.chunk_bytes)  # writable: record arrays are views of it
+        buf[:carry] = self._pending
+        got = _readinto(self._stream, memoryview(buf)[carry:], self.path)
+        if got == 0:
             self._eof = True
             self._stream.close()
             return False
-        try:
-            self._transcoder.write(data)
-            self._transcoder.flush()
-        except dbn.DBNError as exc:
-            raise DataError(f"{self.path}: corrupt DBN data ({exc})") from None
-        if self._pending:
-            self._sink.parts.insert(0, self._pending)
-        # one copy of the decoder's output into a writable buffer that record arrays can view
-        self._pending = bytearray().join(self._sink.parts)
-        self._sink.parts.clear()
+        if got < self.chunk_bytes:
+            del buf[carry + got:]
+        self._pending = buf
         return True
 
     def _read_header(self):
@@ -248,21 +241,14 @@ class DbnReader:
                 raise DataError(f"{self.path}: the file is empty")
             raise DataError(f"{self.path}: not a DBN file (first bytes {first[:8]!r}, expected b'DBN')")
         self.info.version = first[3]
+        if not 1 <= first[3] <= 3:
+            raise DataError(f"{self.path}: DBN version {first[3]} is not supported (numbarl reads DBN v1-v3)")
+        body_len = int.from_bytes(first[4:8], "little")
+        body = _read(self._stream, body_len, self.path)
+        if len(body) < body_len:
+            raise DataError(f"{self.path}: truncated DBN file (the metadata header is incomplete)")
         try:
-            self._transcoder.write(first)
-        except dbn.DBNError as exc:
-            raise DataError(f"{self.path}: corrupt DBN header ({exc})") from None
-        header_len = None
-        while True:
-            if len(self._pending) >= 8:
-                header_len = 8 + int.from_bytes(self._pending[4:8], "little")
-                if len(self._pending) >= header_len:
-                    break
-            if not self._feed():
-                raise DataError(f"{self.path}: truncated DBN file (the metadata header is incomplete)")
-        header, self._pending = bytes(self._pending[:header_len]), bytes(self._pending[header_len:])
-        try:
-            meta = dbn.Metadata.decode(header)
+            meta = dbn.Metadata.decode(first + body)
         except Exception as exc:  # databento_dbn raises its own error types here
             raise DataError(f"{self.path}: corrupt DBN metadata ({exc})") from None
         self.metadata = meta
@@ -285,10 +271,9 @@ class DbnReader:
                     yield chunk
             if not more:
                 break
-        leftover = len(self._pending) + len(self._transcoder.buffer())
-        if leftover:
+        if self._pending:
             raise DataError(
-                f"{self.path}: truncated DBN file: {leftover} trailing bytes after record "
+                f"{self.path}: truncated DBN file: {len(self._pending)} trailing bytes after record "
                 f"{self.records_read} do not form a whole record"
             )
 
