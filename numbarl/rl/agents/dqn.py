@@ -49,7 +49,7 @@ _cuda = cuda()
 
 # one block reduces the batch statistics in a fixed order (a small block under the simulator,
 # where every simulated thread is a Python thread)
-STATS_BLOCK = 32 if simulator() else 1024  # (256 threads measured 138 us on the H200 at B = 16,384)
+STATS_BLOCK = 32 if simulator() else 1024  # H200, B = 16,384: 138 us with 256 threads, 90 us with 1024
 
 # mapped stats slots (float32); the optimizer writes its slots first (numbarl.rl.optim.STAT_*)
 STAT_LOSS = 8           # mean C51 cross-entropy of the last train step
