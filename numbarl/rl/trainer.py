@@ -501,5 +501,10 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         print(json.dumps({"run": str(run.path), "checkpoint": checkpoint, "results": rows}, indent=2, default=str))
     else:
         frame = pd.DataFrame(rows).drop(columns=["nan_reasons"], errors="ignore").set_index(["fold", "split"]).T
+        frame = frame.astype(float)  # None (a degenerate metric) -> NaN, shown as n/a
         print(f"run {run.path} | checkpoint {checkpoint}")
-        print(frame.to_string(float_format=lambda v: f"{v:,.4f}"))
+        print(frame.to_string(float_format=lambda v: f"{v:,.4f}", na_rep="n/a"))
+        reasons = [f"  {metric} (fold {r['fold']} {r['split']}): {why}"
+                   for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
+        if reasons:
+            print("n/a:\n" + "\n".join(reasons))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from numbarl.cli import train_cmd
+from numbarl.cli import backtest_cmd, train_cmd
 from numbarl.rl import trainer
 from numbarl.rl.runio import RunDir
 
@@ -71,6 +71,23 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     # the windows are chronological and disjoint: nothing of validation/test inside training
     w = fold["window"]
     assert w["train"][1] <= w["val"][0] and w["val"][1] <= w["test"][0]
+
+
+def test_backtest_rescores_the_saved_agent_like_the_run(full_run, cache_dir, monkeypatch):
+    """numbarl-backtest on the best checkpoint reproduces the run's own out-of-sample metrics."""
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+    r = CliRunner().invoke(backtest_cmd, [str(full_run), "--split", "all", "--json"], catch_exceptions=True)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    rows = json.loads(r.output[r.output.index("{"):])["results"]
+    summary = json.loads((full_run / "summary.json").read_text())["folds"][0]
+    got = {row["split"]: row for row in rows}
+    for split in ("val", "test"):
+        for metric, value in summary[split].items():
+            assert got[split][metric] == value, (split, metric)
+    r = CliRunner().invoke(backtest_cmd, [str(full_run), "--split", "test"], catch_exceptions=True)
+    assert r.exit_code == 0 and "sharpe" in r.output and "None" not in r.output, r.output
+    r = CliRunner().invoke(backtest_cmd, [str(full_run.parent)], catch_exceptions=True)
+    assert r.exit_code == 2 and "not a numbarl run folder" in r.output
 
 
 def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
