@@ -358,6 +358,8 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                           "device": device_name(), "preset": cfg.preset, "bars_per_day": cache.bars_per_day,
                           "data": str(cache.path)}
     done_folds = {f["fold"] for f in summary["folds"]}
+    if resume is not None and all(f.index in done_folds for f in folds):
+        progress.log(f"{run.path}: every fold ({len(folds)}) has finished; nothing to resume (report rewritten)")
     steps_left = sum(cfg.train.epochs for f in folds if f.index not in done_folds) * cfg.train.collect_steps_per_epoch
     if resume is not None and resume[1]["fold"] not in done_folds:
         steps_left -= resume[1]["collect_steps"]
