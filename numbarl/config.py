@@ -172,6 +172,10 @@ class TrainConfig:
     """Bars dropped between train/validation/test windows."""
     graph: bool = True
     """Replay captured CUDA graphs (False = --no-graph: the same steps eagerly)."""
+    select_window: int = 1
+    """Model selection: the test window scores the epoch whose validation Sharpe averaged over it
+    and the select_window - 1 epochs before it is highest (1 = the best single epoch; a larger
+    window does not reward one lucky validation epoch)."""
 
     def validate(self):
         _check("train", "n_envs", self.n_envs, lo=1, hi=65536)
@@ -189,6 +193,7 @@ class TrainConfig:
         _check("train", "val_sessions", self.val_sessions, lo=1, hi=100000)
         _check("train", "test_sessions", self.test_sessions, lo=1, hi=100000)
         _check("train", "embargo_bars", self.embargo_bars, lo=0, hi=10**9)
+        _check("train", "select_window", self.select_window, lo=1, hi=self.epochs)
 
 
 @dataclass(frozen=True)

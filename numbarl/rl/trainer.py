@@ -13,7 +13,7 @@ Read top to bottom it is the algorithm::
             for step:   collect.replay(); train.replay()    captured CUDA graphs
                         every log_interval: read mapped stats (the only host syncs)
             val    = backtest(fold.val, greedy agent)       full metrics, logged
-            checkpoint(epoch); best ← val Sharpe
+            checkpoint(epoch); best ← val Sharpe (mean of the last select_window epochs)
         test   = backtest(fold.test, best checkpoint)       scored once
     summary.json, trades_<split>.csv, report.html/png
 
@@ -318,8 +318,16 @@ class FoldTrainer:
         sharpe = m.get("sharpe")
         self.val_history.append(sharpe if sharpe is not None else float("nan"))
         self.run.log({"kind": "val", "fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps, **m})
-        score = sharpe if sharpe is not None else -math.inf
-        return result, m, score
+        return result, m, selection_score(self.val_history, self.cfg.train.select_window)
+
+
+def selection_score(history, window: int) -> float:
+    """Model-selection score of the latest epoch: the mean validation Sharpe of the last `window`
+    epochs; -inf before `window` epochs exist or when one of them is undefined (NaN)."""
+    recent = history[-window:]
+    if len(recent) < window or any(not math.isfinite(x) for x in recent):
+        return -math.inf
+    return math.fsum(recent) / window
 
 
 def _capture(step_fn, stream, graph: bool):

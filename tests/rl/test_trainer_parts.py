@@ -1,0 +1,54 @@
+"""Trainer parts: the progress line (ETA, compact metric cells) and the model-selection score."""
+
+import math
+
+from numbarl.rl import trainer
+
+
+def test_eta_from_mean_step_time(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: now[0])
+    p = trainer.Progress(quiet=True)
+    p.plan(10)
+    assert p.eta() == "--"  # nothing done yet
+    for _ in range(4):
+        p.step_done()
+    now[0] += 8.0  # 2 s per step, 6 steps left
+    assert p.eta() == "0m12s"
+    p.plan(4000)
+    for _ in range(2):
+        p.step_done()
+    now[0] += 4.0  # 2 s per step, 3998 left: 2 h 13 min
+    assert p.eta() == "2h13m"
+
+
+def test_metric_cells():
+    assert trainer._num(None) == "n/a"
+    assert trainer._num(float("nan"), ".2f") == "n/a"
+    assert trainer._num(math.inf) == "n/a"
+    assert trainer._num(37.274646557517116, ".2f") == "37.27"
+    assert trainer._num(0.001609713497292109, ".3%") == "0.161%"
+    assert trainer._num(3862144.0) == "3.86e+06"
+
+
+def test_selection_score_is_the_mean_of_the_last_window_epochs():
+    # the best single epoch (window 1), NaN -> never selected
+    assert trainer.selection_score([1.0, 5.0], 1) == 5.0
+    assert trainer.selection_score([1.0, math.nan], 1) == -math.inf
+    # window 3: nothing before 3 epochs, then the mean of the last 3 (the seed-2 curve of RESULTS.md)
+    history = [122.6, 8.0, 32.7, 23.0, 129.4, 66.9, 113.3, 116.6, 103.2, 88.1]
+    scores = [trainer.selection_score(history[:e], 3) for e in range(1, len(history) + 1)]
+    assert scores[:2] == [-math.inf, -math.inf]
+    assert scores[2] == (122.6 + 8.0 + 32.7) / 3
+    assert max(range(len(scores)), key=scores.__getitem__) + 1 == 9  # epochs 7-9: 111.0 (single best: epoch 5)
+    assert trainer.selection_score([1.0, math.nan, 2.0, 3.0], 3) == -math.inf
+
+
+def test_select_window_is_validated_against_the_epochs():
+    import pytest
+
+    from numbarl import config
+
+    with pytest.raises(config.ConfigError, match="train.select_window = 11 is out of range"):
+        config.resolve("default", None, ["train.select_window=11"])
+    assert config.resolve("default", None, ["train.select_window=3"]).train.select_window == 3
