@@ -32,6 +32,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from numbarl.data.bars import BAR_DTYPE, BarBuilder, BarParams, estimate_tick_si
 from numbarl.data.calendar import SessionCalendar, date_from_ordinal
 from numbarl.data.errors import DataError
 from numbarl.data.features import FeatureParams, compute_features, resolve_features
-from numbarl.data.readers import RecordStream
+from numbarl.data.readers import RecordStream, file_sha256
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -234,12 +235,20 @@ def build_cache(
     stream = RecordStream(list(inputs), symbol, chunk_bytes)
     builder = BarBuilder(bar_params, calendar)
     parts = []
-    for _, chunk in stream:
-        bars = builder.push(chunk, locate=stream.locate)
-        if len(bars):
-            parts.append(bars)
-        if progress is not None:
-            progress("records", builder.records_seen, None)
+    # the sha256 of the source files (cache provenance) on a second thread: hashlib releases the
+    # GIL, so hashing overlaps decoding and bar building instead of following them
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="numbarl-sha256")
+    digests = pool.submit(lambda: {p: file_sha256(p) for p in stream.paths})
+    try:
+        for _, chunk in stream:
+            bars = builder.push(chunk, locate=stream.locate)
+            if len(bars):
+                parts.append(bars)
+            if progress is not None:
+                progress("records", builder.records_seen, None)
+        sources = stream.source_files(digests.result()) if parts else []
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     if not parts:
         hint = (
             "target mode calibrates on the first session and needs at least two sessions; "
@@ -256,7 +265,7 @@ def build_cache(
     return write_cache(
         out_dir, bars, features, names,
         tick_size=tick, bar_params=bar_params, feature_params=feature_params, calendar=calendar,
-        source_files=stream.source_files(), symbol=symbol, folds=folds, overwrite=overwrite,
+        source_files=sources, symbol=symbol, folds=folds, overwrite=overwrite,
     )  # fmt: skip
 
 

@@ -89,9 +89,9 @@ class SourceInfo:
     def name(self) -> str:
         return self.path.name
 
-    def describe(self) -> dict:
-        """name, size and sha256, as stored in the cache's ``source_files``."""
-        return {"name": self.name, "size": self.path.stat().st_size, "sha256": file_sha256(self.path)}
+    def describe(self, sha256: str | None = None) -> dict:
+        """name, size and sha256 (computed here unless given), as stored in the cache's ``source_files``."""
+        return {"name": self.name, "size": self.path.stat().st_size, "sha256": sha256 or file_sha256(self.path)}
 
 
 def file_sha256(path) -> str:
@@ -205,13 +205,17 @@ def _plain_mbp10_count(buf):
 
 
 class DbnReader:
-    """Stream the MBP-10 records of one DBN file (any of v1-v3, plain or zstd) in chunks."""
+    """Stream the MBP-10 records of one DBN file (any of v1-v3, plain or zstd) in chunks.
+
+    A plain ``.dbn`` file is memory-mapped (copy-on-write): its MBP-10 records are views of the
+    mapping, no copy. A ``.dbn.zst`` file is decompressed chunk by chunk into fresh buffers.
+    """
 
     def __init__(self, path, chunk_bytes: int = CHUNK_BYTES):
         self.path = Path(path)
         self.chunk_bytes = int(chunk_bytes)
         self._stream, compressed = _open_bytes(self.path)
-        self._pending = b""  # file bytes not yet returned as records
+        self._pending = b""  # decompressed bytes not yet returned as records (zstd)
         self._eof = False
         self.records_read = 0
         self.info = SourceInfo(self.path, "dbn", compressed)
@@ -247,6 +251,7 @@ class DbnReader:
         body = _read(self._stream, body_len, self.path)
         if len(body) < body_len:
             raise DataError(f"{self.path}: truncated DBN file (the metadata header is incomplete)")
+        self._records_offset = 8 + body_len
         try:
             meta = dbn.Metadata.decode(first + body)
         except Exception as exc:  # databento_dbn raises its own error types here
@@ -263,29 +268,50 @@ class DbnReader:
             )
 
     def __iter__(self) -> Iterator[np.ndarray]:
+        if not self.info.compressed:
+            yield from self._iter_mapped()
+            return
         while True:
             more = self._feed()
             if self._pending:
-                chunk = self._take_records()
-                if chunk is not None and len(chunk):
-                    yield chunk
+                records, used = self._records_of(np.frombuffer(self._pending, dtype=np.uint8))
+                self._pending = bytes(self._pending[used:])
+                if len(records):
+                    yield records
             if not more:
                 break
         if self._pending:
-            raise DataError(
-                f"{self.path}: truncated DBN file: {len(self._pending)} trailing bytes after record "
-                f"{self.records_read} do not form a whole record"
-            )
+            self._truncated(len(self._pending))
 
-    def _take_records(self) -> np.ndarray | None:
-        buf = np.frombuffer(self._pending, dtype=np.uint8)
+    def _iter_mapped(self) -> Iterator[np.ndarray]:
+        self._stream.close()
+        self._eof = True
+        size = self.path.stat().st_size - self._records_offset
+        if size <= 0:
+            return
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="c", offset=self._records_offset, shape=(size,))
+        pos = 0
+        while pos < size:
+            records, used = self._records_of(mapped[pos : pos + self.chunk_bytes])
+            if used == 0:  # not one whole record left
+                self._truncated(size - pos)
+            pos += used
+            if len(records):
+                yield records
+
+    def _truncated(self, n_bytes: int):
+        raise DataError(
+            f"{self.path}: truncated DBN file: {n_bytes} trailing bytes after record "
+            f"{self.records_read} do not form a whole record"
+        )
+
+    def _records_of(self, buf: np.ndarray) -> tuple[np.ndarray, int]:
+        """(MBP-10 records of the whole records at the start of buf, bytes they take)."""
         count = _plain_mbp10_count(buf)
         if count > 0:
-            # the usual case, only MBP-10 records: a view of the buffer, no copy
-            out = np.frombuffer(self._pending, dtype=MBP10_DTYPE, count=count)
-            self._pending = bytes(self._pending[count * RECORD_BYTES :])
+            # the usual case, only MBP-10 records: a view of the bytes, no copy
             self.records_read += count
-            return out
+            return np.asarray(buf[: count * RECORD_BYTES]).view(MBP10_DTYPE), count * RECORD_BYTES
         out = np.empty((len(buf) // RECORD_BYTES + 1, RECORD_BYTES), np.uint8)
         used, count, err, value, offset = _walk_records(buf, out)
         if err == _ERR_RTYPE:
@@ -298,9 +324,8 @@ class DbnReader:
                 f"{self.path}: corrupt DBN data: record {self.records_read + count} claims a length "
                 f"of {value} bytes"
             )
-        self._pending = bytes(self._pending[used:])
         self.records_read += count
-        return out[:count].view(MBP10_DTYPE).reshape(count)
+        return out[:count].view(MBP10_DTYPE).reshape(count), int(used)
 
     def close(self):
         if not self._eof:
@@ -670,8 +695,9 @@ class RecordStream:
             which = f" for symbol {self.symbol!r}" if self.symbol else ""
             raise DataError(f"no MBP-10 records{which} in {', '.join(p.name for p in self.paths)}")
 
-    def source_files(self) -> list[dict]:
-        return [info.describe() for info in self.infos]
+    def source_files(self, digests: dict | None = None) -> list[dict]:
+        """name, size, sha256 of every file; `digests` {path: sha256} when already computed."""
+        return [info.describe((digests or {}).get(info.path)) for info in self.infos]
 
     def locate(self, global_index: int) -> str:
         """'file, record N' of a record by its index in the stream (for error messages)."""
