@@ -131,6 +131,12 @@ def test_truncated_file(good_file, tmp_path):
     cut.write_bytes(data[: len(data) - 100])
     with pytest.raises(DataError, match="truncated DBN file"):
         read_records(cut)
+    import pyarrow as pa  # the same cut inside a valid zstd stream (the streamed, not mapped, reader)
+
+    with pa.CompressedOutputStream(str(tmp_path / "cut.dbn.zst"), "zstd") as out:
+        out.write(data[: len(data) - 100])
+    with pytest.raises(DataError, match="truncated DBN file: 268 trailing bytes"):
+        read_records(tmp_path / "cut.dbn.zst")
     cut.write_bytes(data[:30])
     with pytest.raises(DataError, match="truncated|metadata"):
         read_records(cut)
