@@ -428,6 +428,11 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     from numbarl.rl.report import write_report
 
     html, png = write_report(run)
+    if len(summary["folds"]) > 1:  # the out-of-sample spread over the folds (numbarl-compare's table)
+        from numbarl.rl import compare
+
+        rows = compare.compare_rows([run])
+        progress.log(compare.format_table(rows, compare.summarize(rows), {}).rsplit("\n", 1)[0])
     progress.log(f"report: {html}")
     return summary
 
