@@ -74,8 +74,48 @@ def select(simulate: bool | None = None) -> bool:
 def _tune_simulator() -> None:
     global _tuned
     if not _tuned:
+        _lock_simulator_shared_arrays()
         sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
         _tuned = True
+
+
+def _lock_simulator_shared_arrays() -> None:
+    """Make the simulator's static shared-array allocation atomic.
+
+    numba's simulator gives the threads of a block one array per `cuda.shared.array` call site by
+    a check-then-create on a dict (`FakeCUDAShared.array`). Two threads that both find the site
+    missing each create an array, and the first keeps a private copy its block never sees: seen
+    as a wrong column of a simulated tiled GEMM once the short switch interval above made thread
+    switches frequent. This replacement does the same lookup under a lock (and finds the call
+    site from the caller's frame, as the original does from the stack); dynamic shared memory
+    (shape 0) is unchanged.
+    """
+    import threading
+
+    from numba.cuda.simulator import kernelapi
+
+    cls = kernelapi.FakeCUDAShared
+    if getattr(cls.array, "_numbarl_locked", False):
+        return
+    original = cls.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None or not hasattr(self, "_allocations"):
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        site = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(site)
+            if res is None:
+                res = kernelapi.np.empty(shape, dtype)
+                self._allocations[site] = res
+        return res
+
+    array._numbarl_locked = True
+    cls.array = array
 
 
 def simulator_active() -> bool:
