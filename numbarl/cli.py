@@ -85,7 +85,7 @@ def train_main():
 # ---------------------------------------------------------------------------------------------
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path())
-@click.option("--checkpoint", default="best", show_default=True, help="Checkpoint tag (best, latest, or a saved tag).")
+@click.option("--checkpoint", default="best", show_default=True, help="Checkpoint tag (best, latest, a saved tag) or 'all': every saved checkpoint on its own fold, one row each (a diagnostic).")
 @click.option("--data", default=None, help="Score on other data (fxcache folder or DBN files) instead of the run's own.")
 @click.option("--split", type=click.Choice(["val", "test", "all"]), default="test", show_default=True)
 @click.option("--fold", type=int, default=None, help="Fold to score (default: every fold).")

@@ -62,6 +62,7 @@ import os
 
 import numpy as np
 
+from numbarl.cuda import runtime
 from numbarl.cuda.runtime import cuda, simulator, stream as default_stream
 
 _cuda = cuda()  # selects the backend: numba reads NUMBA_ENABLE_CUDASIM when it is first imported
@@ -330,7 +331,7 @@ def _scalars(alpha, beta):
         return host
     d = _SCAL.get(key)
     if d is None:
-        d = _cuda.to_device(host)
+        d = runtime.upload(host)
         _SCAL[key] = d
     return d
 
@@ -454,7 +455,7 @@ def _device_constant(value: float):
     """A device float32[1] holding `value` (beta in device pointer mode), made once per value."""
     d = _Lt.constants.get(float(value))
     if d is None:
-        d = _cuda.to_device(np.array([value], np.float32))
+        d = runtime.upload(np.array([value], np.float32))
         _Lt.constants[float(value)] = d
     return d
 

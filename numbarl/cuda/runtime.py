@@ -79,6 +79,20 @@ def new_stream():
     return s
 
 
+def upload(host) -> object:
+    """A new device copy of a host array, complete on return.
+
+    The copy runs on the compute stream and is synchronized: a plain ``cuda.to_device`` goes
+    through the legacy default stream, which the non-blocking compute stream does not wait for,
+    and a pageable host-to-device copy may return before its DMA has landed, so a kernel on the
+    compute stream could read the buffer before it holds the value.
+    """
+    s = stream()
+    d = cuda().to_device(np.ascontiguousarray(host), stream=s)
+    s.synchronize()
+    return d
+
+
 def stream_handle(s) -> int:
     """Raw CUstream pointer of a numba stream (0 under the simulator)."""
     if simulator():
@@ -191,8 +205,10 @@ class Arena:
             )
         c = cuda()
         self._buffer = c.device_array(need, dtype=np.uint8)
-        if zero:  # once, before any capture: a host copy is fine here
-            self._buffer.copy_to_device(np.zeros(need, dtype=np.uint8))
+        if zero:  # once, before any capture, on the compute stream (ordered before every later use)
+            s = stream()
+            self._buffer.copy_to_device(np.zeros(need, dtype=np.uint8), stream=s)
+            s.synchronize()
         return self
 
     @property

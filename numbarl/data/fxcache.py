@@ -26,6 +26,7 @@ feature list.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -110,6 +111,26 @@ def session_ids(trade_date: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise DataError("bars are not in session order")
     unique, ids = np.unique(dates, return_inverse=True)
     return ids.astype(np.int32), unique.astype(np.int32)
+
+
+@contextlib.contextmanager
+def build_lock(out_dir):
+    """Hold an exclusive lock for building the cache at ``out_dir`` (a ``.<name>.lock`` file beside
+    it): runs started together on one fresh cache build it once; the others wait, then load it.
+    A no-op where ``fcntl`` does not exist (Windows)."""
+    out_dir = Path(out_dir)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def check_destination(out_dir, overwrite: bool) -> Path:

@@ -521,8 +521,9 @@ class RunDir:
             return data["tag"]
         return _check_tag(tag)
 
-    def load_checkpoint(self, tag: str = "latest") -> tuple[dict, dict]:
-        """(arrays, state) of checkpoint `tag` ("latest", "best" or a saved tag)."""
+    def load_checkpoint(self, tag: str = "latest", prefix: str | tuple = "") -> tuple[dict, dict]:
+        """(arrays, state) of checkpoint `tag` ("latest", "best" or a saved tag); with `prefix`,
+        only the arrays whose names start with it are read (e.g. "params/": no replay buffer)."""
         real_tag = self.resolve_tag(tag)
         npz_path = self.checkpoints_dir / f"{real_tag}.npz"
         if not npz_path.is_file():
@@ -530,7 +531,7 @@ class RunDir:
             raise RunError(f"checkpoint {real_tag!r} not found in {self.checkpoints_dir} (saved: {known})")
         try:
             with np.load(npz_path, allow_pickle=False) as data:
-                arrays = {name: data[name] for name in data.files}
+                arrays = {name: data[name] for name in data.files if name == STATE_KEY or name.startswith(prefix)}
         except (OSError, ValueError) as err:
             raise RunError(f"checkpoint {npz_path} cannot be read: {err}") from err
         header_bytes = arrays.pop(STATE_KEY, None)

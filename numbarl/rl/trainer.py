@@ -73,7 +73,7 @@ def _synth_spec(dcfg) -> dict:
 
 def prepare_data(dcfg, log=print):
     """Load or build the feature cache the config names. Errors are DataError (one clear line)."""
-    from numbarl.data.fxcache import META_FILE, build_cache, load_cache
+    from numbarl.data.fxcache import META_FILE, build_cache, build_lock, load_cache
 
     features = dcfg.features or None
     source = dcfg.source
@@ -84,12 +84,15 @@ def prepare_data(dcfg, log=print):
         key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
         path = default_cache_dir(dcfg) / f"synthetic-{key}"
         if not (path / META_FILE).is_file():
-            log(f"building the synthetic market ({spec['sessions']} sessions, signal {spec['signal']}) -> {path}")
-            t0 = time.time()
-            synth.build_synthetic_cache(path, spec["sessions"], spec["seed"], spec["signal"], spec["null"],
-                                        events_per_session=spec["events_per_session"],
-                                        bars_per_day=spec["bars_per_day"], feature_names=features, overwrite=True)
-            log(f"synthetic market built in {time.time() - t0:.1f} s")
+            with build_lock(path):  # runs started together build it once
+                if not (path / META_FILE).is_file():
+                    log(f"building the synthetic market ({spec['sessions']} sessions, signal {spec['signal']}) -> {path}")
+                    t0 = time.time()
+                    synth.build_synthetic_cache(path, spec["sessions"], spec["seed"], spec["signal"], spec["null"],
+                                                events_per_session=spec["events_per_session"],
+                                                bars_per_day=spec["bars_per_day"], feature_names=features,
+                                                overwrite=True)
+                    log(f"synthetic market built in {time.time() - t0:.1f} s")
         return load_cache(path, expect_features=features)
     p = Path(source)
     if p.is_dir():
@@ -109,8 +112,10 @@ def prepare_data(dcfg, log=print):
     h.update((dcfg.symbol + "|" + (dcfg.features or "")).encode())
     path = default_cache_dir(dcfg) / f"cache-{h.hexdigest()[:12]}"
     if not (path / META_FILE).is_file():
-        log(f"building the feature cache from {len(files)} file(s) -> {path}")
-        build_cache(files, path, symbol=dcfg.symbol or None, feature_names=features, overwrite=True)
+        with build_lock(path):
+            if not (path / META_FILE).is_file():
+                log(f"building the feature cache from {len(files)} file(s) -> {path}")
+                build_cache(files, path, symbol=dcfg.symbol or None, feature_names=features, overwrite=True)
     return load_cache(path, expect_features=features)
 
 
@@ -396,7 +401,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                          f"{_num(m.get('n_trades'), '.0f')} | return {_num(m.get('total_return'), '.3%')} "
                          f"| checkpoint {tag}")
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
-        best_arrays, _ = run.load_checkpoint(ft.best_tag)
+        best_arrays, _ = run.load_checkpoint(ft.best_tag, prefix="params/")
         ft.agent.store.load({k.split("/", 1)[1]: v for k, v in best_arrays.items() if k.startswith("params/")})
         val_result = ft.best_val if ft.best_val is not None else ft.evaluate(fold.val)
         test_result = ft.evaluate(fold.test)
@@ -481,7 +486,12 @@ def main(data=None, preset="default", config_file=None, sets=(), seed=None, fold
 
 
 def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None, as_json=False):
-    """numbarl-backtest: re-score a saved agent on a split of its folds."""
+    """numbarl-backtest: re-score a saved agent on a split of its folds.
+
+    ``checkpoint="all"`` scores every saved checkpoint on its own fold (one row per checkpoint and
+    split): a diagnostic of how each epoch generalizes. Choosing a checkpoint by its test score
+    would be selection on the test window; the run's own choice is the best-by-validation one.
+    """
     import pandas as pd
 
     from numbarl.env.backtest import backtest
@@ -496,30 +506,53 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         cfg = replace(cfg, data=replace(cfg.data, source=data))
     cache = prepare_data(cfg.data, log=lambda m: print(m, file=sys.stderr))
     folds = make_folds(cache, cfg.train)
-    arrays, state = run.load_checkpoint(checkpoint)
+    chosen = [f for f in folds if fold is None or f.index == fold]
+    if not chosen:
+        raise RunError(f"{run_dir}: no fold {fold}; the run has folds 0..{len(folds) - 1}")
+    every = checkpoint == "all"
+    if every:
+        tags = [(c["tag"], c["state"].get("fold")) for c in run.list_checkpoints()]
+        tags = [(t, fi) for t, fi in tags if any(f.index == fi for f in chosen)]
+        if not tags:
+            raise RunError(f"{run_dir}: no saved checkpoint for fold(s) {[f.index for f in chosen]}")
+    else:
+        tags = [(checkpoint, None)]
     host_market = MarketData.from_cache(cache)
     market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
     state_dim = cfg.env.state_dim(cache.features.shape[1])
     small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
     agent = DQNAgent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
-    agent.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
     rows = []
-    chosen = [f for f in folds if fold is None or f.index == fold]
-    if not chosen:
-        raise RunError(f"{run_dir}: no fold {fold}; the run has folds 0..{len(folds) - 1}")
-    for f in chosen:
-        for name in (("val", "test") if split == "all" else (split,)):
-            window = getattr(f, name)
-            result = backtest(market, window, cfg.env, q_fn=agent.q_fn, n_policies=1, stream=stream())
-            rows.append({"fold": f.index, "split": name, **metrics_dict(result.metrics())})
+    for tag, tag_fold in tags:
+        arrays, state = run.load_checkpoint(tag, prefix="params/")
+        agent.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
+        for f in chosen:
+            if tag_fold is not None and f.index != tag_fold:
+                continue
+            for name in (("val", "test") if split == "all" else (split,)):
+                window = getattr(f, name)
+                result = backtest(market, window, cfg.env, q_fn=agent.q_fn, n_policies=1, stream=stream())
+                row = {"fold": f.index, "split": name, **metrics_dict(result.metrics())}
+                if every:
+                    row = {"checkpoint": tag, "epoch": state.get("epoch"), **row}
+                rows.append(row)
     if as_json:
         print(json.dumps({"run": str(run.path), "checkpoint": checkpoint, "results": rows}, indent=2, default=str))
-    else:
-        frame = pd.DataFrame(rows).drop(columns=["nan_reasons"], errors="ignore").set_index(["fold", "split"]).T
-        frame = frame.astype(float)  # None (a degenerate metric) -> NaN, shown as n/a
-        print(f"run {run.path} | checkpoint {checkpoint}")
+        return
+    print(f"run {run.path} | checkpoint {checkpoint}")
+    if every:  # one line per checkpoint and split, the headline metrics
+        cols = ["sharpe", "total_return", "max_drawdown", "n_trades", "win_rate", "profit_factor", "avg_hold", "exposure"]
+        frame = pd.DataFrame(rows).set_index(["checkpoint", "split"])[cols].astype(float)
         print(frame.to_string(float_format=lambda v: f"{v:,.4f}", na_rep="n/a"))
-        reasons = [f"  {metric} (fold {r['fold']} {r['split']}): {why}"
-                   for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
-        if reasons:
-            print("n/a:\n" + "\n".join(reasons))
+        summary = run.read_summary() if (run.path / "summary.json").exists() else {"folds": []}
+        for f in summary["folds"]:
+            print(f"fold {f['fold']}: best by validation {f['best_checkpoint']} (the run's choice; picking by "
+                  "the test rows above would be selection on the test window)")
+        return
+    frame = pd.DataFrame(rows).drop(columns=["nan_reasons"], errors="ignore").set_index(["fold", "split"]).T
+    frame = frame.astype(float)  # None (a degenerate metric) -> NaN, shown as n/a
+    print(frame.to_string(float_format=lambda v: f"{v:,.4f}", na_rep="n/a"))
+    reasons = [f"  {metric} (fold {r['fold']} {r['split']}): {why}"
+               for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
+    if reasons:
+        print("n/a:\n" + "\n".join(reasons))

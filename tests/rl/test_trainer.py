@@ -90,6 +90,24 @@ def test_backtest_rescores_the_saved_agent_like_the_run(full_run, cache_dir, mon
     assert r.exit_code == 2 and "not a numbarl run folder" in r.output
 
 
+def test_backtest_every_checkpoint(full_run, cache_dir, monkeypatch):
+    """--checkpoint all scores each saved epoch; the best one's validation row equals the run's."""
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+    r = CliRunner().invoke(backtest_cmd, [str(full_run), "--checkpoint", "all", "--split", "all", "--json"],
+                           catch_exceptions=True)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    rows = json.loads(r.output[r.output.index("{"):])["results"]
+    summary = json.loads((full_run / "summary.json").read_text())["folds"][0]
+    tags = sorted({row["checkpoint"] for row in rows})
+    assert tags == ["fold0-epoch0001", "fold0-epoch0002"] and len(rows) == 4
+    val = {row["epoch"]: row["sharpe"] for row in rows if row["split"] == "val"}
+    assert [val[1], val[2]] == [x if x == x else None for x in summary["val_sharpe_per_epoch"]]
+    best = [row for row in rows if row["checkpoint"] == summary["best_checkpoint"] and row["split"] == "test"]
+    assert best[0]["sharpe"] == summary["test"]["sharpe"]
+    r = CliRunner().invoke(backtest_cmd, [str(full_run), "--checkpoint", "all"], catch_exceptions=True)
+    assert r.exit_code == 0 and "fold0-epoch0002" in r.output and "best by validation" in r.output, r.output
+
+
 def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
     full, killed = full_run, tmp_path / "killed"
     original = trainer.FoldTrainer.collect_once
@@ -118,22 +136,25 @@ def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
     assert strip(RunDir.open(full).read_metrics()) == strip(RunDir.open(killed).read_metrics())
 
 
-def test_nonfinite_loss_stops_run_and_keeps_last_good_checkpoint(run_cli, tmp_path, monkeypatch):
+@pytest.mark.parametrize("role", ["params", "target"])
+def test_nonfinite_loss_stops_run_and_keeps_last_good_checkpoint(run_cli, tmp_path, monkeypatch, role):
+    """A NaN weight of the online or of the target network: the run stops at the next log
+    interval naming the step and the tensor; the last good checkpoint is kept."""
     out = tmp_path / "nan"
     original = trainer.FoldTrainer.save
 
     def save_then_poison(self):  # after the epoch-1 checkpoint a weight turns NaN
         tag = original(self)
         name = "trunk.fc0.w"
-        value = self.agent.store.to_host("params")[name]
+        value = self.agent.store.to_host(role)[name]
         value[0, 0] = np.nan
-        self.agent.store.load({name: value})
+        self.agent.store.load({name: value}, role=role)
         return tag
 
     monkeypatch.setattr(trainer.FoldTrainer, "save", save_then_poison)
     r = run_cli(*FAST, "--out", str(out))
     assert r.exit_code == 3, r.output + repr(r.exception)
-    assert "non-finite loss at train step" in r.output and "params:trunk.fc0.w" in r.output
+    assert "non-finite loss at train step" in r.output and f"{role}:trunk.fc0.w" in r.output
     arrays, state = RunDir.open(out).load_checkpoint("latest")
     assert state["epoch"] == 1
     assert all(np.all(np.isfinite(v)) for k, v in arrays.items() if k.startswith("params/"))

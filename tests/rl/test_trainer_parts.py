@@ -52,3 +52,37 @@ def test_select_window_is_validated_against_the_epochs():
     with pytest.raises(config.ConfigError, match="train.select_window = 11 is out of range"):
         config.resolve("default", None, ["train.select_window=11"])
     assert config.resolve("default", None, ["train.select_window=3"]).train.select_window == 3
+
+
+def test_runs_started_together_build_the_synthetic_market_once(tmp_path, monkeypatch):
+    """Two runs on one fresh cache folder: the second waits for the first's build and loads it."""
+    import threading
+    import time
+
+    from numbarl import config as config_mod
+    from numbarl.data import synth
+    from numbarl.rl import trainer
+
+    calls = []
+    original = synth.build_synthetic_cache
+
+    def slow_build(*args, **kwargs):
+        calls.append(threading.get_ident())
+        time.sleep(0.5)  # long enough for the other run to find no cache yet
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "build_synthetic_cache", slow_build)
+    monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path))
+    dcfg = config_mod.preset("tiny").data
+    paths = []
+
+    def one():
+        paths.append(trainer.prepare_data(dcfg, log=lambda m: None).path)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(paths) == 2 and paths[0] == paths[1]

@@ -298,12 +298,23 @@ class DQNAgent:
         }
 
     def nonfinite_tensors(self) -> list[str]:
-        """Names of parameter/gradient tensors holding NaN/inf (host check after a guard trip)."""
+        """Names of the device tensors holding NaN/inf (host check after a guard trip): every role
+        of the parameter store (params, grads, target network, Adam moments) and the replay's
+        observations and rewards."""
         bad = []
-        for role in ("params", "grads"):
-            for name, value in self.store.arenas[role].to_host().items():
+        for role, arena in self.store.arenas.items():
+            for name, value in arena.to_host().items():
                 if not np.all(np.isfinite(value)):
                     bad.append(f"{role}:{name}")
+        for name in ("obs", "reward"):
+            if not np.all(np.isfinite(self.replay.store[name].copy_to_host())):
+                bad.append(f"replay:{name}")
+        # the loss is NaN by design for an action outside its branch (c51_target_kernel)
+        actions = self.replay.store["action"].copy_to_host()
+        sizes = np.asarray(self.branch_sizes, np.int64)
+        invalid = int(np.sum(np.any((actions < 0) | (actions >= sizes), axis=-1)))
+        if invalid:
+            bad.append(f"replay:action ({invalid} rows hold an action outside its branch)")
         return bad
 
 
