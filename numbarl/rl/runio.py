@@ -10,6 +10,8 @@ One `numbarl-train` run owns one folder (SPEC §6)::
       checkpoints/
         <tag>.npz               arrays (flat params, Adam moments, RNG counters, env cursors, ...)
                                 plus the state dict embedded as JSON: the .npz alone is the checkpoint
+        <tag>.<id>.resume.npz   the replay buffer: only an exact --resume needs it, so only the
+                                latest checkpoint keeps it (older epochs stay a few MB)
         <tag>.json              human-readable copy of the state and a manifest of the arrays
         latest.json             {"tag": ...}: the checkpoint `--resume` continues from
         best.json               {"tag": ..., "score": ...}: best by validation score
@@ -69,10 +71,20 @@ TEMP_MARKER = ".tmp-"  # temporary files are ".<final name>.tmp-<pid>-<random>"
 LOG_KINDS = ("train", "val", "test")
 CSV_LEADING_COLUMNS = ("kind", "fold", "epoch", "step")  # first columns of metrics.csv, when present
 STATE_KEY = "__state__"  # reserved array name: the checkpoint's state dict as UTF-8 JSON bytes
+RESUME_SUFFIX = ".resume.npz"  # a checkpoint's resume-only arrays (replay buffer), latest checkpoint only
 RESERVED_TAGS = ("latest", "best")
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 SPLIT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 EQUITY_SERIES = ("pnl", "equity", "position")  # per-bar float series; at least pnl or equity
+
+
+def _checkpoint_array(name, value) -> np.ndarray:
+    if not isinstance(name, str) or not name or name.startswith("__"):
+        raise ValueError(f"checkpoint array name {name!r} is not valid (non-empty, no leading '__')")
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise TypeError(f"checkpoint array {name!r} has dtype object; save numeric arrays only")
+    return array
 
 
 class RunError(Exception):
@@ -190,6 +202,8 @@ def _check_tag(tag: str) -> str:
         )
     if tag in RESERVED_TAGS:
         raise ValueError(f"checkpoint tag {tag!r} is reserved (it names a pointer file); pick another")
+    if tag.endswith(".resume"):
+        raise ValueError(f"checkpoint tag {tag!r} is not valid: '.resume' ends the names of resume files")
     return tag
 
 
@@ -459,33 +473,43 @@ class RunDir:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, tag: str, arrays: dict, state: dict, latest: bool = True) -> Path:
+    def save_checkpoint(self, tag: str, arrays: dict, state: dict, latest: bool = True,
+                        resume_arrays: dict | None = None) -> Path:
         """Save arrays + state as checkpoint `tag`, atomically; returns the .npz path.
 
         `arrays`: name -> numpy array (host copies of the flat parameter buffer, Adam moments,
-        RNG counters, env cursors, optional replay buffer, ...). `state`: JSON-able dict (step,
-        fold, epoch, epsilon, best score, ...). Steps: `<tag>.npz` (arrays and the state
-        embedded, self-consistent), `<tag>.json` (readable copy + manifest), then `latest.json`
-        (unless `latest=False`). A crash at any point leaves the previous checkpoint loadable.
+        RNG counters, env cursors, ...). `state`: JSON-able dict (step, fold, epoch, epsilon, best
+        score, ...). `resume_arrays`: bulky arrays only an exact resume needs (the replay buffer),
+        written to `<tag>.resume.npz` and kept for the latest checkpoint only: older epochs stay
+        small. Steps: `<tag>.resume.npz`, `<tag>.npz` (arrays, the state and the resume file's id
+        embedded), `<tag>.json` (readable copy + manifest), then `latest.json` (unless
+        `latest=False`), then the other checkpoints' resume files are removed. A crash at any
+        point leaves the previous checkpoint loadable and resumable.
         """
         _check_tag(tag)
         if not isinstance(state, dict):
             raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
+        self.checkpoints_dir.mkdir(exist_ok=True)
+        resume_id = resume_name = None
+        if resume_arrays:
+            resume_id = uuid.uuid4().hex
+            resume_name = f"{tag}.{resume_id[:12]}{RESUME_SUFFIX}"  # never overwrites another save's file
+            bulk = {name: _checkpoint_array(name, value) for name, value in resume_arrays.items()}
+            if set(bulk) & set(arrays):
+                raise ValueError(f"checkpoint arrays and resume_arrays share names: {sorted(set(bulk) & set(arrays))}")
+            bulk[STATE_KEY] = np.frombuffer(json.dumps({"resume_id": resume_id}).encode("utf-8"), dtype=np.uint8)
+            atomic_write(self.checkpoints_dir / resume_name, lambda f: np.savez(f, **bulk))
         payload = {}
         for name, value in arrays.items():
-            if not isinstance(name, str) or not name or name.startswith("__"):
-                raise ValueError(f"checkpoint array name {name!r} is not valid (non-empty, no leading '__')")
-            array = np.asarray(value)
-            if array.dtype == object:
-                raise TypeError(f"checkpoint array {name!r} has dtype object; save numeric arrays only")
-            payload[name] = array
+            payload[name] = _checkpoint_array(name, value)
         save_id = uuid.uuid4().hex
         state_json = dumps(state)
         saved = _utc_now()
         header = {"tag": tag, "save_id": save_id, "saved": saved, "state": json.loads(state_json)}
+        if resume_id is not None:
+            header["resume_id"], header["resume_file"] = resume_id, resume_name
         payload[STATE_KEY] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
 
-        self.checkpoints_dir.mkdir(exist_ok=True)
         npz_path = self.checkpoints_dir / f"{tag}.npz"
         atomic_write(npz_path, lambda f: np.savez(f, **payload))
         manifest = {
@@ -500,13 +524,26 @@ class RunDir:
             },
             "bytes": npz_path.stat().st_size,
         }
+        if resume_id is not None:
+            manifest["resume_file"] = resume_name
         atomic_write_json(self.checkpoints_dir / f"{tag}.json", manifest)
         if latest:
             atomic_write_json(
                 self.checkpoints_dir / LATEST_FILE,
                 {"tag": tag, "save_id": save_id, "saved": saved, "step": header["state"].get("step")},
             )
+            self._drop_resume_files(keep=resume_name)
         return npz_path
+
+    def _drop_resume_files(self, keep: str | None) -> None:
+        """Remove every resume file but `keep` (the latest checkpoint's)."""
+        dropped = False
+        for path in self.checkpoints_dir.glob(f"*{RESUME_SUFFIX}"):
+            if path.name != keep and not path.name.startswith("."):
+                path.unlink(missing_ok=True)
+                dropped = True
+        if dropped:
+            _fsync_dir(self.checkpoints_dir)
 
     def resolve_tag(self, tag: str = "latest") -> str:
         """'latest' and 'best' resolved to the checkpoint they point to; other tags checked."""
@@ -521,24 +558,46 @@ class RunDir:
             return data["tag"]
         return _check_tag(tag)
 
-    def load_checkpoint(self, tag: str = "latest", prefix: str | tuple = "") -> tuple[dict, dict]:
+    def load_checkpoint(self, tag: str = "latest", prefix: str | tuple = "",
+                        require_resume: bool = False) -> tuple[dict, dict]:
         """(arrays, state) of checkpoint `tag` ("latest", "best" or a saved tag); with `prefix`,
-        only the arrays whose names start with it are read (e.g. "params/": no replay buffer)."""
+        only the arrays whose names start with it are read (e.g. "params/": no replay buffer).
+
+        The checkpoint's resume arrays (`<tag>.resume.npz`, kept for the latest checkpoint only)
+        are merged in when present; `require_resume=True` (an exact --resume) makes their absence
+        an error instead.
+        """
         real_tag = self.resolve_tag(tag)
         npz_path = self.checkpoints_dir / f"{real_tag}.npz"
         if not npz_path.is_file():
             known = ", ".join(c["tag"] for c in self.list_checkpoints()) or "none"
             raise RunError(f"checkpoint {real_tag!r} not found in {self.checkpoints_dir} (saved: {known})")
-        try:
-            with np.load(npz_path, allow_pickle=False) as data:
-                arrays = {name: data[name] for name in data.files if name == STATE_KEY or name.startswith(prefix)}
-        except (OSError, ValueError) as err:
-            raise RunError(f"checkpoint {npz_path} cannot be read: {err}") from err
+        arrays = self._read_npz(npz_path, prefix)
         header_bytes = arrays.pop(STATE_KEY, None)
         if header_bytes is None:
             raise RunError(f"checkpoint {npz_path} has no embedded state; it was not written by numbarl")
         header = json.loads(header_bytes.tobytes().decode("utf-8"))
+        resume_id = header.get("resume_id")
+        if resume_id is not None:
+            resume_path = self.checkpoints_dir / str(header.get("resume_file", ""))
+            bulk = self._read_npz(resume_path, prefix) if header.get("resume_file") and resume_path.is_file() else None
+            found = bulk is not None and json.loads(bulk.pop(STATE_KEY).tobytes().decode("utf-8")).get("resume_id") == resume_id
+            if found:
+                arrays.update(bulk)
+            elif require_resume:
+                raise RunError(
+                    f"checkpoint {real_tag!r}: its resume arrays (replay buffer) {resume_path.name} are "
+                    f"{'from another save' if bulk is not None else 'missing'}; only the latest checkpoint "
+                    "keeps them, and an exact resume needs them")
         return arrays, header["state"]
+
+    @staticmethod
+    def _read_npz(path: Path, prefix) -> dict:
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {name: data[name] for name in data.files if name == STATE_KEY or name.startswith(prefix)}
+        except (OSError, ValueError) as err:
+            raise RunError(f"checkpoint {path} cannot be read: {err}") from err
 
     def _checkpoint_header(self, npz_path: Path) -> dict:
         with np.load(npz_path, allow_pickle=False) as data:
@@ -552,7 +611,7 @@ class RunDir:
             return []
         out = []
         for npz_path in self.checkpoints_dir.glob("*.npz"):
-            if npz_path.name.startswith("."):
+            if npz_path.name.startswith(".") or npz_path.name.endswith(RESUME_SUFFIX):
                 continue
             tag = npz_path.stem
             info = None
@@ -569,7 +628,8 @@ class RunDir:
             if info is None or info.get("save_id") != header.get("save_id"):
                 info = header
             state = info.get("state") or {}
-            out.append({"tag": tag, "saved": info.get("saved"), "step": state.get("step"), "state": state})
+            out.append({"tag": tag, "saved": info.get("saved"), "step": state.get("step"), "state": state,
+                        "resume_file": info.get("resume_file")})
         out.sort(key=lambda c: (c["saved"] or "", c["step"] if isinstance(c["step"], int) else -1, c["tag"]))
         return out
 
@@ -635,6 +695,8 @@ class RunDir:
         for c in checkpoints:
             if c["tag"] in keep or c["tag"] in protected:
                 continue
+            if c.get("resume_file"):
+                (self.checkpoints_dir / c["resume_file"]).unlink(missing_ok=True)
             for suffix in (".json", ".npz"):  # sidecar first: a lone .npz is still listed
                 try:
                     (self.checkpoints_dir / f"{c['tag']}{suffix}").unlink()

@@ -241,11 +241,13 @@ class FoldTrainer:
         arrays = self.agent.state_arrays()
         for name, value in self.env.arena.to_host().items():
             arrays[f"env/{name}"] = value
+        # the replay buffer (most of the bytes) only matters to an exact resume: latest checkpoint only
+        replay = {name: arrays.pop(name) for name in [n for n in arrays if n.startswith("replay/")]}
         state = {"fold": self.fold.index, "epoch": self.epoch, "collect_steps": self.collect_steps,
                  "best_sharpe": _finite(self.best_sharpe), "best_tag": self.best_tag,
                  "val_history": self.val_history, "seed": self.seed}
         tag = self.tag(self.epoch)
-        self.run.save_checkpoint(tag, arrays, state)
+        self.run.save_checkpoint(tag, arrays, state, resume_arrays=replay)
         return tag
 
     def restore(self, arrays: dict, state: dict):
@@ -450,11 +452,8 @@ def main(data=None, preset="default", config_file=None, sets=(), seed=None, fold
     if resume_dir:
         run = RunDir.open(resume_dir)
         cfg = config_mod.from_dict(run.config)
-        try:
-            arrays, state = run.load_checkpoint("latest")
-            resume = (arrays, state)
-        except (RunError, FileNotFoundError, KeyError):
-            resume = None
+        if run.latest_checkpoint() is not None:  # none yet: the run starts over in its folder
+            resume = run.load_checkpoint("latest", require_resume=True)
         graph = run.meta.get("graph", graph)
     else:
         direct = {"train.seed": seed, "train.folds": folds, "train.epochs": epochs,

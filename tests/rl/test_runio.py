@@ -490,3 +490,55 @@ def test_write_summary_is_strict_json(run, monkeypatch):
     monkeypatch.undo()
     assert run.read_summary()["seed"] == 1  # the previous summary is intact
     assert temp_files(run.path) == []
+
+
+def _replay(rng, k):
+    return {"replay/obs": rng.standard_normal((8, 3)).astype(np.float32) + k, "replay/count": np.array([k], np.int64)}
+
+
+def test_only_the_latest_checkpoint_keeps_its_resume_arrays(run, rng):
+    """The replay buffer goes to a resume file that only the latest checkpoint keeps."""
+    saved = {}
+    for epoch in (1, 2, 3):
+        saved[epoch] = (random_arrays(rng), _replay(rng, epoch))
+        run.save_checkpoint(f"e{epoch}", saved[epoch][0], {"step": epoch}, resume_arrays=saved[epoch][1])
+    files = sorted(p.name for p in run.checkpoints_dir.glob("*.resume.npz"))
+    assert len(files) == 1 and files[0].startswith("e3.")
+    assert [c["tag"] for c in run.list_checkpoints()] == ["e1", "e2", "e3"]
+    arrays, _ = RunDir.open(run.path).load_checkpoint("latest", require_resume=True)
+    assert_same_arrays(arrays, {**saved[3][0], **saved[3][1]})
+    old, _ = run.load_checkpoint("e1")  # params etc. still load; the replay is gone
+    assert_same_arrays(old, saved[1][0])
+    with pytest.raises(RunError, match="e1.*missing"):
+        run.load_checkpoint("e1", require_resume=True)
+    params_only, _ = run.load_checkpoint("latest", prefix="params")
+    assert set(params_only) == {"params"}
+    # pruning removes a pruned checkpoint's resume file with it; the latest keeps its own
+    run.save_checkpoint("e4", random_arrays(rng), {"step": 4}, resume_arrays=_replay(rng, 4), latest=False)
+    run.prune_checkpoints(keep_last=0)
+    assert [c["tag"] for c in run.list_checkpoints()] == ["e3"]
+    assert sorted(p.name for p in run.checkpoints_dir.glob("*.resume.npz")) == files
+    with pytest.raises(ValueError, match="resume"):
+        run.save_checkpoint("x.resume", {"a": np.zeros(2)}, {"step": 1})
+
+
+@pytest.mark.parametrize("failing_replace", [1, 2, 3, 4], ids=["resume", "npz", "sidecar", "latest"])
+def test_a_crash_during_save_keeps_the_previous_checkpoint_resumable(run, rng, monkeypatch, failing_replace):
+    previous, previous_replay = random_arrays(rng), _replay(rng, 1)
+    run.save_checkpoint("e1", previous, {"step": 100}, resume_arrays=previous_replay)
+    real_replace = os.replace
+    calls = []
+
+    def crashing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == failing_replace:
+            raise OSError("simulated crash")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(runio.os, "replace", crashing_replace)
+    with pytest.raises(OSError, match="simulated crash"):
+        run.save_checkpoint("e2", random_arrays(rng), {"step": 200}, resume_arrays=_replay(rng, 2))
+    monkeypatch.setattr(runio.os, "replace", real_replace)
+    arrays, state = RunDir.open(run.path).load_checkpoint("latest", require_resume=True)
+    assert_same_arrays(arrays, {**previous, **previous_replay})
+    assert state == {"step": 100}

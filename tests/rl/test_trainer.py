@@ -71,6 +71,9 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     # the windows are chronological and disjoint: nothing of validation/test inside training
     w = fold["window"]
     assert w["train"][1] <= w["val"][0] and w["val"][1] <= w["test"][0]
+    # the replay buffer is kept with the latest checkpoint only
+    resume_files = sorted(p.name for p in (out / "checkpoints").glob("*.resume.npz"))
+    assert len(resume_files) == 1 and resume_files[0].startswith("fold0-epoch0002.")
 
 
 def test_backtest_rescores_the_saved_agent_like_the_run(full_run, cache_dir, monkeypatch):
@@ -134,6 +137,19 @@ def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
     assert _metrics(full) == _metrics(killed)
     strip = lambda recs: [{k: v for k, v in rec.items() if k != "env_steps_per_s"} for rec in recs]  # noqa: E731
     assert strip(RunDir.open(full).read_metrics()) == strip(RunDir.open(killed).read_metrics())
+
+
+def test_resume_without_the_replay_buffer_is_one_clear_error(run_cli, full_run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(full_run, copy)
+    for p in (copy / "checkpoints").glob("*.resume.npz"):
+        p.unlink()
+    before = sorted(p.name for p in copy.rglob("*"))
+    r = run_cli("--resume", str(copy), "--quiet")
+    assert r.exit_code == 2 and "replay buffer" in r.output and "missing" in r.output, r.output
+    assert sorted(p.name for p in copy.rglob("*")) == before
 
 
 @pytest.mark.parametrize("role", ["params", "target"])
