@@ -102,7 +102,8 @@ def _lock_simulator_shared_arrays() -> None:
 
     def array(self, shape, dtype, alignment=None):
         if shape == 0 or alignment is not None or not hasattr(self, "_allocations"):
-            return original(self, shape, dtype, alignment)
+            # (older simulators take no alignment argument)
+            return original(self, shape, dtype) if alignment is None else original(self, shape, dtype, alignment)
         if isinstance(dtype, kernelapi.types.Type):
             dtype = kernelapi.numpy_support.as_dtype(dtype)
         frame = sys._getframe(1)
