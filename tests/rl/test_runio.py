@@ -1,5 +1,6 @@
 """Run folder: create/open, metrics log and CSV, atomic checkpoints, trades, equity, summary."""
 
+import contextlib
 import json
 import os
 
@@ -312,24 +313,31 @@ def test_checkpoint_names_are_checked(run):
         run.load_checkpoint("missing")
 
 
-@pytest.mark.parametrize("failing_replace", [1, 2, 3], ids=["npz", "sidecar", "latest"])
-def test_a_crash_during_save_keeps_the_previous_checkpoint(run, rng, monkeypatch, failing_replace):
-    """os.replace is the commit point of each file; make the n-th one of a save fail."""
-    previous = random_arrays(rng)
-    run.save_checkpoint("e1", previous, {"step": 100})
+@contextlib.contextmanager
+def crash_at_replace(monkeypatch, n: int):
+    """The n-th os.replace of the block raises (os.replace is the commit point of each file)."""
     real_replace = os.replace
     calls = []
 
     def crashing_replace(src, dst):
         calls.append(dst)
-        if len(calls) == failing_replace:
+        if len(calls) == n:
             raise OSError("simulated crash")
         return real_replace(src, dst)
 
     monkeypatch.setattr(runio.os, "replace", crashing_replace)
     with pytest.raises(OSError, match="simulated crash"):
-        run.save_checkpoint("e2", random_arrays(rng), {"step": 200})
+        yield
     monkeypatch.setattr(runio.os, "replace", real_replace)
+
+
+@pytest.mark.parametrize("failing_replace", [1, 2, 3], ids=["npz", "sidecar", "latest"])
+def test_a_crash_during_save_keeps_the_previous_checkpoint(run, rng, monkeypatch, failing_replace):
+    """os.replace is the commit point of each file; make the n-th one of a save fail."""
+    previous = random_arrays(rng)
+    run.save_checkpoint("e1", previous, {"step": 100})
+    with crash_at_replace(monkeypatch, failing_replace):
+        run.save_checkpoint("e2", random_arrays(rng), {"step": 200})
 
     assert temp_files(run.path) == []
     reopened = RunDir.open(run.path)
@@ -526,19 +534,8 @@ def test_only_the_latest_checkpoint_keeps_its_resume_arrays(run, rng):
 def test_a_crash_during_save_keeps_the_previous_checkpoint_resumable(run, rng, monkeypatch, failing_replace):
     previous, previous_replay = random_arrays(rng), _replay(rng, 1)
     run.save_checkpoint("e1", previous, {"step": 100}, resume_arrays=previous_replay)
-    real_replace = os.replace
-    calls = []
-
-    def crashing_replace(src, dst):
-        calls.append(dst)
-        if len(calls) == failing_replace:
-            raise OSError("simulated crash")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(runio.os, "replace", crashing_replace)
-    with pytest.raises(OSError, match="simulated crash"):
+    with crash_at_replace(monkeypatch, failing_replace):
         run.save_checkpoint("e2", random_arrays(rng), {"step": 200}, resume_arrays=_replay(rng, 2))
-    monkeypatch.setattr(runio.os, "replace", real_replace)
     arrays, state = RunDir.open(run.path).load_checkpoint("latest", require_resume=True)
     assert_same_arrays(arrays, {**previous, **previous_replay})
     assert state == {"step": 100}
