@@ -480,9 +480,9 @@ class RunDir:
         `arrays`: name -> numpy array (host copies of the flat parameter buffer, Adam moments,
         RNG counters, env cursors, ...). `state`: JSON-able dict (step, fold, epoch, epsilon, best
         score, ...). `resume_arrays`: bulky arrays only an exact resume needs (the replay buffer),
-        written to `<tag>.resume.npz` and kept for the latest checkpoint only: older epochs stay
-        small. Steps: `<tag>.resume.npz`, `<tag>.npz` (arrays, the state and the resume file's id
-        embedded), `<tag>.json` (readable copy + manifest), then `latest.json` (unless
+        written to `<tag>.<id>.resume.npz` and kept for the latest checkpoint only: older epochs
+        stay small. Steps: the resume file (a new name each save), `<tag>.npz` (arrays, the state
+        and the resume file's name and id embedded), `<tag>.json` (readable copy + manifest), then `latest.json` (unless
         `latest=False`), then the other checkpoints' resume files are removed. A crash at any
         point leaves the previous checkpoint loadable and resumable.
         """
@@ -563,8 +563,8 @@ class RunDir:
         """(arrays, state) of checkpoint `tag` ("latest", "best" or a saved tag); with `prefix`,
         only the arrays whose names start with it are read (e.g. "params/": no replay buffer).
 
-        The checkpoint's resume arrays (`<tag>.resume.npz`, kept for the latest checkpoint only)
-        are merged in when present; `require_resume=True` (an exact --resume) makes their absence
+        The checkpoint's resume arrays (`<tag>.<id>.resume.npz`, kept for the latest checkpoint
+        only) are merged in when present; `require_resume=True` (an exact --resume) makes their absence
         an error instead.
         """
         real_tag = self.resolve_tag(tag)
@@ -577,12 +577,12 @@ class RunDir:
         if header_bytes is None:
             raise RunError(f"checkpoint {npz_path} has no embedded state; it was not written by numbarl")
         header = json.loads(header_bytes.tobytes().decode("utf-8"))
-        resume_id = header.get("resume_id")
-        if resume_id is not None:
-            resume_path = self.checkpoints_dir / str(header.get("resume_file", ""))
-            bulk = self._read_npz(resume_path, prefix) if header.get("resume_file") and resume_path.is_file() else None
-            found = bulk is not None and json.loads(bulk.pop(STATE_KEY).tobytes().decode("utf-8")).get("resume_id") == resume_id
-            if found:
+        resume_file = header.get("resume_file")
+        if resume_file:
+            resume_path = self.checkpoints_dir / resume_file
+            bulk = self._read_npz(resume_path, prefix) if resume_path.is_file() else None
+            bulk_header = json.loads(bulk.pop(STATE_KEY).tobytes().decode("utf-8")) if bulk is not None else {}
+            if bulk_header.get("resume_id") == header.get("resume_id") and bulk is not None:
                 arrays.update(bulk)
             elif require_resume:
                 raise RunError(
