@@ -404,7 +404,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                          f"| checkpoint {tag}")
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
         best_arrays, _ = run.load_checkpoint(ft.best_tag, prefix="params/")
-        ft.agent.store.load({k.split("/", 1)[1]: v for k, v in best_arrays.items() if k.startswith("params/")})
+        ft.agent.load_params(best_arrays)
         val_result = ft.best_val if ft.best_val is not None else ft.evaluate(fold.val)
         test_result = ft.evaluate(fold.test)
         val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
@@ -524,7 +524,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     rows = []
     for tag, tag_fold in tags:
         arrays, state = run.load_checkpoint(tag, prefix="params/")
-        agent.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
+        agent.load_params(arrays)
         for f in chosen:
             if tag_fold is not None and f.index != tag_fold:
                 continue

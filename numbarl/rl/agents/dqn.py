@@ -284,6 +284,10 @@ class DQNAgent:
         if "agent/stats" in arrays:
             self.stats.host[:] = arrays["agent/stats"]
 
+    def load_params(self, arrays: dict[str, np.ndarray]) -> None:
+        """Load the online network's weights from checkpoint arrays ("params/<name>" entries)."""
+        self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
+
     def read_stats(self, stream) -> dict[str, float]:
         """Host read of the mapped stats (waits on an event behind the writers; log intervals only)."""
         self.stats.record(stream)
