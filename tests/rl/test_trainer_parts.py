@@ -55,34 +55,42 @@ def test_select_window_is_validated_against_the_epochs():
 
 
 def test_runs_started_together_build_the_synthetic_market_once(tmp_path, monkeypatch):
-    """Two runs on one fresh cache folder: the second waits for the first's build and loads it."""
-    import threading
+    """Two runs (two processes, as in real use) on one fresh cache folder: the second waits for
+    the first's build and loads it. Processes, not threads: CPython 3.11's ast.literal_eval (used
+    by np.load for .npy headers) is not thread-safe, and runs never share a process anyway."""
+    import multiprocessing
+    import os
     import time
 
     from numbarl import config as config_mod
     from numbarl.data import synth
     from numbarl.rl import trainer
 
-    calls = []
     original = synth.build_synthetic_cache
+    marks = tmp_path / "builds"
+    marks.mkdir()
 
     def slow_build(*args, **kwargs):
-        calls.append(threading.get_ident())
+        (marks / str(os.getpid())).touch()
         time.sleep(0.5)  # long enough for the other run to find no cache yet
         return original(*args, **kwargs)
 
     monkeypatch.setattr(synth, "build_synthetic_cache", slow_build)
-    monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache))
     dcfg = config_mod.preset("tiny").data
-    paths = []
 
-    def one():
-        paths.append(trainer.prepare_data(dcfg, log=lambda m: None).path)
+    def one(i):
+        path = trainer.prepare_data(dcfg, log=lambda m: None).path
+        (tmp_path / f"path-{i}").write_text(str(path))
 
-    threads = [threading.Thread(target=one) for _ in range(2)]
-    threads[0].start()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=one, args=(i,)) for i in range(2)]
+    procs[0].start()
     time.sleep(0.1)
-    threads[1].start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1 and len(paths) == 2 and paths[0] == paths[1]
+    procs[1].start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    paths = [(tmp_path / f"path-{i}").read_text() for i in range(2)]
+    assert len(list(marks.iterdir())) == 1 and paths[0] == paths[1]
