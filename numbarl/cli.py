@@ -55,12 +55,21 @@ def train_cmd(data, preset, config_file, sets, seed, folds, epochs, out_dir, res
 
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    if resume_dir:  # a resumed run continues with its saved config: other settings would be ignored
+        given = [name for name, value in (("--data", data), ("--preset", preset), ("--config", config_file),
+                                          ("--set", sets), ("--seed", seed), ("--folds", folds),
+                                          ("--epochs", epochs), ("--out", out_dir)) if value not in (None, ())]
+        if given:
+            _fail(f"--resume continues the run in {resume_dir} with its saved config (config.json); "
+                  f"{', '.join(given)} cannot be combined with it. Start a new run "
+                  "with --out to train with other settings.")
     sim = backend.select(True if simulate else None)
     try:
         from numbarl.rl import trainer
 
         if sim and not simulate:
-            click.echo("numbarl: no CUDA GPU found: running under the numba CUDA simulator (tiny preset).", err=True)
+            what = " (tiny preset)" if preset is None and not resume_dir else ""
+            click.echo(f"numbarl: no CUDA GPU found: running under the numba CUDA simulator{what}.", err=True)
         if preset is None:
             preset = "tiny" if sim else "default"
         trainer.main(data=data, preset=preset, config_file=config_file, sets=sets, seed=seed, folds=folds,
@@ -85,7 +94,7 @@ def train_main():
 # ---------------------------------------------------------------------------------------------
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path())
-@click.option("--checkpoint", default="best", show_default=True, help="Checkpoint tag (best, latest, a saved tag) or 'all': every saved checkpoint on its own fold, one row each (a diagnostic).")
+@click.option("--checkpoint", default="best", show_default=True, help="best (each fold's best-by-validation checkpoint), latest, a saved tag, or 'all' (every saved checkpoint, one row each: a diagnostic). A checkpoint is scored on its own fold only.")
 @click.option("--data", default=None, help="Score on other data (fxcache folder or DBN files) instead of the run's own.")
 @click.option("--split", type=click.Choice(["val", "test", "all"]), default="test", show_default=True)
 @click.option("--fold", type=int, default=None, help="Fold to score (default: every fold).")

@@ -278,7 +278,12 @@ def _coerce(section: str, f: dataclasses.Field, current, raw):
         if isinstance(current, int):
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError
-            return int(raw) if not isinstance(raw, str) else int(float(raw)) if "e" in raw.lower() else int(raw)
+            if isinstance(raw, str) and "e" in raw.lower():  # 1e6 is an integer, 2.5e0 is not
+                value = float(raw)
+                if not value.is_integer():
+                    raise ValueError
+                return int(value)
+            return int(raw)
         if isinstance(current, float):
             return float(raw)
         if isinstance(current, tuple):
@@ -311,6 +316,8 @@ def apply(cfg: Config, updates: dict[str, Any]) -> Config:
     for key, value in updates.items():
         if isinstance(value, dict) and "." not in key:
             nested.setdefault(key, {}).update(value)
+        elif "." not in key and key in ("data", "env", "agent", "train"):
+            raise ConfigError(f"config section {key!r} must be a table of fields (e.g. {{\"lr\": 3e-4}}), got {value!r}")
         else:
             section, _, name = key.partition(".")
             if not name:
@@ -344,10 +351,15 @@ def load_file(path: str | Path) -> dict:
         if path.suffix == ".toml":
             import tomllib
 
-            return tomllib.loads(text)
-        return json.loads(text)
+            loaded = tomllib.loads(text)
+        else:
+            loaded = json.loads(text)
     except Exception as e:  # noqa: BLE001 - report any parse error the same way
         raise ConfigError(f"config file {path} could not be parsed: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a table of sections (data, env, agent, train), "
+                          f"got a {type(loaded).__name__}")
+    return loaded
 
 
 def from_dict(d: dict) -> Config:

@@ -23,6 +23,8 @@ import numpy as np
 
 from numbarl.data.errors import DataError
 
+MIN_WINDOW_BARS = 2  # a window must hold one step (bar t -> t + 1); the env's check_range agrees
+
 
 @dataclass(frozen=True)
 class Fold:
@@ -97,10 +99,14 @@ def walk_forward(
         val = (int(starts[s_val]), int(starts[s_test]) - embargo_bars)
         test = (int(starts[s_test]), int(starts[s_end]))
         for name, (a, b) in (("training", train), ("validation", val)):
-            if b - a < 1:
+            if b - a < MIN_WINDOW_BARS:
                 raise DataError(
-                    f"walk-forward fold {k}: the embargo of {embargo_bars} bars leaves no {name} bars "
-                    f"({name} range has {b - a + embargo_bars} bars); lower embargo_bars"
+                    f"walk-forward fold {k}: the embargo of {embargo_bars} bars leaves {max(b - a, 0)} {name} "
+                    f"bar(s) of {b - a + embargo_bars}; a window needs at least {MIN_WINDOW_BARS} (one step); "
+                    "lower embargo_bars"
                 )
+        if test[1] - test[0] < MIN_WINDOW_BARS:
+            raise DataError(f"walk-forward fold {k}: the test sessions hold {test[1] - test[0]} bar(s); a window "
+                            f"needs at least {MIN_WINDOW_BARS} (one step)")
         folds.append(Fold(k, train, val, test, (s0, s_val), (s_val, s_test), (s_test, s_end)))
     return folds

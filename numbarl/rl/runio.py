@@ -441,14 +441,16 @@ class RunDir:
         text = frame.to_csv(index=False, lineterminator="\n")
         return atomic_write_bytes(self.csv_path, text.encode("utf-8"))
 
-    def truncate_log(self, after_step: int, fold: int | None = None) -> int:
+    def truncate_log(self, after_step: int, fold: int | None = None, closing_kinds: tuple = ()) -> int:
         """Drop every record logged after the checkpoint at `after_step`; returns how many.
 
         The log is chronological, so the cut is at the first record with `step > after_step`
         (when `fold` is given and records carry folds: the first record of a later fold, or of
         the same fold with `step > after_step`, for trainers whose step counter restarts per
-        fold). Everything from the cut on is dropped, including a partial last line. The file is
-        rewritten atomically, and metrics.csv is rebuilt if it exists.
+        fold; `after_step=-1` drops the whole fold). `closing_kinds`: kinds of record a fold logs
+        once it ends, at its last checkpoint's step (the test result): they are after that
+        checkpoint too. Everything from the cut on is dropped, including a partial last line. The
+        file is rewritten atomically, and metrics.csv is rebuilt if it exists.
         """
         after_step = int(after_step)
         records = self.read_metrics()
@@ -459,7 +461,7 @@ class RunDir:
             if fold is not None and record_fold is not None and int(record_fold) != int(fold):
                 later = int(record_fold) > int(fold)
             else:
-                later = step is not None and int(step) > after_step
+                later = (step is not None and int(step) > after_step) or record.get("kind") in closing_kinds
             if later:
                 cut = index
                 break
@@ -556,7 +558,10 @@ class RunDir:
             if not isinstance(data, dict) or not isinstance(data.get("tag"), str):
                 raise RunError(f"{pointer} does not name a checkpoint")
             return data["tag"]
-        return _check_tag(tag)
+        try:
+            return _check_tag(tag)
+        except ValueError as err:  # a user's --checkpoint value: an input error, not a bug
+            raise RunError(str(err)) from None
 
     def load_checkpoint(self, tag: str = "latest", prefix: str | tuple = "",
                         require_resume: bool = False) -> tuple[dict, dict]:

@@ -218,7 +218,7 @@ class FoldTrainer:
         self.cfg, self.market, self.fold, self.run, self.graph = cfg, market, fold, run, graph
         self.progress, self.simulator = progress, simulator
         t = cfg.train
-        self.seed = t.seed + 1000 * fold.index
+        self.seed = fold_seed(t.seed, fold.index)
         self.stream = stream()
         self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
         self.agent = DQNAgent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
@@ -257,7 +257,8 @@ class FoldTrainer:
         self.collect_steps = int(state["collect_steps"])
         self.best_sharpe = state["best_sharpe"] if state["best_sharpe"] is not None else -math.inf
         self.best_tag = state["best_tag"]
-        self.val_history = list(state.get("val_history", []))
+        # an undefined validation Sharpe is saved as JSON null
+        self.val_history = [float("nan") if x is None else float(x) for x in state.get("val_history", [])]
 
     # -- the loop --------------------------------------------------------------------------------
     def collect_once(self):
@@ -328,6 +329,19 @@ class FoldTrainer:
         return result, m, selection_score(self.val_history, self.cfg.train.select_window)
 
 
+def fold_seed(seed: int, fold: int) -> int:
+    """The seed of walk-forward fold `fold`: the run's seed for fold 0, a splitmix64 mix of (seed, fold)
+    otherwise, so that no two (seed, fold) pairs of a seed sweep share a stream (seed + 1000·fold did:
+    seed 1000 fold 0 = seed 0 fold 1)."""
+    if fold == 0:
+        return int(seed)
+    mask = (1 << 64) - 1
+    z = (int(seed) + (int(fold) * 0x9E3779B97F4A7C15)) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 2  # 62 bits: a non-negative int64 wherever a seed goes
+
+
 def selection_score(history, window: int) -> float:
     """Model-selection score of the latest epoch: the mean validation Sharpe of the last `window`
     epochs; -inf before `window` epochs exist or when one of them is undefined (NaN)."""
@@ -360,7 +374,10 @@ def _oracle_actions(cache, window, params):
 
 
 def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progress, simulator: bool,
-                 resume: tuple | None = None) -> dict:
+                 resume: tuple | None = None, resuming: bool = False) -> dict:
+    """Train every fold not yet finished. `resume`: (arrays, state) of the latest checkpoint;
+    `resuming`: the run folder already holds a (killed) run, whose records after its last
+    checkpoint are dropped so the resumed log reads like an uninterrupted one."""
     from numbarl.cuda.runtime import device_name
     from numbarl.env.backtest import backtest
     from numbarl.env.market import MarketData
@@ -385,12 +402,16 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             continue
         progress.log(f"fold {fold.index}: train bars {fold.train}, validation {fold.val}, test {fold.test}")
         ft = FoldTrainer(cfg, market, fold, run, graph, progress, simulator)
+        run.reset_best()  # best.json: the best checkpoint of the fold in training
         if resume is not None and resume[1]["fold"] == fold.index:
             ft.restore(*resume)
-            run.truncate_log(ft.collect_steps, fold=fold.index)
+            # records after the checkpoint, and a test record of this fold (logged at its step), go
+            run.truncate_log(ft.collect_steps, fold=fold.index, closing_kinds=("test",))
+            if ft.best_tag is not None:  # a kill between save and mark_best left best.json behind
+                run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
             progress.log(f"resumed fold {fold.index} after epoch {ft.epoch} (step {ft.collect_steps})")
-        else:
-            run.reset_best()
+        elif resuming:  # the fold starts over: whatever it logged before the kill goes
+            run.truncate_log(-1, fold=fold.index)
         while ft.epoch < cfg.train.epochs:
             ft.run_epoch()
             # VALIDATE (logged before the checkpoint so a resume keeps it)
@@ -454,7 +475,7 @@ def main(data=None, preset="default", config_file=None, sets=(), seed=None, fold
         cfg = config_mod.from_dict(run.config)
         if run.latest_checkpoint() is not None:  # none yet: the run starts over in its folder
             resume = run.load_checkpoint("latest", require_resume=True)
-        graph = run.meta.get("graph", graph)
+        graph = graph and bool(run.meta.get("graph", True))  # --no-graph may switch a resumed run to eager
     else:
         direct = {"train.seed": seed, "train.folds": folds, "train.epochs": epochs,
                   "data.source": data}
@@ -471,17 +492,69 @@ def main(data=None, preset="default", config_file=None, sets=(), seed=None, fold
         if out_dir is None:
             out_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         run = RunDir.create(out_dir, cfg.to_dict(), {"graph": graph, "simulator": simulator,
-                                                    "numbarl_version": __version__})
+                                                    "numbarl_version": __version__,
+                                                    "feature_names": list(cache.feature_names)})
         progress.log(f"run folder: {run.path}")
     progress.log(f"preset {cfg.preset} | {cache.n_bars} bars, {cache.n_sessions} sessions, "
                  f"{cache.bars_per_day:.0f} bars/day, {cache.features.shape[1]} features | "
                  f"{cfg.train.n_envs} envs | {'graphs' if graph else 'eager'}"
                  f"{' | simulator' if simulator else ''}")
     try:
-        summary = run_training(cfg, cache, run, graph, progress, simulator, resume)
+        summary = run_training(cfg, cache, run, graph, progress, simulator, resume, resuming=bool(resume_dir))
     finally:
         progress.close()
     return summary
+
+
+def _check_same_features(run: RunDir, cache) -> None:
+    """The agent reads features by position: scoring it on a cache with other features (or the
+    same ones in another order) would be silently wrong."""
+    trained = run.meta.get("feature_names")
+    if trained is None:  # a run folder from before the names were recorded: the width at least
+        return
+    have = list(cache.feature_names)
+    if have != list(trained):
+        diff = next((i for i, (a, b) in enumerate(zip(have, trained)) if a != b), min(len(have), len(trained)))
+        raise DataError(
+            f"{cache.path}: its features differ from the ones run {run.path} trained on ({len(have)} vs "
+            f"{len(trained)} features; first difference at column {diff}: "
+            f"{have[diff] if diff < len(have) else '(none)'!r} vs {trained[diff] if diff < len(trained) else '(none)'!r}); "
+            "rebuild the cache with the run's data.features")
+
+
+def _checkpoints_to_score(run: RunDir, checkpoint: str, folds) -> list[tuple[str, object]]:
+    """(tag, fold) pairs for numbarl-backtest: a checkpoint is only ever scored on its own fold
+    (a later fold's agent has trained on an earlier fold's validation and test windows).
+
+    "best": each fold's best-by-validation checkpoint (summary.json for a finished fold, best.json
+    for the fold in training); "all": every saved checkpoint; "latest" or a tag: that checkpoint.
+    """
+    by_index = {f.index: f for f in folds}
+    saved = {c["tag"]: c["state"].get("fold") for c in run.list_checkpoints()}
+    wanted = f"fold(s) {sorted(by_index)}"
+    if checkpoint == "all":
+        out = [(tag, by_index[k]) for tag, k in saved.items() if k in by_index]
+        if not out:
+            raise RunError(f"{run.path}: no saved checkpoint for {wanted}")
+        return out
+    if checkpoint == "best":
+        summary = run.read_summary() if run.summary_path.exists() else None
+        finished = {f["fold"]: f["best_checkpoint"] for f in (summary or {}).get("folds", [])}
+        pointer = run.best_checkpoint()
+        if pointer is not None and saved.get(pointer.get("tag")) is not None:
+            finished.setdefault(saved[pointer["tag"]], pointer["tag"])  # the fold in training
+        out = [(finished[k], f) for k, f in by_index.items() if finished.get(k)]
+        if not out:
+            raise RunError(f"{run.path}: no best checkpoint for {wanted} (no epoch has been validated yet)")
+        return out
+    tag = run.resolve_tag(checkpoint)
+    if tag not in saved:
+        known = ", ".join(saved) or "none"
+        raise RunError(f"checkpoint {tag!r} not found in {run.checkpoints_dir} (saved: {known})")
+    k = saved[tag]
+    if k not in by_index:
+        raise RunError(f"checkpoint {tag!r} belongs to fold {k}; it is scored on its own fold only (asked: {wanted})")
+    return [(tag, by_index[k])]
 
 
 def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None, as_json=False):
@@ -504,41 +577,32 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     if data:
         cfg = replace(cfg, data=replace(cfg.data, source=data))
     cache = prepare_data(cfg.data, log=lambda m: print(m, file=sys.stderr))
+    _check_same_features(run, cache)
     folds = make_folds(cache, cfg.train)
     chosen = [f for f in folds if fold is None or f.index == fold]
     if not chosen:
         raise RunError(f"{run_dir}: no fold {fold}; the run has folds 0..{len(folds) - 1}")
     every = checkpoint == "all"
-    if every:
-        tags = [(c["tag"], c["state"].get("fold")) for c in run.list_checkpoints()]
-        tags = [(t, fi) for t, fi in tags if any(f.index == fi for f in chosen)]
-        if not tags:
-            raise RunError(f"{run_dir}: no saved checkpoint for fold(s) {[f.index for f in chosen]}")
-    else:
-        tags = [(checkpoint, None)]
+    tags = _checkpoints_to_score(run, checkpoint, chosen)
     host_market = MarketData.from_cache(cache)
     market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
     state_dim = cfg.env.state_dim(cache.features.shape[1])
     small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
     agent = DQNAgent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
     rows = []
-    for tag, tag_fold in tags:
+    for tag, f in tags:
         arrays, state = run.load_checkpoint(tag, prefix="params/")
         agent.load_params(arrays)
-        for f in chosen:
-            if tag_fold is not None and f.index != tag_fold:
-                continue
-            for name in (("val", "test") if split == "all" else (split,)):
-                window = getattr(f, name)
-                result = backtest(market, window, cfg.env, q_fn=agent.q_fn, n_policies=1, stream=stream())
-                row = {"fold": f.index, "split": name, **metrics_dict(result.metrics())}
-                if every:
-                    row = {"checkpoint": tag, "epoch": state.get("epoch"), **row}
-                rows.append(row)
+        for name in (("val", "test") if split == "all" else (split,)):
+            window = getattr(f, name)
+            result = backtest(market, window, cfg.env, q_fn=agent.q_fn, n_policies=1, stream=stream())
+            rows.append({"checkpoint": tag, "epoch": state.get("epoch"), "fold": f.index, "split": name,
+                         **metrics_dict(result.metrics())})
     if as_json:
         print(json.dumps({"run": str(run.path), "checkpoint": checkpoint, "results": rows}, indent=2, default=str))
         return
-    print(f"run {run.path} | checkpoint {checkpoint}")
+    used = ", ".join(f"fold {f.index}: {tag}" for tag, f in tags)
+    print(f"run {run.path} | checkpoint {checkpoint}" + ("" if every else f" ({used})"))
     if every:  # one line per checkpoint and split, the headline metrics
         cols = ["sharpe", "total_return", "max_drawdown", "n_trades", "win_rate", "profit_factor", "avg_hold", "exposure"]
         frame = pd.DataFrame(rows).set_index(["checkpoint", "split"])[cols].astype(float)
@@ -548,7 +612,8 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
             print(f"fold {f['fold']}: best by validation {f['best_checkpoint']} (the run's choice; picking by "
                   "the test rows above would be selection on the test window)")
         return
-    frame = pd.DataFrame(rows).drop(columns=["nan_reasons"], errors="ignore").set_index(["fold", "split"]).T
+    frame = pd.DataFrame(rows).drop(columns=["nan_reasons", "checkpoint", "epoch"], errors="ignore")
+    frame = frame.set_index(["fold", "split"]).T
     frame = frame.astype(float)  # None (a degenerate metric) -> NaN, shown as n/a
     print(frame.to_string(float_format=lambda v: f"{v:,.4f}", na_rep="n/a"))
     reasons = [f"  {metric} (fold {r['fold']} {r['split']}): {why}"

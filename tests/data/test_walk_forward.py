@@ -32,9 +32,12 @@ def test_folds_are_chronological_whole_sessions(rng):
 
 def test_hand_computed_fold():
     sid = np.array([0, 0, 1, 1, 1, 2, 2, 3, 3, 3])  # sessions start at bars 0, 2, 5, 7
-    (fold,) = walk_forward(sid, n_folds=1, embargo_bars=1, train_sessions=2, val_sessions=1, test_sessions=1)
-    assert (fold.train, fold.val, fold.test) == ((0, 4), (5, 6), (7, 10))
+    (fold,) = walk_forward(sid, n_folds=1, embargo_bars=0, train_sessions=2, val_sessions=1, test_sessions=1)
+    assert (fold.train, fold.val, fold.test) == ((0, 5), (5, 7), (7, 10))
     assert fold.to_dict()["test_sessions"] == [3, 4]
+    sid = np.array([0, 0, 1, 1, 1, 2, 2, 2, 3, 3])  # sessions start at bars 0, 2, 5, 8
+    (fold,) = walk_forward(sid, n_folds=1, embargo_bars=1, train_sessions=2, val_sessions=1, test_sessions=1)
+    assert (fold.train, fold.val, fold.test) == ((0, 4), (5, 7), (8, 10))
 
 
 def test_errors_name_what_is_needed():
@@ -42,8 +45,17 @@ def test_errors_name_what_is_needed():
     with pytest.raises(DataError, match="needs 28 sessions; the data has 10"):
         walk_forward(sid, n_folds=3, train_sessions=12, val_sessions=4, test_sessions=4)
     assert sessions_needed(3, 12, 4, 4) == 28
-    with pytest.raises(DataError, match="embargo of 5 bars leaves no validation bars"):
+    with pytest.raises(DataError, match="embargo of 5 bars leaves 0 validation bar"):
         walk_forward(sid, n_folds=1, embargo_bars=5, train_sessions=6, val_sessions=1, test_sessions=1)
+    # one bar left is no step: refused here, not after the run folder is written
+    with pytest.raises(DataError, match="embargo of 2 bars leaves 1 validation bar.*at least 2"):
+        walk_forward(sid, n_folds=1, embargo_bars=2, train_sessions=6, val_sessions=1, test_sessions=1)
+    hand = np.array([0, 0, 1, 1, 1, 2, 2, 3, 3, 3])
+    with pytest.raises(DataError, match="at least 2"):
+        walk_forward(hand, n_folds=1, embargo_bars=1, train_sessions=2, val_sessions=1, test_sessions=1)
+    one_bar_test = np.array([0, 0, 0, 1, 1, 1, 2])
+    with pytest.raises(DataError, match="test sessions hold 1 bar"):
+        walk_forward(one_bar_test, n_folds=1, embargo_bars=0, train_sessions=1, val_sessions=1, test_sessions=1)
     with pytest.raises(DataError, match="n_folds must be an integer >= 1"):
         walk_forward(sid, n_folds=0)
     with pytest.raises(DataError, match="session_id must number sessions"):

@@ -308,6 +308,9 @@ def test_checkpoint_names_are_checked(run):
         run.save_checkpoint("ok", {"a": np.array([None, 1], dtype=object)}, {"step": 1})
     with pytest.raises(RunError, match="no latest checkpoint"):
         run.load_checkpoint()
+    for tag in ("../x", "a/b"):  # a user's --checkpoint value: an input error (exit 2), not a traceback
+        with pytest.raises(RunError, match="is not valid"):
+            run.load_checkpoint(tag)
     run.save_checkpoint("ok", {"a": np.zeros(2)}, {"step": 1})
     with pytest.raises(RunError, match="not found.*saved: ok"):
         run.load_checkpoint("missing")

@@ -206,3 +206,104 @@ def test_bad_input_one_clear_error_nothing_written(run_cli, tmp_path, case):
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and args[1] in errors[0], r.output
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# two folds: per-fold best checkpoints, and resumes after kills at the awkward moments
+# ---------------------------------------------------------------------------------------------
+TWO_FOLDS = [*FAST, "--set", "data.synth_sessions=7", "--folds", "2"]
+
+
+@pytest.fixture(scope="module")
+def two_fold_run(cache_dir, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NUMBARL_CACHE", str(cache_dir))
+        out = tmp_path_factory.mktemp("two") / "run"
+        r = _invoke(*TWO_FOLDS, "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return out
+
+
+def _backtest_json(*args):
+    r = CliRunner().invoke(backtest_cmd, [str(a) for a in args] + ["--json"], catch_exceptions=True)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return json.loads(r.output[r.output.index("{"):])["results"]
+
+
+def test_backtest_scores_each_fold_with_its_own_best_checkpoint(two_fold_run, cache_dir, monkeypatch):
+    """A later fold's agent trained on an earlier fold's validation/test bars: each fold is scored
+    with its own checkpoint only, and the numbers are the run's own."""
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+    summary = json.loads((two_fold_run / "summary.json").read_text())["folds"]
+    rows = _backtest_json(two_fold_run, "--split", "all")
+    assert len(rows) == 4
+    for row in rows:
+        fold = summary[row["fold"]]
+        assert row["checkpoint"] == fold["best_checkpoint"] and row["checkpoint"].startswith(f"fold{row['fold']}-")
+        for metric, value in fold[row["split"]].items():
+            assert row[metric] == value, (row["fold"], row["split"], metric)
+    latest = _backtest_json(two_fold_run, "--checkpoint", "latest", "--split", "all")
+    assert {(r["fold"], r["checkpoint"]) for r in latest} == {(1, "fold1-epoch0002")}
+    for args, message in (((two_fold_run, "--checkpoint", "fold0-epoch0001", "--fold", "1"), "belongs to fold 0"),
+                          ((two_fold_run, "--checkpoint", "../x"), "is not valid"),
+                          ((two_fold_run, "--checkpoint", "fold7-epoch0001"), "not found")):
+        r = CliRunner().invoke(backtest_cmd, [str(a) for a in args], catch_exceptions=True)
+        assert r.exit_code == 2 and message in r.output, r.output + repr(r.exception)
+
+
+def test_backtest_refuses_a_cache_with_other_features(two_fold_run, cache_dir, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+    copy = tmp_path / "copy"
+    shutil.copytree(two_fold_run, copy)
+    meta = json.loads((copy / "run.json").read_text())
+    names = meta["feature_names"]
+    names[0], names[1] = names[1], names[0]  # same width, other order: scoring would be silently wrong
+    (copy / "run.json").write_text(json.dumps(meta))
+    r = CliRunner().invoke(backtest_cmd, [str(copy)], catch_exceptions=True)
+    assert r.exit_code == 2 and "features differ" in r.output and "column 0" in r.output, r.output
+
+
+def test_resume_after_kills_at_every_awkward_moment(run_cli, two_fold_run, tmp_path, monkeypatch):
+    """Killed (1) after fold 0's test record, before its summary; (2) in fold 1 before its first
+    checkpoint; (3) between fold 1's last checkpoint and its best pointer. Each resume picks up;
+    the end is the uninterrupted run: summary, metrics log, best pointer, weights, trades."""
+    out = tmp_path / "killed"
+    fired = []
+
+    def once(name, condition, original):
+        def hook(*args, **kwargs):
+            if name not in fired and condition(*args, **kwargs):
+                fired.append(name)
+                raise KeyboardInterrupt(name)
+            return original(*args, **kwargs)
+        return hook
+
+    monkeypatch.setattr(RunDir, "write_summary", once("summary", lambda run, s: True, RunDir.write_summary))
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", once(
+        "fold1", lambda ft: ft.fold.index == 1 and ft.collect_steps == 2, trainer.FoldTrainer.collect_once))
+    monkeypatch.setattr(RunDir, "mark_best", once(
+        "best", lambda run, tag, *a, **k: run.latest_checkpoint()["tag"] == "fold1-epoch0002", RunDir.mark_best))
+    r = run_cli(*TWO_FOLDS, "--out", str(out))
+    for expected in (["summary"], ["summary", "fold1"], ["summary", "fold1", "best"]):
+        assert r.exit_code != 0 and fired == expected, r.output + repr(r.exception)
+        r = run_cli("--resume", str(out), "--quiet")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+
+    assert _metrics(two_fold_run) == _metrics(out)
+    strip = lambda recs: [{k: v for k, v in rec.items() if k != "env_steps_per_s"} for rec in recs]  # noqa: E731
+    assert strip(RunDir.open(two_fold_run).read_metrics()) == strip(RunDir.open(out).read_metrics())
+    assert RunDir.open(out).best_checkpoint()["tag"] == RunDir.open(two_fold_run).best_checkpoint()["tag"]
+    a, _ = _final_params(two_fold_run)
+    b, _ = _final_params(out)
+    assert all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
+    for name in ("trades_val.csv", "trades_test.csv"):
+        assert (out / name).read_text() == (two_fold_run / name).read_text(), name
+
+
+def test_resume_refuses_other_settings(run_cli, full_run):
+    before = (full_run / "metrics.jsonl").read_bytes()
+    r = run_cli("--resume", str(full_run), "--epochs", "5", "--set", "agent.lr=0.5")
+    assert r.exit_code == 2 and "--set, --epochs cannot be combined" in r.output, r.output
+    assert (full_run / "metrics.jsonl").read_bytes() == before

@@ -94,3 +94,27 @@ def test_runs_started_together_build_the_synthetic_market_once(tmp_path, monkeyp
     assert [p.exitcode for p in procs] == [0, 0]
     paths = [(tmp_path / f"path-{i}").read_text() for i in range(2)]
     assert len(list(marks.iterdir())) == 1 and paths[0] == paths[1]
+
+
+def test_fold_seeds_do_not_collide_across_a_seed_sweep():
+    from numbarl.rl.trainer import fold_seed
+
+    assert fold_seed(5, 0) == 5  # fold 0 keeps the run's seed (recorded single-fold results stand)
+    seeds = {fold_seed(s, k) for s in range(2000) for k in range(4)}
+    assert len(seeds) == 8000 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_restore_reads_an_undefined_validation_sharpe_back_as_nan():
+    """A NaN validation Sharpe is saved as JSON null; restored it must be NaN again, or the
+    selection score of a select_window > 1 run fails on None after a resume."""
+    import math
+    import types
+
+    from numbarl.rl.trainer import FoldTrainer, selection_score
+
+    ft = types.SimpleNamespace(agent=types.SimpleNamespace(load_state=lambda a: None),
+                               env=types.SimpleNamespace(arena=types.SimpleNamespace(load=lambda a: None)))
+    FoldTrainer.restore(ft, {}, {"epoch": 2, "collect_steps": 8, "best_sharpe": None, "best_tag": None,
+                                 "val_history": [None, 1.5]})
+    assert math.isnan(ft.val_history[0]) and ft.val_history[1] == 1.5 and ft.best_sharpe == -math.inf
+    assert selection_score(ft.val_history, 2) == -math.inf
