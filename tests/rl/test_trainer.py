@@ -3,6 +3,7 @@ and resumed run ends exactly like an uninterrupted one, a non-finite loss stops 
 message naming the step and tensor, and bad input gives one clear error and writes nothing."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,15 +33,18 @@ def run_cli(cache_dir, monkeypatch):
     return _invoke
 
 
+def _uninterrupted(cache_dir, folder: Path, args) -> Path:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NUMBARL_CACHE", str(cache_dir))
+        r = _invoke(*args, "--out", str(folder / "run"))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return folder / "run"
+
+
 @pytest.fixture(scope="module")
 def full_run(cache_dir, tmp_path_factory):
     """One uninterrupted tiny run, shared by the run-folder and the resume tests."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NUMBARL_CACHE", str(cache_dir))
-        out = tmp_path_factory.mktemp("full") / "run"
-        r = _invoke(*FAST, "--out", str(out))
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    return out
+    return _uninterrupted(cache_dir, tmp_path_factory.mktemp("full"), FAST)
 
 
 def _final_params(path):
@@ -216,12 +220,7 @@ TWO_FOLDS = [*FAST, "--set", "data.synth_sessions=7", "--folds", "2"]
 
 @pytest.fixture(scope="module")
 def two_fold_run(cache_dir, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NUMBARL_CACHE", str(cache_dir))
-        out = tmp_path_factory.mktemp("two") / "run"
-        r = _invoke(*TWO_FOLDS, "--out", str(out))
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    return out
+    return _uninterrupted(cache_dir, tmp_path_factory.mktemp("two"), TWO_FOLDS)
 
 
 def _backtest_json(*args):
