@@ -66,6 +66,7 @@ HEADLINE_METRICS = (
     ("win_rate", "Win rate"),
     ("profit_factor", "Profit factor"),
     ("avg_trade", "Avg trade"),
+    ("n_trades", "Trades"),
     ("trades", "Trades"),
     ("trades_per_day", "Trades / day"),
     ("avg_hold", "Avg hold (bars)"),
@@ -73,6 +74,7 @@ HEADLINE_METRICS = (
     ("turnover", "Turnover"),
 )
 MAX_HEADLINE_ROWS = 12
+NAN_REASONS = "nan_reasons"  # a split's {metric: why it is undefined} in summary.json
 
 COLOR_SPLIT = {"val": "#1f5f99", "test": "#b8322a", "train": "#4d4d4d"}
 COLOR_DRAWDOWN = "#c0392b"
@@ -142,6 +144,8 @@ def metric_rows(summary: dict | None) -> tuple[list[tuple[int, str, dict]], list
         for key, value in fold_record.items():
             if key == "fold":
                 continue
+            if isinstance(value, dict):  # a split's metrics; why a metric is n/a is a note, not a metric
+                value = {k: v for k, v in value.items() if k != NAN_REASONS}
             if isinstance(value, dict) and value and all(_is_scalar(v) for v in value.values()):
                 rows.append((fold, key, value))
             elif _is_scalar(value):
@@ -151,6 +155,22 @@ def metric_rows(summary: dict | None) -> tuple[list[tuple[int, str, dict]], list
     rows.sort(key=lambda r: (_fold_key(r[0]), order.get(r[1], len(order)), r[1]))
     facts.sort(key=lambda f: _fold_key(f[0]))
     return rows, facts
+
+
+def nan_notes(summary: dict | None) -> list[str]:
+    """"fold 0 validation: daily_sharpe n/a (fewer than 2 sessions)" for every undefined metric
+    whose reason the summary records."""
+    notes = []
+    folds = (summary or {}).get("folds") or []
+    for index, fold_record in enumerate(folds if isinstance(folds, list) else []):
+        if not isinstance(fold_record, dict):
+            continue
+        for split, value in fold_record.items():
+            reasons = value.get(NAN_REASONS) if isinstance(value, dict) else None
+            if isinstance(reasons, dict):
+                notes += [f"fold {fold_record.get('fold', index)} {SPLIT_LABELS.get(split, split)}: {metric} n/a ({why})"
+                          for metric, why in reasons.items()]
+    return notes
 
 
 def _fold_key(fold) -> tuple:
@@ -619,7 +639,14 @@ def _run_facts(run: RunDir, summary: dict | None) -> dict:
     facts = {key: value for key, value in run.meta.items() if _is_scalar(value) and key != "format"}
     if summary:
         facts.update({key: value for key, value in summary.items() if _is_scalar(value)})
-    facts["status"] = "complete" if summary else "in progress (no summary.json yet)"
+    planned = (run.config.get("train") or {}).get("folds")
+    done = len((summary or {}).get("folds") or [])
+    if not summary:
+        facts["status"] = "in progress (no summary.json yet)"
+    elif isinstance(planned, int) and done < planned:
+        facts["status"] = f"in progress ({done} of {planned} folds finished)"
+    else:
+        facts["status"] = "complete"
     return facts
 
 
@@ -659,6 +686,13 @@ def _metrics_table_html(rows: list[tuple[int, str, dict]]) -> str:
         for fold, split, metrics in rows
     ]
     return _html_table(["fold", "split"] + columns, body, numeric_from=2)
+
+
+def _nan_notes_html(notes: list[str]) -> str:
+    if not notes:
+        return ""
+    items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return f'<p class="note">n/a: a metric undefined on its window, never a made-up number:</p><ul class="note">{items}</ul>'
 
 
 def _facts_table_html(facts: list[tuple[int, dict]]) -> str:
@@ -776,7 +810,7 @@ def render_html(run: RunDir, png: bytes) -> str:
 <h2>Charts</h2>
 <img alt="equity, drawdown, training curves and trade P&amp;L" src="data:image/png;base64,{encoded}">
 <h2>Metrics per fold and split</h2>
-<div class="wide">{_metrics_table_html(rows)}{_facts_table_html(facts)}</div>
+<div class="wide">{_metrics_table_html(rows)}{_nan_notes_html(nan_notes(summary))}{_facts_table_html(facts)}</div>
 <h2>Trades</h2>
 {_trades_html(run)}
 <h2>Checkpoints</h2>

@@ -75,6 +75,10 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     # the windows are chronological and disjoint: nothing of validation/test inside training
     w = fold["window"]
     assert w["train"][1] <= w["val"][0] and w["val"][1] <= w["test"][0]
+    # the report shows the run's own numbers (a summary with undefined metrics included)
+    page = (out / "report.html").read_text()
+    assert "No summary yet" not in page and "Sharpe (ann.)" in page and "complete" in page
+    assert "Trades" in page and "daily_sharpe n/a (fewer than 2 sessions)" in page
     # the replay buffer is kept with the latest checkpoint only
     resume_files = sorted(p.name for p in (out / "checkpoints").glob("*.resume.npz"))
     assert len(resume_files) == 1 and resume_files[0].startswith("fold0-epoch0002.")
