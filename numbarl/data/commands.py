@@ -110,7 +110,7 @@ def build(inputs, out, symbol, bars_per_day, mode, features, tick_size, tz, sess
         raise click.UsageError("--bars-per-day sets the target mode; it cannot be combined with --mode ewma")
     params = BarParams(
         mode=mode or "target",
-        bars_per_day=bars_per_day or BarParams.bars_per_day,
+        bars_per_day=BarParams.bars_per_day if bars_per_day is None else bars_per_day,
         allow_crossed=allow_crossed,
     )
     calendar = SessionCalendar(tz, session_open, session_close)
@@ -292,13 +292,17 @@ def export(cache_dir, parquet):
         columns[f"f_{name}"] = np.asarray(cache.features[:, j])
     table = pa.table(columns)
     parquet = Path(parquet)
-    parquet.parent.mkdir(parents=True, exist_ok=True)
+    if parquet.is_dir():
+        raise DataError(f"--parquet {parquet} is a folder; name the file to write")
     tmp = parquet.with_name(f".{parquet.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        parquet.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, tmp)
         os.replace(tmp, parquet)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # full disk, read-only mount, a file where a folder should be
+            raise DataError(f"cannot write {parquet}: {exc.strerror or exc}") from None
         raise
     click.echo(f"wrote {parquet}: {table.num_rows} rows, {table.num_columns} columns")
 

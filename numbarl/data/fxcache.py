@@ -134,11 +134,23 @@ def build_lock(out_dir):
 
 
 def check_destination(out_dir, overwrite: bool) -> Path:
+    """Refuse, before any input is read, an --out the cache cannot go to: one that exists (without
+    --force), a folder --force would wipe that is not a numbarl cache, or a place not writable."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise DataError(f"{out_dir} already exists; choose another --out or pass --force to replace it")
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir} exists and is not a folder")
+    if out_dir.exists() and not (out_dir / META_FILE).is_file() and any(out_dir.iterdir()):
+        raise DataError(f"{out_dir} is not a numbarl feature cache (no {META_FILE}); --force only replaces a "
+                        "cache or an empty folder: choose another --out")
+    ancestor = out_dir.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise DataError(f"cannot write a cache to {out_dir}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise DataError(f"cannot write a cache to {out_dir}: {ancestor} is not writable")
     return out_dir
 
 
@@ -212,9 +224,9 @@ def write_cache(
         "arrays": {k: {"dtype": str(v.dtype) if k != "bars" else "BAR_DTYPE", "shape": list(v.shape)} for k, v in arrays.items()},
     }
     meta.update(extra_meta or {})
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         for name, arr in arrays.items():
             np.save(tmp / f"{name}.npy", arr, allow_pickle=False)
@@ -227,8 +239,10 @@ def write_cache(
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # a full disk, a read-only mount, permissions: the user's to fix
+            raise DataError(f"cannot write the cache to {out_dir}: {exc.strerror or exc}") from None
         raise
     return out_dir
 
@@ -304,14 +318,22 @@ def load_cache(path, expect_features: str | Sequence[str] | None = None, mmap: b
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DataError(f"{meta_path}: unreadable ({exc})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: not a cache description (a JSON object), got a {type(meta).__name__}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise DataError(
             f"{path}: cache format_version {version!r}, this numbarl reads version {FORMAT_VERSION}; rebuild the cache"
         )
-    for key in ("feature_names", "n_bars", "n_sessions", "bars_per_day", "tick_size"):
+    kinds = {"feature_names": list, "n_bars": int, "n_sessions": int, "bars_per_day": (int, float),
+             "tick_size": (int, float), "bar_params": dict}
+    for key, kind in kinds.items():
         if key not in meta:
             raise DataError(f"{meta_path}: missing field {key!r}")
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            raise DataError(f"{meta_path}: field {key!r} = {meta[key]!r} has the wrong type; rebuild the cache")
+    if not all(isinstance(name, str) for name in meta["feature_names"]):
+        raise DataError(f"{meta_path}: field 'feature_names' must list names (strings)")
     n_bars, n_feat = int(meta["n_bars"]), len(meta["feature_names"])
     expected = {
         "features": (np.float32, (n_bars, n_feat)),

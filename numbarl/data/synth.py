@@ -379,6 +379,14 @@ def build_synthetic_cache(
     from numbarl.data.readers import write_dbn
 
     out_dir = check_destination(out_dir, overwrite)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DataError(f"seed must be a non-negative integer, got {seed!r}")
+    if dbn_out is not None:
+        dbn_out = Path(dbn_out)
+        if dbn_out.is_dir():
+            raise DataError(f"--dbn {dbn_out} is a folder; name the file to write")
+        if dbn_out.exists() and not overwrite:
+            raise DataError(f"--dbn {dbn_out} already exists; choose another name or pass --force to replace it")
     names = resolve_features(feature_names)
     feature_params = feature_params or FeatureParams()
     bar_params = BarParams(mode="target", bars_per_day=int(bars_per_day))
@@ -415,12 +423,19 @@ def build_synthetic_cache(
         "pressure_events": PRESSURE_EVENTS,
         "passive_coupling": 0.0 if null else PASSIVE_COUPLING,
     }
-    path = write_cache(
-        out_dir, bars, features, names,
-        tick_size=TICK_SIZE, bar_params=bar_params, feature_params=feature_params, calendar=calendar,
-        source_files=[], symbol=SYMBOL, extra_arrays={"oracle": oracle},
-        extra_meta={"synthetic": config}, folds=folds, overwrite=overwrite,
-    )  # fmt: skip
-    if dbn_out is not None:
-        write_dbn(dbn_out, np.concatenate(record_parts), dataset="SYNTH", mappings={SYMBOL: INSTRUMENT_ID})
-    return path
+    if dbn_out is not None:  # first: a failed DBN write leaves no cache behind, and the reverse below
+        try:
+            write_dbn(dbn_out, np.concatenate(record_parts), dataset="SYNTH", mappings={SYMBOL: INSTRUMENT_ID})
+        except OSError as exc:
+            raise DataError(f"cannot write --dbn {dbn_out}: {exc.strerror or exc}") from None
+    try:
+        return write_cache(
+            out_dir, bars, features, names,
+            tick_size=TICK_SIZE, bar_params=bar_params, feature_params=feature_params, calendar=calendar,
+            source_files=[], symbol=SYMBOL, extra_arrays={"oracle": oracle},
+            extra_meta={"synthetic": config}, folds=folds, overwrite=overwrite,
+        )  # fmt: skip
+    except BaseException:
+        if dbn_out is not None:
+            dbn_out.unlink(missing_ok=True)
+        raise

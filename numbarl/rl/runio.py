@@ -310,11 +310,12 @@ class RunDir:
         return cls(path, config, marker)
 
     @classmethod
-    def open(cls, path) -> "RunDir":
-        """Open an existing run folder (for `numbarl-train --resume` and `numbarl-backtest`).
+    def open(cls, path, clean: bool = False) -> "RunDir":
+        """Open an existing run folder (for `numbarl-train --resume`, `numbarl-backtest`, ...).
 
         Raises RunError naming the folder and what is missing when `path` is not a run folder.
-        Removes temporary files left behind by a process that was killed while writing.
+        `clean=True` (the resuming writer only) removes temporary files left behind by a process
+        that was killed while writing; readers leave them alone, since a live writer may own them.
         """
         path = Path(path)
         if not path.exists():
@@ -340,7 +341,8 @@ class RunDir:
         if not isinstance(config, dict):
             raise RunError(f"config {path / CONFIG_FILE} is not a JSON object")
         run = cls(path, config, marker)
-        run.remove_temp_files()
+        if clean:
+            run.remove_temp_files()
         return run
 
     def remove_temp_files(self) -> list[Path]:

@@ -471,7 +471,7 @@ def main(data=None, preset="default", config_file=None, sets=(), seed=None, fold
     progress = Progress(quiet)
     resume = None
     if resume_dir:
-        run = RunDir.open(resume_dir)
+        run = RunDir.open(resume_dir, clean=True)
         cfg = config_mod.from_dict(run.config)
         if run.latest_checkpoint() is not None:  # none yet: the run starts over in its folder
             resume = run.load_checkpoint("latest", require_resume=True)

@@ -43,6 +43,17 @@ def test_synth_inspect_export(tmp_path):
     frame = pq.read_table(tmp_path / "bars.parquet")
     assert frame.num_rows == info["bars"] and "f_ofi_1" in frame.column_names and "oracle" in frame.column_names
     assert run("synth", "--out", tmp_path / "x", "--null", "--signal", 0.2).exit_code == 2
+    # bad output places and values: one error line, exit 2, nothing written
+    (tmp_path / "folder").mkdir()
+    for args, message in ((("export", out, "--parquet", tmp_path / "folder"), "is a folder"),
+                          (("synth", "--out", tmp_path / "x", "--tiny", "--seed", -1), "seed must be a non-negative"),
+                          (("synth", "--out", tmp_path / "x", "--tiny", "--dbn", tmp_path / "folder"), "is a folder"),
+                          (("synth", "--out", tmp_path / "x", "--tiny", "--dbn", tmp_path / "bars.parquet"), "already exists"),
+                          (("synth", "--out", tmp_path / "bars.parquet" / "x", "--tiny"), "is a file, not a folder")):
+        result = run(*args)
+        assert result.exit_code == 2 and message in result.stderr, (args, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bars.parquet", "folder", "tiny"]
+    assert not any((tmp_path / "folder").iterdir())
 
 
 def test_build_from_dbn(market_file, tmp_path):
@@ -56,6 +67,8 @@ def test_build_from_dbn(market_file, tmp_path):
     assert ewma.exit_code == 0, ewma.output
     both = run("build", market_file, "--out", tmp_path / "bad", "--mode", "ewma", "--bars-per-day", 10)
     assert both.exit_code == 2 and not (tmp_path / "bad").exists()
+    zero = run("build", market_file, "--out", tmp_path / "bad", "--bars-per-day", 0)  # not "the default"
+    assert zero.exit_code == 2 and "bars_per_day must be >= 1, got 0" in zero.stderr and not (tmp_path / "bad").exists()
 
 
 def bad_inputs(market_file, root):

@@ -59,6 +59,11 @@ def test_load_errors(tiny_cache, tmp_path):
     (copy / "mid.npy").unlink()
     with pytest.raises(DataError, match="missing mid.npy"):
         load_cache(copy)
+    for bad, message in (([1, 2], "not a cache description"), (dict(meta, n_bars="abc"), "'n_bars' = 'abc' has the wrong type"),
+                         ({k: v for k, v in meta.items() if k != "bar_params"}, "missing field 'bar_params'")):
+        (copy / "meta.json").write_text(json.dumps(bad))
+        with pytest.raises(DataError, match=message):
+            load_cache(copy)
 
 
 def test_interrupted_write_leaves_nothing(tiny_cache, tmp_path, monkeypatch):
@@ -80,7 +85,7 @@ def test_interrupted_write_leaves_nothing(tiny_cache, tmp_path, monkeypatch):
         tick_size=0.25, bar_params=BarParams(), feature_params=fxcache.FeatureParams(),
         calendar=fxcache.SessionCalendar(), source_files=[],
     )  # fmt: skip
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(DataError, match="cannot write the cache to .*cache: disk full"):
         fxcache.write_cache(out, bars, features, list(DEFAULT_FEATURES), **kwargs)
     assert len(saved) == 3 and os.listdir(tmp_path) == []
     monkeypatch.setattr(fxcache.np, "save", real_save)
@@ -126,3 +131,14 @@ def test_build_errors_leave_no_cache(small_market, tmp_path):
     with pytest.raises(DataError, match="no bars .*target mode calibrates on the first session"):
         build_cache([one_session], tmp_path / "c3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.dbn", "one.dbn"]
+    # --out is checked before any input is read: --force replaces a cache or an empty folder only
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("x")
+    with pytest.raises(DataError, match="is not a numbarl feature cache.*--force only replaces"):
+        build_cache([path], precious, overwrite=True)
+    assert (precious / "thesis.txt").read_text() == "x"
+    with pytest.raises(DataError, match="d.dbn is a file, not a folder"):
+        build_cache([path], tmp_path / "d.dbn" / "sub")
+    (precious / "thesis.txt").unlink()
+    assert build_cache([path], precious, overwrite=True) == precious  # an empty folder is fine

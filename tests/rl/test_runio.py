@@ -381,13 +381,15 @@ def test_a_sidecar_from_an_older_save_is_not_trusted(run, rng):
     assert state == {"step": 2}
 
 
-def test_open_removes_temp_files_left_by_a_killed_writer(run):
+def test_resume_open_removes_temp_files_left_by_a_killed_writer(run):
     run.save_checkpoint("e1", {"a": np.arange(3)}, {"step": 1})
     torn = run.checkpoints_dir / f".e2.npz{runio.TEMP_MARKER}999-deadbeef"
     torn.write_bytes(b"PK\x03\x04 half a zip")
     stray = run.path / f".summary.json{runio.TEMP_MARKER}999-cafe0000"
     stray.write_text("{")
-    reopened = RunDir.open(run.path)
+    RunDir.open(run.path)  # a reader (numbarl-compare, -backtest): a live writer may own them
+    assert torn.exists() and stray.exists()
+    reopened = RunDir.open(run.path, clean=True)  # the resuming writer
     assert not torn.exists() and not stray.exists()
     assert [c["tag"] for c in reopened.list_checkpoints()] == ["e1"]
     assert np.array_equal(reopened.load_checkpoint()[0]["a"], np.arange(3))
