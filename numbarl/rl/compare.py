@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 from numbarl.rl.runio import RunDir, RunError, flatten_record
 
@@ -124,7 +125,7 @@ def format_table(rows: list[dict], spread: dict, differences: dict) -> str:
         if key == "positive_test_sharpe":
             continue
         std = _cell(s["std"], fmt[key])
-        lines.append(f"{key:<17} n={s['n']}  mean {_cell(s['mean'], fmt[key])}  std {std}  min {_cell(s['min'], fmt[key])}"
+        lines.append(f"{key:<17} n={s['n']}  mean {_cell(s['mean'], fmt[key])}  sample std {std}  min {_cell(s['min'], fmt[key])}"
                      f"  median {_cell(s['median'], fmt[key])}  max {_cell(s['max'], fmt[key])}")
     pos = spread.get("positive_test_sharpe")
     if pos:
@@ -141,6 +142,12 @@ def main(run_dirs, as_json: bool = False) -> str:
     """numbarl-compare: the text (or JSON) comparison of the given run folders."""
     import json
 
+    seen = {}
+    for p in run_dirs:  # one run listed twice would count as two draws in the spread
+        key = str(Path(p).resolve())
+        if key in seen:
+            raise RunError(f"{p} is listed twice (as {seen[key]} too); each run counts once")
+        seen[key] = p
     runs = [RunDir.open(p) for p in run_dirs]
     rows = compare_rows(runs)
     spread = summarize(rows)

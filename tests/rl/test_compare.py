@@ -40,7 +40,7 @@ def test_rows_spread_and_identical_configs(tmp_path):
     assert compare.config_differences(runs) == {}
     text = compare.main([str(r.path) for r in runs])
     assert "configs identical apart from the seed" in text and "positive test Sharpe: 3 of 4" in text
-    assert "-18.10" in text and "n=4" in text
+    assert "-18.10" in text and "n=4" in text and "sample std" in text
 
 
 def test_config_differences_and_missing_oracle(tmp_path):
@@ -67,3 +67,6 @@ def test_unfinished_run_and_non_run_are_clear_errors(tmp_path):
     assert "not a numbarl run folder" in result.output
     result = CliRunner().invoke(compare_cmd, [str(unfinished.path)])
     assert result.exit_code == 2 and "has no summary.json" in result.output
+    done = _run(tmp_path, "d", 0, [1.0])
+    result = CliRunner().invoke(compare_cmd, [str(done.path), str(tmp_path / "." / "d")])
+    assert result.exit_code == 2 and "is listed twice" in result.output, result.output
