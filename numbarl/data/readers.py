@@ -218,6 +218,7 @@ class DbnReader:
         self._pending = b""  # decompressed bytes not yet returned as records (zstd)
         self._eof = False
         self.records_read = 0
+        self._consumed = 0  # record bytes (after the metadata) already turned into records
         self.info = SourceInfo(self.path, "dbn", compressed)
         self._read_header()
 
@@ -311,20 +312,27 @@ class DbnReader:
         if count > 0:
             # the usual case, only MBP-10 records: a view of the bytes, no copy
             self.records_read += count
+            self._consumed += count * RECORD_BYTES
             return np.asarray(buf[: count * RECORD_BYTES]).view(MBP10_DTYPE), count * RECORD_BYTES
         out = np.empty((len(buf) // RECORD_BYTES + 1, RECORD_BYTES), np.uint8)
         used, count, err, value, offset = _walk_records(buf, out)
-        if err == _ERR_RTYPE:
-            raise DataError(
-                f"{self.path}: record {self.records_read + count} has rtype {value} "
-                f"({schema_name(value)}); numbarl needs mbp-10 records (rtype 10) only"
+        if err != _ERR_NONE:
+            # records are numbered from 1, like CSV rows and the timestamp checks; the number
+            # counts MBP-10 records only (skipped control records are not counted), so the byte
+            # offset in the decompressed file pins the record down exactly
+            where = (
+                f"record {self.records_read + count + 1} (after {self.records_read + count} MBP-10 "
+                f"records, byte {self._records_offset + self._consumed + int(offset)} of the "
+                f"{'decompressed ' if self.info.compressed else ''}file)"
             )
-        if err == _ERR_LENGTH:
-            raise DataError(
-                f"{self.path}: corrupt DBN data: record {self.records_read + count} claims a length "
-                f"of {value} bytes"
-            )
+            if err == _ERR_RTYPE:
+                raise DataError(
+                    f"{self.path}: {where} has rtype {value} ({schema_name(value)}); numbarl needs "
+                    "mbp-10 records (rtype 10) only"
+                )
+            raise DataError(f"{self.path}: corrupt DBN data: {where} claims a length of {value} bytes")
         self.records_read += count
+        self._consumed += int(used)
         return out[:count].view(MBP10_DTYPE).reshape(count), int(used)
 
     def close(self):
@@ -413,14 +421,56 @@ _CSV_PRICE_COLUMNS = ("price", *(f"{s}_px_{m:02d}" for m in range(N_LEVELS) for 
 _CSV_TEXT_COLUMNS = ("ts_recv", "ts_event", "action", "side", "symbol", *_CSV_PRICE_COLUMNS)
 
 
+class _TailStream:
+    """A byte stream that remembers its last byte (the end of a zstd CSV, seen only once read)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.last = b""
+        self.closed = False
+
+    def read(self, n=-1):
+        data = self._stream.read(n)
+        if data:
+            self.last = data[-1:]
+        return data
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+    def close(self):
+        self._stream.close()
+        self.closed = True
+
+
 class CsvReader:
-    """Stream the MBP-10 records of a Databento CSV export in blocks."""
+    """Stream the MBP-10 records of a Databento CSV export in blocks.
+
+    Rows in messages are data rows counted from 1 (the header line is not counted).
+    """
 
     def __init__(self, path, chunk_bytes: int = CSV_BLOCK_BYTES):
         self.path = Path(path)
         stream, compressed = _open_bytes(self.path)
         self.info = SourceInfo(self.path, "csv", compressed, schema="mbp-10")
         self.records_read = 0
+        # A CSV cut inside its last field (an interrupted download) still parses: "...,3,10"
+        # cut to "...,3,1" is a valid row with a wrong value. Databento ends every row with a
+        # newline, so a missing final newline is the sign. A plain file is checked here, before
+        # anything is read; a zstd one only once decompressed to its end (see __iter__).
+        self._tail = None
+        if compressed:
+            stream = self._tail = _TailStream(stream)
+        else:
+            stream.seek(-1, os.SEEK_END)
+            last = stream.read(1)
+            stream.seek(0)
+            if last != b"\n":
+                stream.close()
+                self._no_newline()
         try:
             self._reader = pacsv.open_csv(
                 stream,
@@ -428,6 +478,9 @@ class CsvReader:
                 convert_options=pacsv.ConvertOptions(
                     column_types={c: pa.string() for c in _CSV_TEXT_COLUMNS},
                     strings_can_be_null=False,
+                    # only an empty cell is null (not "NA", "nan", ...): a null is then always
+                    # the raw value '' in messages, and any other text stays visible as text
+                    null_values=[""],
                 ),
             )
         except (pa.ArrowException, OSError) as exc:
@@ -441,22 +494,42 @@ class CsvReader:
         self._missing = missing
         self.has_symbol = "symbol" in names
 
+    def _next_batch(self, rows_before: int):
+        """The next block of rows, None at the end of the file."""
+        try:
+            return self._reader.read_next_batch()
+        except StopIteration:
+            return None
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{self.path}: malformed CSV after row {rows_before} ({exc})") from None
+
     def __iter__(self) -> Iterator[np.ndarray]:
-        while True:
-            try:
-                batch = self._reader.read_next_batch()
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError) as exc:
-                raise DataError(f"{self.path}: malformed CSV after record {self.records_read} ({exc})") from None
+        # one block ahead: a zstd file's end (and so its final newline) is only known once the
+        # next block is asked for, and a cut last row must be reported as a truncated file
+        # before that row is converted (a cut symbol "ESH1" -> "ESH" would otherwise read as a
+        # second instrument)
+        batch = self._next_batch(0)
+        while batch is not None:
+            following = self._next_batch(self.records_read + batch.num_rows)
+            if following is None and self._tail is not None and self._tail.last != b"\n":
+                self._no_newline()
             if batch.num_rows == 0:
+                batch = following
                 continue
             recs, symbols = self._convert(batch)
             self.records_read += len(recs)
             if symbols is not None:
                 for sym, ids in symbols.items():
                     self.info.symbol_ids.setdefault(sym, set()).update(ids)
+            batch = following
             yield recs
+
+    def _no_newline(self):
+        raise DataError(
+            f"{self.path}: the CSV{' (decompressed)' if self.info.compressed else ''} ends without "
+            "a newline: the file looks truncated (its last row may be cut inside a field); "
+            "download it again"
+        )
 
     def _column(self, batch, name):
         return batch.column(batch.schema.get_field_index(name))
@@ -464,7 +537,7 @@ class CsvReader:
     def _convert(self, batch):
         row0 = self.records_read
         if "rtype" in batch.schema.names:
-            rtypes = np.asarray(self._column(batch, "rtype").to_numpy(zero_copy_only=False))
+            rtypes = self._integers(self._column(batch, "rtype"), "rtype", row0, np.uint8)
             bad = np.flatnonzero(rtypes != RTYPE_MBP10)
             if len(bad):
                 rt = int(rtypes[bad[0]])
@@ -500,9 +573,17 @@ class CsvReader:
                 symbols[str(s)] = set(np.unique(recs["instrument_id"][sym == s]).tolist())
         return recs, symbols
 
-    def _bad(self, name, row0, values, mask):
+    def _bad(self, name, row0, values, mask, problem="cannot parse"):
+        """Raise for the first row of `mask`; `values` holds the raw cells (indexed by row)."""
         i = int(np.flatnonzero(mask)[0])
-        raise DataError(f"{self.path}: row {row0 + i + 1}, column {name}: cannot parse {values[i]!r}")
+        self._bad_at(name, row0 + i, str(values[i]), problem)
+
+    def _bad_at(self, name, row, raw: str, problem="cannot parse"):
+        # str(): a numpy string would print as np.str_('...')
+        raise DataError(
+            f"{self.path}: row {row + 1}, column {name}: {problem} {str(raw)!r} "
+            "(rows are data rows counted from 1, the header line not counted)"
+        )
 
     def _timestamps(self, col, name, row0):
         text = col.to_numpy(zero_copy_only=False).astype(str)
@@ -553,14 +634,45 @@ class CsvReader:
         return values
 
     def _integers(self, col, name, row0, dtype):
-        try:
-            values = col.to_numpy(zero_copy_only=False)
-            if values.dtype.kind not in "iu":
-                raise ValueError
-            return values.astype(dtype)
-        except (ValueError, pa.ArrowException):
-            text = np.asarray(col.to_numpy(zero_copy_only=False)).astype(str)
-            self._bad(name, row0, text, ~np.char.isdigit(np.char.lstrip(text, "-")))
+        """An integer column as `dtype`; the first empty, non-integer or out-of-range cell is an error.
+
+        pyarrow infers each column's type per block: int64 normally, but double when a cell is
+        empty (null) or like "2.5", and string when a cell is not a number. So the bad cell is
+        looked for by what it is, not by the column type (in a double column every row is a
+        float, and only the null or fractional ones are wrong).
+        """
+        limits = np.iinfo(dtype)
+        span = f"out of range for {np.dtype(dtype).name} ({limits.min}..{limits.max}):"
+        nulls = col.is_null().to_numpy(zero_copy_only=False)
+        if pa.types.is_integer(col.type):
+            values = pc.fill_null(col, 0).to_numpy(zero_copy_only=False)
+            ok = ~nulls & (values >= limits.min) & (values <= limits.max)
+            if ok.all():
+                return values.astype(dtype)
+            i = int(np.flatnonzero(~ok)[0])
+            if nulls[i]:
+                self._bad_at(name, row0 + i, "")
+            self._bad_at(name, row0 + i, str(int(values[i])), span)
+        if pa.types.is_floating(col.type):
+            values = pc.fill_null(col, 0.0).to_numpy(zero_copy_only=False)
+            whole = np.isfinite(values) & (values == np.round(values))
+            ok = ~nulls & whole & (values >= limits.min) & (values <= limits.max)
+            if ok.all():  # e.g. "3.0": an exact integer written as a float
+                return values.astype(dtype)
+            i = int(np.flatnonzero(~ok)[0])
+            raw = "" if nulls[i] else str(float(values[i]))  # the cell as pyarrow parsed it
+            self._bad_at(name, row0 + i, raw, "cannot parse" if nulls[i] or not whole[i] else span)
+        # anything else (text, timestamps, an all-empty block): look at the cells as text
+        text = pc.fill_null(pc.cast(col, pa.string()), "")
+        ok = pc.match_substring_regex(text, r"^-?[0-9]{1,18}$").to_numpy(zero_copy_only=False)
+        raw = text.to_numpy(zero_copy_only=False).astype(str)
+        if not ok.all():
+            self._bad(name, row0, raw, ~ok)
+        values = raw.astype(np.int64)
+        out = (values < limits.min) | (values > limits.max)
+        if out.any():
+            self._bad(name, row0, raw, out, span)
+        return values.astype(dtype)
 
     def _chars(self, col, name, row0):
         text = col.to_numpy(zero_copy_only=False).astype(str)
@@ -606,7 +718,9 @@ class RecordStream:
     Files are ordered by their first ``ts_recv``; a file that starts before the previous one
     ended is an error (overlapping or unsorted input). ``symbol`` selects the instrument: a raw
     symbol from the DBN metadata or a CSV ``symbol`` column, or a numeric instrument_id. Without
-    it a file must hold one instrument (or one raw symbol whose instrument_id rolls over dates).
+    it all the files together must hold one instrument (or one raw symbol whose instrument_id
+    rolls over dates) of one dataset: files of two instruments are an error naming both files,
+    never one merged stream. Files of different datasets are an error either way.
 
     Iterating yields ``(file_index, records)``; ``global_offset`` of each yielded chunk (its
     first record's index in the whole stream) is ``self.offset`` before the chunk.
@@ -628,12 +742,36 @@ class RecordStream:
         self.file_offsets: list[int] = []  # global index of each file's first selected record
         self.offset = 0
         self.selected_ids: set[int] | None = None
+        # the first file read and what it holds, to name it when a later file does not match
+        self._first: SourceInfo | None = None
+        self._first_label = ""
+        self._raw_symbol: str | None = None  # without --symbol: the one raw symbol of the inputs
+
+    def _label(self, info: SourceInfo, ids) -> str:
+        """"symbol 'ESH1' (GLBX.MDP3, instrument_id 5482)": what one file holds, for messages."""
+        parts = [p for p in (info.dataset, f"instrument_id {', '.join(str(i) for i in sorted(ids))}") if p]
+        syms = [self.symbol] if self.symbol is not None else sorted(info.symbol_ids)
+        head = f"symbol {syms[0]!r}" if len(syms) == 1 else f"symbols {syms}" if syms else "no symbol"
+        return f"{head} ({', '.join(parts)})"
+
+    def _mixed(self, info: SourceInfo, ids, what: str):
+        """Two files that cannot be one stream: name both, and what each holds."""
+        todo = "give only files of one dataset" if self.symbol else "pass --symbol to choose one and give only its files"
+        raise DataError(
+            f"{what} across the inputs: {self._first.path} holds {self._first_label}, "
+            f"{info.path} holds {self._label(info, ids)}; one stream is one instrument of one "
+            f"dataset: {todo}"
+        )
 
     def _resolve(self, reader, chunk) -> np.ndarray:
         info = reader.info
         ids_in_chunk = [int(i) for i in np.unique(chunk["instrument_id"])]
         if self.selected_ids is None:
             self.selected_ids = set()
+        first_file = self._first is None or self._first is info
+        if not first_file and info.dataset and self._first.dataset and info.dataset != self._first.dataset:
+            # instrument ids are per dataset: the same number is another instrument elsewhere
+            self._mixed(info, ids_in_chunk, "files of different datasets")
         if self.symbol is not None:
             ids = set(info.symbol_ids.get(self.symbol, set()))
             if not ids and self.symbol.isdigit():
@@ -647,17 +785,30 @@ class RecordStream:
                 known = ", ".join(f"{s} (instrument_id {sorted(i)})" for s, i in sorted(info.symbol_ids.items()))
                 raise DataError(f"{info.path}: several instruments: {known}; choose one with --symbol")
             if len(info.symbol_ids) == 1:
-                # one raw symbol: all its instrument ids (a continuous symbol rolls between them)
-                self.selected_ids |= next(iter(info.symbol_ids.values()))
+                # one raw symbol: all its instrument ids (a continuous symbol rolls between them,
+                # also from one file to the next). Another raw symbol in a later file is another
+                # instrument: never merged silently (an ES file and an NVDA file are not one book).
+                raw, ids = next(iter(info.symbol_ids.items()))
+                if self._raw_symbol is not None and raw != self._raw_symbol:
+                    self._mixed(info, ids or ids_in_chunk, "several instruments")
+                if self._raw_symbol is not None or not self.selected_ids or ids <= self.selected_ids:
+                    self.selected_ids |= ids
+                    self._raw_symbol = raw
+                # else: earlier files had no symbol and other ids: the check below names both
             if not self.selected_ids:
                 self.selected_ids = {ids_in_chunk[0]}
             foreign = [i for i in ids_in_chunk if i not in self.selected_ids]
+            if foreign and not first_file:
+                self._mixed(info, ids_in_chunk, "several instruments")
             if foreign:
                 counts = {i: int(np.sum(chunk["instrument_id"] == i)) for i in ids_in_chunk}
                 seen = ", ".join(f"{i} ({c} records)" for i, c in counts.items())
                 raise DataError(
                     f"{info.path}: several instruments (instrument_id: {seen}); choose one with --symbol"
                 )
+        if self._first is None:
+            self._first = info
+            self._first_label = self._label(info, self.selected_ids)
         ids = np.fromiter(self.selected_ids, dtype=np.uint32, count=len(self.selected_ids))
         keep = np.isin(chunk["instrument_id"], ids)
         return chunk if keep.all() else chunk[keep]

@@ -164,7 +164,7 @@ def test_corrupt_record_length(good_file, tmp_path):
     data[header + 5 * RECORD_BYTES] = 1  # a record claiming 4 bytes
     bad = tmp_path / "badlen.dbn"
     bad.write_bytes(bytes(data))
-    with pytest.raises(DataError, match="corrupt DBN data"):
+    with pytest.raises(DataError, match=r"corrupt DBN data: record 6 \(after 5 MBP-10 records, byte "):
         read_records(bad)
 
 
@@ -197,7 +197,7 @@ def test_wrong_schema(tmp_path):
     # a stream without a schema in its metadata that carries trade records
     mixed = dbn.Metadata("GLBX.MDP3", 0, dbn.SType.RAW_SYMBOL, dbn.SType.INSTRUMENT_ID, None, symbols=["ESH1"], end=10)
     path.write_bytes(bytes(mixed) + bytes(trade))
-    with pytest.raises(DataError, match=r"rtype 0 \(trades"):
+    with pytest.raises(DataError, match=r"record 1 \(after 0 MBP-10 records.*\) has rtype 0 \(trades"):
         read_records(path)
     csv = tmp_path / "trades.csv"
     out = io.BytesIO()
@@ -234,3 +234,84 @@ def test_csv_bad_values(dbn_fixtures, tmp_path):
     with pytest.raises(DataError, match="row 1, column price"):
         read_records(bad)
     assert UNDEF_PRICE == np.iinfo(np.int64).max
+
+
+def test_files_of_different_instruments_are_not_merged(dbn_fixtures, small_market, tmp_path):
+    """Without --symbol, two files of two instruments are one error naming both, never one stream."""
+    by_name = {p.name.split("__")[1]: p for p in dbn_fixtures}
+    es, nvda = by_name["GLBX.MDP3"], by_name["XNAS.ITCH"]
+    with pytest.raises(DataError, match=r"(?s)different datasets.*ESH1.*GLBX.*NVDA.*XNAS.*--symbol") as err:
+        read_records([es, nvda])
+    assert str(es) in str(err.value) and str(nvda) in str(err.value)
+    # the same raw symbol in several files (v2 plain, v3 zstd) still joins
+    same = [es, by_name["test_data.mbp-10.dbn"]]
+    assert len(read_records(same)) == len(read_records(same[0])) + len(read_records(same[1]))
+    # one dataset, two raw symbols; and two files without symbols of two instrument_ids
+    records, _ = small_market
+    a = write_dbn(tmp_path / "a.dbn", records[:500], mappings={"AAA": 1})
+    b = write_dbn(tmp_path / "b.dbn", records[500:1000], mappings={"BBB": 1})
+    with pytest.raises(DataError, match=r"several instruments across the inputs:.*a\.dbn holds symbol 'AAA'.*b\.dbn holds symbol 'BBB'.*--symbol"):
+        read_records([a, b])
+    assert len(read_records([a, b], symbol="1")) == 1000  # --symbol picks the instrument
+    other = records[500:1000].copy()
+    other["instrument_id"] = 7
+    c = write_dbn(tmp_path / "c.dbn", other)
+    d = write_dbn(tmp_path / "d.dbn", records[:500])
+    with pytest.raises(DataError, match=r"several instruments across the inputs:.*d\.dbn holds no symbol .*instrument_id 1\).*c\.dbn.*instrument_id 7"):
+        read_records([c, d])
+
+
+def _csv_lines(dbn_fixtures):
+    path = next(p for p in dbn_fixtures if p.suffix == ".dbn")
+    out = io.BytesIO()
+    transcoder = dbn.Transcoder(out, dbn.Encoding.CSV, dbn.Compression.NONE)
+    transcoder.write(path.read_bytes())
+    transcoder.flush()
+    assert out.getvalue().endswith(b"\n")
+    return out.getvalue().decode().splitlines()
+
+
+@pytest.mark.parametrize(
+    "cell, shown",
+    [("", "cannot parse ''"), ("2.5", "cannot parse '2.5'"), ("2x", "cannot parse '2x'"), ("-1", "out of range for uint32.*'-1'")],
+)
+def test_csv_error_names_the_real_row_and_raw_value(dbn_fixtures, tmp_path, cell, shown):
+    lines = _csv_lines(dbn_fixtures)
+    header = lines[0].split(",")
+    rows = [lines[1 + k % (len(lines) - 1)].split(",") for k in range(300)]
+    rows[49][header.index("size")] = cell  # data row 50
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join([lines[0], *(",".join(r) for r in rows)]) + "\n")
+    for chunk_bytes in (None, 20_000):  # one block, and row 50 inside a later block
+        with pytest.raises(DataError, match=rf"bad\.csv: row 50, column size: {shown}.*counted from 1") as err:
+            read_records(bad, chunk_bytes=chunk_bytes)
+        assert "np.str_" not in str(err.value)
+
+
+def test_csv_without_final_newline_is_truncated(dbn_fixtures, tmp_path):
+    lines = _csv_lines(dbn_fixtures)
+    header = lines[0].split(",")
+    rows = [r.split(",")[: header.index("ask_ct_09") + 1] for r in lines]  # no symbol column: ends in a count
+    rows[-1][-1] = "10"
+    text = "\n".join(",".join(r) for r in rows) + "\n"
+    good = tmp_path / "good.csv"
+    good.write_text(text)
+    assert read_records(good)["levels"]["ask_ct"][-1, -1] == 10
+    cut = tmp_path / "cut.csv"
+    cut.write_text(text[:-2])  # "...,10\n" cut to "...,1": still parses, with a wrong count
+    with pytest.raises(DataError, match=r"cut\.csv: the CSV ends without a newline: the file looks truncated"):
+        read_records(cut)
+    with pa.CompressedOutputStream(str(tmp_path / "cut.csv.zst"), "zstd") as sink:
+        sink.write(text[:-2].encode())
+    with pytest.raises(DataError, match=r"cut\.csv\.zst: the CSV \(decompressed\) ends without a newline"):
+        read_records(tmp_path / "cut.csv.zst")
+    # cut inside the symbol column ("ESH1" -> "ESH"), in a later block of a zstd file: reported
+    # as the truncation it is, not as a second instrument
+    full = "\n".join(lines) + "\n"
+    rows = "\n".join([lines[0], *([lines[-1]] * 400)]) + "\n"  # equal ts_recv: still in order
+    with pa.CompressedOutputStream(str(tmp_path / "cut_symbol.csv.zst"), "zstd") as sink:
+        sink.write(rows[:-2].encode())
+    assert full.endswith(",ESH1\n")
+    for chunk_bytes in (None, 20_000):
+        with pytest.raises(DataError, match=r"cut_symbol\.csv\.zst: the CSV \(decompressed\) ends without a newline"):
+            read_records(tmp_path / "cut_symbol.csv.zst", chunk_bytes=chunk_bytes)
