@@ -401,11 +401,18 @@ def write_dbn(
     )
     payload = bytes(meta) + records.tobytes()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.name.endswith(".zst"):
-        with pa.CompressedOutputStream(str(path), "zstd") as out:
-            out.write(payload)
-    else:
-        path.write_bytes(payload)
+    # temp file + rename: a full disk or a kill leaves no partial DBN under the final name
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if path.name.endswith(".zst"):
+            with pa.CompressedOutputStream(str(tmp), "zstd") as out:
+                out.write(payload)
+        else:
+            tmp.write_bytes(payload)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

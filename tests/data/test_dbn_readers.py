@@ -315,3 +315,22 @@ def test_csv_without_final_newline_is_truncated(dbn_fixtures, tmp_path):
     for chunk_bytes in (None, 20_000):
         with pytest.raises(DataError, match=r"cut_symbol\.csv\.zst: the CSV \(decompressed\) ends without a newline"):
             read_records(tmp_path / "cut_symbol.csv.zst", chunk_bytes=chunk_bytes)
+
+
+@pytest.mark.parametrize("name", ["d.dbn", "d.dbn.zst"])
+def test_write_dbn_is_atomic(small_market, tmp_path, monkeypatch, name):
+    """A write that fails (a full disk) leaves neither a partial file nor its temp file."""
+    import os
+
+    records, _ = small_market
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_dbn(tmp_path / name, records[:100])
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert len(read_records([write_dbn(tmp_path / name, records[:100])])) == 100
+    assert [p.name for p in tmp_path.iterdir()] == [name]
