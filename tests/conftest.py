@@ -17,7 +17,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng():
-    """Fresh random inputs every run; the seed is printed on failure via the test id."""
-    seed = np.random.SeedSequence().entropy % (2**32)
+    """Fresh random inputs every run; the seed is printed on failure, and NUMBARL_TEST_SEED=<seed>
+    replays it."""
+    import os
+
+    seed = int(os.environ.get("NUMBARL_TEST_SEED") or np.random.SeedSequence().entropy % (2**32))
     print(f"numpy seed {seed}")
     return np.random.default_rng(seed)

@@ -368,6 +368,14 @@ def _s(stream):
     return default_stream() if stream is None else stream
 
 
+def _check_trade_list(max_trades) -> None:
+    """backtest()/backtest_reference() compute the trade metrics from the trade list: count-only
+    mode (max_trades=0) is DeviceBacktest's, for a caller that reads only the device scan."""
+    if max_trades is not None and int(max_trades) < 1:
+        raise ValueError(f"max_trades = {max_trades!r} is invalid here: the trade metrics need the trade list "
+                         "(an integer >= 1, or None = one slot per bar); count-only (0) is for DeviceBacktest")
+
+
 def trades_frame(arrays: dict, counts: np.ndarray, capacity: int):
     """Trade list DataFrame from [P, capacity] trade arrays and per-policy trade counts."""
     import pandas as pd
@@ -462,6 +470,7 @@ def backtest(
     params = EnvParams() if params is None else params
     if (actions is None) == (q_fn is None):
         raise ValueError("backtest needs exactly one of actions= (branch indices) or q_fn= (greedy Q callback)")
+    _check_trade_list(max_trades)
     host = data.data if isinstance(data, DeviceMarket) else data
     if not isinstance(host, MarketData):
         raise TypeError(f"data must be MarketData or DeviceMarket, got {type(data).__name__}")
@@ -521,6 +530,7 @@ def backtest(
 
 def backtest_reference(data: MarketData, window, params: EnvParams, actions, max_trades: int | None = None) -> BacktestResult:
     """The same backtest on the CPU (@njit loops of the same row functions); actions only."""
+    _check_trade_list(max_trades)
     start, end = check_range("window", window, data.n_bars)
     n_bars = end - start
     packed = _window_actions(actions, params, n_bars)

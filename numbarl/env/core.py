@@ -463,6 +463,9 @@ def bar_exit(position, plan_target, plan_stop, target_level, stop_level, high, l
 
     Long: stop when low <= stop, target when high >= target; short mirrored. Both touched in one
     bar: we cannot know the order inside the bar, so the stop is assumed first (conservative).
+    A bar that opens beyond the stop (a gap between bars, every session open) never traded at the
+    stop: a long stop fills no better than the bar's high, a short one no better than its low.
+    A target fills at its level (a resting limit; a gap through it is not counted as improvement).
     """
     if position > _F0:
         stop_hit = plan_stop > _F0 and low <= stop_level
@@ -473,7 +476,9 @@ def bar_exit(position, plan_target, plan_stop, target_level, stop_level, high, l
     else:
         return np.int64(EXIT_NONE), _F0
     if stop_hit:
-        return np.int64(EXIT_STOP), stop_level
+        if position > _F0:
+            return np.int64(EXIT_STOP), min(stop_level, high)
+        return np.int64(EXIT_STOP), max(stop_level, low)
     if target_hit:
         return np.int64(EXIT_TARGET), target_level
     return np.int64(EXIT_NONE), _F0
@@ -622,6 +627,10 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, q_gap, k, last_b
     if p_due < 0 and changes_position(direction, pos):
         p_due = c + k.fill_delay
         p_dir = np.int64(direction)
+        if k.direction_lock != 0 and pos != _F0:
+            # under the lock an order against the position only closes it: queued as a close, it
+            # cannot open a side if a stop or target ends the position during the fill delay
+            p_dir = np.int64(DIR_FLAT)
         p_size = np.float64(size)
         p_tgt = np.float64(target_mult)
         p_stp = np.float64(stop_mult)

@@ -152,6 +152,9 @@ def test_trade_buffer_overflow_and_bad_actions(rng, make_market):
     alternating[1::2, 0] = DIR_FLAT
     with pytest.raises(RuntimeError, match="max_trades"):
         backtest(data, (0, 30), params, actions=alternating, max_trades=3)
+    for run in (backtest, backtest_reference):  # trade metrics need the list: count-only is refused up front
+        with pytest.raises(ValueError, match="max_trades = 0 is invalid here"):
+            run(data, (0, 30), params, actions=alternating, max_trades=0)
     bad = alternating.copy()
     bad[4, 1] = 7
     with pytest.raises(ValueError, match=r"actions\[..., 1\] \(size\) has index 7"):

@@ -92,6 +92,23 @@ def test_bar_exit_target_stop_and_both():
     # short, target 99, stop 101
     assert core.bar_exit(-1.0, 2.0, 2.0, 99.0, 101.0, 100.0, 99.0) == (EXIT_TARGET, 99.0)
     assert core.bar_exit(-1.0, 2.0, 2.0, 99.0, 101.0, 101.0, 100.0) == (EXIT_STOP, 101.0)
+    # a bar that gapped through the stop never traded at it: the fill is the bar's best price
+    assert core.bar_exit(1.0, 2.0, 2.0, 101.0, 99.0, 98.5, 98.0) == (EXIT_STOP, 98.5)
+    assert core.bar_exit(-1.0, 2.0, 2.0, 99.0, 101.0, 102.0, 101.5) == (EXIT_STOP, 101.5)
+    # a gap through the target fills at the target (a resting limit: no price improvement counted)
+    assert core.bar_exit(1.0, 2.0, 0.0, 101.0, 99.0, 102.0, 101.5) == (EXIT_TARGET, 101.0)
+
+
+def test_locked_close_order_cannot_open_a_side_after_a_stop():
+    """Fill delay + direction lock: an order against a long only closes it. When the stop ends the
+    position before the order's fill bar, the order does nothing (it used to open a short)."""
+    k = consts(fill_delay=1, direction_lock=True)
+    s = long_position(stop_level=99.5, plan_stop=1.0)
+    gap = bars(mid_n=99.0, high_n=99.6, low_n=99.0)
+    s, _, _, t2 = step(s, DIR_SHORT, b=gap, k=k)  # queued (due next bar); the stop fires in bar n
+    assert t2.reason == EXIT_STOP and s.position == 0.0 and s.pending_dir == DIR_FLAT
+    s, out, t1, _ = step(s, DIR_FLAT, k=k)
+    assert s.position == 0.0 and t1.reason == EXIT_NONE
 
 
 def test_trade_reward_attribution_paid_at_close():
