@@ -1,6 +1,7 @@
 """Imbalance bars: numba builder vs the pure-Python reference, OFI vs pandas, no look-ahead."""
 
 import datetime as dt
+import math
 
 import numpy as np
 import pandas as pd
@@ -213,13 +214,19 @@ def test_calibration_hits_the_target(rng):
     for target in (20, 200):
         h = calibrate_threshold(vols, len(vols), float(target))
         assert h == pytest.approx(calibrate_threshold_ref(vols, target), rel=1e-12)
-        theta, count = 0.0, 0
-        for v in vols:
-            theta += v
-            if abs(theta) >= h:
-                count, theta = count + 1, 0.0
-        # counts move in steps (integer volumes), so the target is met up to a step
-        assert abs(count - target) <= max(3, 0.25 * target)
+
+        def count(threshold):
+            theta, bars = 0.0, 0
+            for v in vols:
+                theta += v
+                if abs(theta) >= threshold:
+                    bars, theta = bars + 1, 0.0
+            return bars
+
+        # integer volumes: the count is constant for H in (j - 1, j] and can jump by more than a
+        # quarter of the target between two such steps (seed 300661985: 251 at H = 19, 198 at
+        # 19.5), so the property is the bracket: H keeps >= target bars, the next step fewer
+        assert count(h) >= target > count(math.ceil(h - 1e-9) + 0.5)
 
 
 def test_sessions_are_exchange_sessions_not_utc_dates(tmp_path):
