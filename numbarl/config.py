@@ -110,6 +110,11 @@ class AgentConfig:
     """Train steps between target-network copies (periodic)."""
     tau: float = 0.005
     """Polyak averaging factor (polyak)."""
+    lock_aware_target: bool = False
+    """Double-DQN target over the actions available at the next state: with the env's direction
+    lock on, the argmax skips the direction the lock forbids there (the behaviour policy never takes
+    it, so its Q is never trained, yet the plain max can bootstrap from it). Off by default until
+    measured on the GPU against the recorded results (docs/RESULTS.md)."""
     compute: str = "fp32"
     """GEMM precision: 'fp32' or 'tf32'."""
 

@@ -44,7 +44,7 @@ from numbarl.env.core import (  # noqa: E402
     select_row,
 )
 from numbarl.env.market import DeviceMarket, MarketData, check_range  # noqa: E402
-from numbarl.env.params import EnvParams  # noqa: E402
+from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams  # noqa: E402
 
 BLOCK = 128  # threads per block (one env per thread; the gather maps one obs element per thread)
 
@@ -170,6 +170,8 @@ class DeviceEnv:
         self.k = params.step_consts(market.tick_size)
         self.branch_sizes = tuple(np.int64(b) for b in params.branch_sizes)
         self.state_dim = params.state_dim(market.n_features)
+        # obs column of the signed position (features first, then the portfolio features)
+        self.position_column = int(market.n_features) + PORTFOLIO_FEATURES.index("position")
         self._seed = int(seed)
 
         arena = Arena("env")

@@ -222,7 +222,8 @@ class FoldTrainer:
         self.stream = stream()
         self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
         self.agent = DQNAgent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
-                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps))
+                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps),
+                              lock_column=self.env.position_column if cfg.env.direction_lock else None)
         self.env.reset(self.seed, self.stream)
         self.collect_graph = None
         self.train_graph = None

@@ -219,6 +219,30 @@ def test_loss_kernel_matches_reference(rng, use_weights):
     assert np.all(got[~taken] == 0.0)  # other actions and padding: exactly zero
 
 
+def test_blocked_direction_is_skipped_by_the_double_dqn_argmax(rng):
+    """With use_blocked, branch 0's a* is the argmax over the actions left available (the
+    direction lock's bar); the other branches and unblocked rows are unchanged."""
+    q = np.array([[[3.0, 1.0, 2.0]], [[3.0, 1.0, 2.0]], [[1.0, 1.0, 5.0]]])
+    np.testing.assert_array_equal(c51.double_dqn_actions_ref(q, (3,), blocked=[0, -1, 2]), [[2], [0], [0]])
+    batch = 6
+    inputs, _ = _loss_inputs(rng, batch)
+    blocked = np.array([0, 2, -1, 0, 2, -1], np.int32)
+    inputs["next_q"][:, 0, 0] = 50.0  # the blocked short would win every row it is not blocked in
+    inputs["dones"][:] = 0.0  # (a done row's target is the reward alone, whatever a* is)
+    loss_fn = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX)
+    loss_fn.blocked.copy_to_device(blocked)
+    loss_fn(stream=stream(), use_blocked=True, **{k: _dev(v) for k, v in inputs.items()})
+    loss, _, d_logits, target = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES, blocked=blocked,
+                                                 **inputs)
+    _close(_host(loss_fn.target_dist), target, atol=2e-6, rtol=1e-5, what="target_dist")
+    _close(_host(loss_fn.loss)[0], loss, what="loss")
+    _close(_host(loss_fn.d_logits), d_logits, atol=1e-6, rtol=1e-4, what="d_logits")
+    _, _, _, plain = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES, **inputs)
+    differs = np.any(np.abs(plain[:, 0] - target[:, 0]) > 1e-9, axis=1)
+    assert list(differs) == [True, False, False, True, False, False]  # only where short was barred
+    np.testing.assert_array_equal(plain[:, 1:], target[:, 1:])  # other branches: untouched
+
+
 def test_loss_kernel_hand_computed():
     """One sample, one branch: uniform logits, target m = [0, 0.45, 0.55] -> CE = log 3."""
     loss_fn = c51.C51Loss(1, (2,), 3, -1.0, 1.0)

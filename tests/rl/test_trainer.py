@@ -310,3 +310,24 @@ def test_resume_refuses_other_settings(run_cli, full_run):
     r = run_cli("--resume", str(full_run), "--epochs", "5", "--set", "agent.lr=0.5")
     assert r.exit_code == 2 and "--set, --epochs cannot be combined" in r.output, r.output
     assert (full_run / "metrics.jsonl").read_bytes() == before
+
+
+def test_lock_aware_target_is_wired_into_training(run_cli, full_run, tmp_path):
+    """agent.lock_aware_target: the blocked direction comes from next_obs's position column and
+    changes the learning (same seed, same data as the default run otherwise)."""
+    from numbarl.cuda.runtime import cuda, stream
+    from numbarl.rl.agents.dqn import blocked_direction_kernel
+
+    next_obs = np.zeros((4, 3), np.float32)
+    next_obs[:, 2] = [0.5, -1.0, 0.0, 2.0]  # signed position in column 2
+    blocked = cuda().device_array(4, np.int32)
+    blocked_direction_kernel[1, 32, stream()](cuda().to_device(next_obs), np.int64(2), blocked)
+    assert blocked.copy_to_host().tolist() == [0, 2, -1, 0]  # long: short barred; short: long barred
+
+    out = tmp_path / "lock"
+    r = run_cli(*FAST, "--set", "agent.lock_aware_target=true", "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert json.loads((out / "config.json").read_text())["agent"]["lock_aware_target"] is True
+    a, _ = _final_params(full_run)
+    b, _ = _final_params(out)
+    assert any(not np.array_equal(a[k], b[k]) for k in a if k.startswith("params/"))

@@ -15,7 +15,8 @@ optimizer. Two step functions, each captured once as a CUDA graph and replayed (
 ``train_step(stream)``  — one gradient step::
 
     # SAMPLE    batch = replay.sample(counter)                uniform, n-step returns
-    # TARGETS   a* = argmax_a E[Z_online(next_obs)]           double DQN (van Hasselt et al. 2016)
+    # TARGETS   a* = argmax_a E[Z_online(next_obs)]           double DQN (van Hasselt et al. 2016);
+    #                over A(next_obs) with agent.lock_aware_target (the direction lock's bar)
     #           p  = Z_target(next_obs)[a*]
     # LOSS      m  = Φ(R_n + (1-done) γ^m z, p)               dense projection, Bellemare et al. 2017 Eq. 7
     #           L  = mean_b mean_branch −Σ m log softmax(logits_online(obs)[a])
@@ -38,6 +39,7 @@ from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.mapped import MappedBuffer
 from numbarl.cuda.runtime import Arena, cuda, simulator
+from numbarl.env.params import DIR_LONG, DIR_SHORT
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
@@ -135,6 +137,22 @@ def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats)
                 stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
 
 
+@_cuda.jit(cache=True)
+def blocked_direction_kernel(next_obs, column, blocked):
+    """blocked[b] = the direction the lock forbids at next_obs[b] (signed position in `column`):
+    short while long, long while short, -1 when flat (select_row's direction_allowed)."""
+    b = _cuda.grid(1)
+    if b >= blocked.shape[0]:
+        return
+    side = next_obs[b, column]
+    if side > _ZERO:
+        blocked[b] = DIR_SHORT
+    elif side < _ZERO:
+        blocked[b] = DIR_LONG
+    else:
+        blocked[b] = -1
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent
 # ---------------------------------------------------------------------------------------------
@@ -149,8 +167,13 @@ class DQNAgent:
     PASS_TAGS = ("online", "next", "target", "act", "eval")
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
-                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000)):
+                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), lock_column: int | None = None):
         self.cfg = cfg
+        # the obs column of the signed position when the env's direction lock is on (None: no lock);
+        # with cfg.lock_aware_target the double-DQN argmax skips the direction it forbids
+        self.lock_column = None if lock_column is None else int(lock_column)
+        if self.lock_column is not None and not 0 <= self.lock_column < int(state_dim):
+            raise ValueError(f"lock_column = {lock_column} is outside the observation (state_dim {state_dim})")
         self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
         self.branch_sizes = tuple(int(b) for b in branch_sizes)
         self.n_branches = len(self.branch_sizes)
@@ -229,8 +252,12 @@ class DQNAgent:
         next_target = self.forward(batch.next_obs, stream, tag="target", role="target")
         # LOSS
         online = self.forward(batch.obs, stream, tag="online")
+        lock_aware = cfg.lock_aware_target and self.lock_column is not None
+        if lock_aware:
+            blocked_direction_kernel[_blocks(cfg.batch_size), 256, stream](
+                batch.next_obs, np.int64(self.lock_column), self.loss.blocked)
         self.loss(online.logits, batch.action, next_online.q, next_target.probs, batch.reward, batch.done,
-                  batch.discount, stream)
+                  batch.discount, stream, use_blocked=lock_aware)
         # BACKWARD
         dh = self.head.backward(self.loss.d_logits, stream, tag="online")
         self.trunk.backward(dh, stream, tag="online")

@@ -130,12 +130,14 @@ def project_distribution_ref(rewards, dones, discounts, next_probs, support):
     return np.einsum("bij,bj->bi", hat, p)
 
 
-def double_dqn_actions_ref(next_q, branch_sizes):
+def double_dqn_actions_ref(next_q, branch_sizes, blocked=None):
     """Online-net argmax per branch over the valid actions (first maximum on ties).
 
     Args:
       next_q: [B, n_branches, max_actions] E[Z] of the online net on next_obs.
       branch_sizes: [n_branches] number of valid actions of each branch.
+      blocked: None, or [B] int: an action of branch 0 not available at next_obs (-1: none), e.g.
+        the direction a lock forbids; the max is then over A(next_obs), as the behaviour policy's.
 
     Returns:
       [B, n_branches] int64 greedy actions a*.
@@ -143,11 +145,15 @@ def double_dqn_actions_ref(next_q, branch_sizes):
     next_q = np.asarray(next_q, np.float64)
     out = np.zeros(next_q.shape[:2], np.int64)
     for k, n in enumerate(branch_sizes):
-        out[:, k] = np.argmax(next_q[:, k, :n], axis=1)
+        q = next_q[:, k, :n].copy()
+        if k == 0 and blocked is not None:
+            rows = np.flatnonzero(np.asarray(blocked) >= 0)
+            q[rows, np.asarray(blocked)[rows]] = -np.inf
+        out[:, k] = np.argmax(q, axis=1)
     return out
 
 
-def target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes):
+def target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes, blocked=None):
     """Double-DQN C51 target per branch: project the target net's distribution at a*.
 
     Args:
@@ -156,11 +162,12 @@ def target_distribution_ref(next_q, target_probs, rewards, dones, discounts, sup
       rewards, dones, discounts: [B] n-step return, done flag, γ^m.
       support: [Z].
       branch_sizes: [n_branches].
+      blocked: see `double_dqn_actions_ref`.
 
     Returns:
       [B, n_branches, Z] projected target distributions m (float64).
     """
-    a_star = double_dqn_actions_ref(next_q, branch_sizes)  # [B, n_branches]
+    a_star = double_dqn_actions_ref(next_q, branch_sizes, blocked)  # [B, n_branches]
     target_probs = np.asarray(target_probs, np.float64)
     batch, n_branches = a_star.shape
     out = np.empty((batch, n_branches, target_probs.shape[-1]))
@@ -211,13 +218,14 @@ def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None):
 
 
 def c51_loss_ref(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
-                 branch_sizes, weights=None):
+                 branch_sizes, weights=None, blocked=None):
     """The whole distributional double-DQN loss: target (double DQN + Eq. 7) then cross-entropy.
 
     Returns (loss, per_sample [B], d_logits [B, n_branches, max_actions, Z], target_dist
     [B, n_branches, Z]); see `target_distribution_ref` and `cross_entropy_loss_ref` for shapes.
     """
-    target_dist = target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes)
+    target_dist = target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes,
+                                          blocked)
     loss, per_sample, d_logits = cross_entropy_loss_ref(online_logits, actions, target_dist, weights)
     return loss, per_sample, d_logits, target_dist
 
@@ -299,11 +307,11 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
 
 @_cuda.jit(cache=True)
 def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
-                      branch_sizes, v_min, v_max, inv_delta_z, target_dist, lse, ce):
+                      branch_sizes, blocked, use_blocked, v_min, v_max, inv_delta_z, target_dist, lse, ce):
     """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
     Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
     into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
-    an out-of-bounds read.
+    an out-of-bounds read. With use_blocked, branch 0's argmax skips action blocked[b] (-1: none).
     """
     b = _cuda.blockIdx.x * BLOCK + _cuda.threadIdx.x
     k = _cuda.blockIdx.y
@@ -317,14 +325,22 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
         ce[b, k] = _NAN
         return
 
-    # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins)
-    best = 0
+    # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins) over the
+    # actions available there
+    skip = -1
+    if use_blocked != 0 and k == 0:
+        skip = blocked[b]
+    best = -1
     best_q = next_q[b, k, 0]
-    for a in range(1, n_actions):
+    for a in range(n_actions):
+        if a == skip:
+            continue
         q = next_q[b, k, a]
-        if q > best_q:
+        if best < 0 or q > best_q:
             best_q = q
             best = a
+    if best < 0:
+        best = 0
     gamma = bootstrap_gamma_dev(discounts, dones, b)
     m_row = target_dist[b, k]
     project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, v_min, v_max, inv_delta_z, m_row)
@@ -495,6 +511,7 @@ class C51Loss:
         arena.add("loss", (1,), np.float32)
         arena.add("support", (self.n_atoms,), np.float32)
         arena.add("branch_sizes", (self.n_branches,), np.int32)
+        arena.add("blocked", (self.batch,), np.int32)
         arena.allocate()
         arena.load({"support": self.support_host, "branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self.arena = arena
@@ -531,9 +548,16 @@ class C51Loss:
     def support(self):
         return self.arena["support"]
 
+    @property
+    def blocked(self):
+        """int32 [B]: branch 0's action unavailable at each sample's next_obs (-1: none); read when
+        the call passes use_blocked=True (the caller fills it before, on the same stream)."""
+        return self.arena["blocked"]
+
     def __call__(self, online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
-                 weights=None) -> None:
-        """Enqueue loss + d_logits (three launches; no allocation, copy or sync: capturable)."""
+                 weights=None, use_blocked: bool = False) -> None:
+        """Enqueue loss + d_logits (three launches; no allocation, copy or sync: capturable).
+        `use_blocked`: the double-DQN argmax of branch 0 skips `self.blocked[b]`."""
         b, nb, na, nz = self.batch, self.n_branches, self.max_actions, self.n_atoms
         _check("online_logits", online_logits, (b, nb, na, nz), _F32)
         _check("target_probs", target_probs, (b, nb, na, nz), _F32)
@@ -550,7 +574,8 @@ class C51Loss:
         lse, target_dist = self.arena["lse"], self.target_dist
         c51_target_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
             online_logits, actions, next_q, target_probs, rewards, dones, discounts, self.support,
-            self.arena["branch_sizes"], self.v_min, self.v_max, self.inv_delta_z, target_dist, lse, self.ce)
+            self.arena["branch_sizes"], self.blocked, np.int32(bool(use_blocked)), self.v_min, self.v_max,
+            self.inv_delta_z, target_dist, lse, self.ce)
         c51_grad_kernel[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
             self.grad_scale, self.d_logits)
