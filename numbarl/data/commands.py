@@ -264,13 +264,16 @@ def inspect(cache_dir, as_json):
 @data_group.command()
 @click.argument("cache_dir", type=click.Path(path_type=Path))
 @click.option("--parquet", "parquet", required=True, type=click.Path(path_type=Path), help="Parquet file to write.")
-def export(cache_dir, parquet):
+@click.option("--force", is_flag=True, help="Replace --parquet if it exists.")
+def export(cache_dir, parquet, force):
     """Write a cache's bars, prices and features as one Parquet table."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from numbarl.data.fxcache import load_cache
 
+    if Path(parquet).is_file() and not force:
+        raise DataError(f"--parquet {parquet} already exists; choose another name or pass --force to replace it")
     cache = load_cache(cache_dir)
     columns = {
         "timestamp": pa.array(np.asarray(cache.timestamps), pa.timestamp("ns", tz="UTC")),

@@ -300,7 +300,7 @@ def build_cache(
     return write_cache(
         out_dir, bars, features, names,
         tick_size=tick, bar_params=bar_params, feature_params=feature_params, calendar=calendar,
-        source_files=sources, symbol=symbol, folds=folds, overwrite=overwrite,
+        source_files=sources, symbol=stream.symbol_name, folds=folds, overwrite=overwrite,
     )  # fmt: skip
 
 

@@ -754,6 +754,11 @@ class RecordStream:
         self._first_label = ""
         self._raw_symbol: str | None = None  # without --symbol: the one raw symbol of the inputs
 
+    @property
+    def symbol_name(self) -> str | None:
+        """The instrument read: --symbol, or the one raw symbol the files name (None if none)."""
+        return self.symbol if self.symbol is not None else self._raw_symbol
+
     def _label(self, info: SourceInfo, ids) -> str:
         """"symbol 'ESH1' (GLBX.MDP3, instrument_id 5482)": what one file holds, for messages."""
         parts = [p for p in (info.dataset, f"instrument_id {', '.join(str(i) for i in sorted(ids))}") if p]

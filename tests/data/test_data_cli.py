@@ -46,6 +46,7 @@ def test_synth_inspect_export(tmp_path):
     # bad output places and values: one error line, exit 2, nothing written
     (tmp_path / "folder").mkdir()
     for args, message in ((("export", out, "--parquet", tmp_path / "folder"), "is a folder"),
+                          (("export", out, "--parquet", tmp_path / "bars.parquet"), "already exists"),
                           (("synth", "--out", tmp_path / "x", "--tiny", "--seed", -1), "seed must be a non-negative"),
                           (("synth", "--out", tmp_path / "x", "--tiny", "--dbn", tmp_path / "folder"), "is a folder"),
                           (("synth", "--out", tmp_path / "x", "--tiny", "--dbn", tmp_path / "bars.parquet"), "already exists"),
@@ -53,6 +54,7 @@ def test_synth_inspect_export(tmp_path):
         result = run(*args)
         assert result.exit_code == 2 and message in result.stderr, (args, result.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bars.parquet", "folder", "tiny"]
+    assert run("export", out, "--parquet", tmp_path / "bars.parquet", "--force").exit_code == 0
     assert not any((tmp_path / "folder").iterdir())
 
 
@@ -63,6 +65,7 @@ def test_build_from_dbn(market_file, tmp_path):
     info = json.loads(run("inspect", out, "--json").output)
     assert info["sessions"] == 4 and len(info["features"]) == 65 and info["tick_size"] == 0.25
     assert info["source_files"][0]["name"] == "market.dbn.zst"
+    assert info["symbol"] == "SYNTH"  # the file's one raw symbol, without --symbol
     ewma = run("build", market_file, "--out", tmp_path / "ewma", "--mode", "ewma", "--symbol", "SYNTH")
     assert ewma.exit_code == 0, ewma.output
     both = run("build", market_file, "--out", tmp_path / "bad", "--mode", "ewma", "--bars-per-day", 10)
