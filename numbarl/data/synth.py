@@ -379,6 +379,8 @@ def build_synthetic_cache(
     from numbarl.data.readers import write_dbn
 
     out_dir = check_destination(out_dir, overwrite)
+    if isinstance(sessions, bool) or not isinstance(sessions, (int, np.integer)) or sessions < 1:
+        raise DataError(f"synthetic market: sessions must be an integer >= 1, got {sessions!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DataError(f"seed must be a non-negative integer, got {seed!r}")
     if dbn_out is not None:

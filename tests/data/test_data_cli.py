@@ -48,6 +48,7 @@ def test_synth_inspect_export(tmp_path):
     for args, message in ((("export", out, "--parquet", tmp_path / "folder"), "is a folder"),
                           (("export", out, "--parquet", tmp_path / "bars.parquet"), "already exists"),
                           (("synth", "--out", tmp_path / "x", "--tiny", "--seed", -1), "seed must be a non-negative"),
+                          (("synth", "--out", tmp_path / "x", "--tiny", "--sessions", 0), "sessions must be an integer >= 1, got 0"),
                           (("synth", "--out", tmp_path / "x", "--tiny", "--dbn", tmp_path / "folder"), "is a folder"),
                           (("synth", "--out", tmp_path / "x", "--tiny", "--dbn", tmp_path / "bars.parquet"), "already exists"),
                           (("synth", "--out", tmp_path / "bars.parquet" / "x", "--tiny"), "is a file, not a folder")):
