@@ -57,12 +57,14 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
         if not run.summary_path.is_file():
             raise RunError(f"{run.path} has no summary.json: its training has not finished a fold yet")
         summary = run.read_summary()
-        folds = summary.get("folds") or []
+        folds = summary.get("folds") if isinstance(summary, dict) else None
+        if not isinstance(folds, list) or not all(isinstance(f, dict) for f in folds):
+            raise RunError(f"{run.summary_path} is not a numbarl summary (no list of fold records)")
         if not folds:
             raise RunError(f"{run.summary_path} lists no finished fold")
         for f in folds:
-            val, test = f.get("val") or {}, f.get("test") or {}
-            oracle = _num((f.get("oracle_test") or {}).get("sharpe"))
+            val, test, oracle_test = (f.get(k) if isinstance(f.get(k), dict) else {} for k in ("val", "test", "oracle_test"))
+            oracle = _num(oracle_test.get("sharpe"))
             t_sharpe = _num(test.get("sharpe"))
             rows.append({
                 "run": run.path.name or str(run.path), "path": str(run.path), "seed": f.get("seed", summary.get("seed")),

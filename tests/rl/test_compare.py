@@ -67,6 +67,10 @@ def test_unfinished_run_and_non_run_are_clear_errors(tmp_path):
     assert "not a numbarl run folder" in result.output
     result = CliRunner().invoke(compare_cmd, [str(unfinished.path)])
     assert result.exit_code == 2 and "has no summary.json" in result.output
+    odd = _run(tmp_path, "odd", 0, [1.0])
+    odd.summary_path.write_text('{"folds": {"0": 1}}')
+    with pytest.raises(RunError, match="not a numbarl summary"):
+        compare.compare_rows([odd])
     done = _run(tmp_path, "d", 0, [1.0])
     result = CliRunner().invoke(compare_cmd, [str(done.path), str(tmp_path / "." / "d")])
     assert result.exit_code == 2 and "is listed twice" in result.output, result.output
