@@ -47,7 +47,7 @@ class DataConfig:
     source: str = "synthetic"
     """'synthetic' (the built-in market), an fxcache folder, or DBN/CSV files (comma separated)."""
     cache_dir: str = ""
-    """Where feature caches are built and reused ('' = ~/.cache/numbarl)."""
+    """Where feature caches are built and reused ('' = $NUMBARL_CACHE if set, else ~/.cache/numbarl)."""
     synth_sessions: int = 20
     """Sessions in the synthetic market."""
     synth_signal: float = 0.2

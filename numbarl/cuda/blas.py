@@ -45,8 +45,9 @@ enqueued, i.e. frozen into a graph at capture. For a scale that changes between 
 ``alpha`` as a device float32[1] array (device pointer mode; beta is then read from a small
 device constant owned by this module, created on the first eager call).
 
-Backends (:func:`set_backend`, or ``NUMBARL_GEMM``): "cublaslt" is the GPU default. "kernel" is
-the simulator default (and can run on a GPU to cross-check cuBLASLt): the same call runs
+Backends (:func:`set_backend`, or ``NUMBARL_GEMM``): "cublaslt" is the GPU default, "host" (numpy
+in float64) the simulator default. "kernel" runs under the simulator or on a GPU (to cross-check
+cuBLASLt): the same call runs
 :func:`gemm_tiled_kernel`, a shared-memory tiled GEMM (one thread per output element, TILE x TILE
 outputs per block, the k loop in a fixed order: deterministic), plus :func:`colsum_kernel` for
 bgrad; compute="tf32" is computed in fp32 there. The simulator spends ~1 s on a 32x64x64 GEMM
@@ -675,10 +676,10 @@ _BACKEND = None
 def set_backend(name: str | None) -> None:
     """Choose the GEMM backend for this process (None: the default).
 
-    "cublaslt": the GPU default. "kernel": the tiled numba kernel (the simulator default; also
-    runs on a GPU, e.g. to cross-check cuBLASLt). "host": simulator only, numpy in float64 — use
-    it for simulator runs that call many GEMMs (whole networks, tiny training runs), where the
-    simulated kernel costs ~1 s per call. Also settable with NUMBARL_GEMM=cublaslt|kernel|host.
+    "cublaslt": the GPU default. "host": the simulator default, numpy in float64 (simulator only;
+    whole networks and tiny training runs call many GEMMs, and the simulated kernel costs ~1 s
+    per call). "kernel": the tiled numba kernel, under the simulator (to debug it) or on a GPU
+    (to cross-check cuBLASLt). Also settable with NUMBARL_GEMM=cublaslt|kernel|host.
     """
     global _BACKEND
     if name is not None and name not in BACKENDS:
