@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -303,10 +304,24 @@ class RunDir:
         }
         if meta:
             marker.update(to_jsonable(dict(meta)))
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CHECKPOINT_DIR).mkdir(exist_ok=True)
-        atomic_write_json(path / CONFIG_FILE, config)
-        atomic_write_json(path / RUN_MARKER, marker)
+        if path.is_dir() and exist_ok:
+            (path / CHECKPOINT_DIR).mkdir(exist_ok=True)
+            atomic_write_json(path / CONFIG_FILE, config)
+            atomic_write_json(path / RUN_MARKER, marker)
+            return cls(path, config, marker)
+        # a new folder appears whole (temp folder + rename): a kill while it is made leaves no
+        # half-made run folder under the --out name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            (tmp / CHECKPOINT_DIR).mkdir(parents=True)
+            atomic_write_json(tmp / CONFIG_FILE, config)
+            atomic_write_json(tmp / RUN_MARKER, marker)
+            os.rename(tmp, path)  # onto an empty folder too (POSIX)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(path.parent)
         return cls(path, config, marker)
 
     @classmethod

@@ -63,6 +63,26 @@ def test_create_refuses_a_non_empty_folder_unless_exist_ok(tmp_path):
         RunDir.create(tmp_path / "file", {"a": 1})
 
 
+def test_a_kill_while_creating_leaves_no_run_folder(tmp_path, monkeypatch):
+    """Killed between config.json and run.json: no half-made folder under the --out name (it
+    could neither be resumed nor reused), and no temp folder either."""
+    calls = []
+    real = runio.atomic_write
+
+    def dies_on_the_marker(path, write):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(path, write)
+
+    monkeypatch.setattr(runio, "atomic_write", dies_on_the_marker)
+    with pytest.raises(KeyboardInterrupt):
+        RunDir.create(tmp_path / "run", {"a": 1})
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert RunDir.open(RunDir.create(tmp_path / "run", {"a": 1}).path).config == {"a": 1}
+
+
 def test_open_something_that_is_not_a_run_names_the_path_and_what_is_missing(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(RunError, match="does not exist") as info:
