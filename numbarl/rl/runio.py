@@ -191,6 +191,17 @@ def _read_json(path: Path, what: str):
         raise RunError(f"{what} {path} cannot be read: {err}") from err
 
 
+def _pid_alive(pid: int) -> bool:
+    """Is process `pid` running (on this machine)? A temp folder of a live process is its own."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -312,6 +323,10 @@ class RunDir:
         # a new folder appears whole (temp folder + rename): a kill while it is made leaves no
         # half-made run folder under the --out name
         path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}{TEMP_MARKER}*"):  # a creation killed before
+            pid = stale.name[len(f".{path.name}{TEMP_MARKER}"):].split("-", 1)[0]
+            if stale.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = path.parent / f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             (tmp / CHECKPOINT_DIR).mkdir(parents=True)

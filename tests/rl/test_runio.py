@@ -80,7 +80,14 @@ def test_a_kill_while_creating_leaves_no_run_folder(tmp_path, monkeypatch):
         RunDir.create(tmp_path / "run", {"a": 1})
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
+    # a hard kill (no cleanup) leaves a temp folder: the next creation removes it if its process
+    # is gone, and leaves a live process's alone
+    dead = tmp_path / f".run{runio.TEMP_MARKER}999999999-deadbeef"
+    live = tmp_path / f".run{runio.TEMP_MARKER}{os.getpid()}-cafecafe"
+    for folder in (dead, live):
+        (folder / "checkpoints").mkdir(parents=True)
     assert RunDir.open(RunDir.create(tmp_path / "run", {"a": 1}).path).config == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "run"])
 
 
 def test_open_something_that_is_not_a_run_names_the_path_and_what_is_missing(tmp_path):
