@@ -51,6 +51,18 @@ def test_device_backtest_matches_reference_chunked(rng, make_market):
     assert set(dev.trades["exit_reason"].astype(str)) <= set(EXIT_REASONS[1:])
     assert (dev.trades["exit_bar"] > dev.trades["entry_bar"]).all()
     assert (dev.trades["exit_bar"] <= window[1] - 1).all() and (dev.trades["entry_bar"] >= window[0]).all()
+    # every trade by hand: crossed the quote plus slippage at its entry bar's close, P&L from its
+    # prices, fee per contract per side (the two paths above share the trade recording)
+    t = dev.trades
+    side, size, entry = t["side"].to_numpy(), t["size"].to_numpy(), t["entry_bar"].to_numpy()
+    slip = params.slippage_ticks * data.tick_size
+    np.testing.assert_allclose(t["entry_price"], np.where(side > 0, data.ask[entry] + slip, data.bid[entry] - slip), rtol=1e-12)
+    pnl = (t["exit_price"] - t["entry_price"]) * side * size * params.contract_multiplier - 2 * params.fee_per_contract * size
+    np.testing.assert_allclose(t["pnl"], pnl, rtol=1e-9, atol=1e-9)
+    closed = t["exit_reason"].astype(str) == "close"
+    ex = t["exit_bar"].to_numpy()[closed]
+    np.testing.assert_allclose(t["exit_price"][closed], np.where(side[closed] > 0, data.bid[ex] - slip, data.ask[ex] + slip), rtol=1e-12)
+    assert set(np.unique(side)) <= {-1, 1} and closed.any()
     # metrics from the device scan == metrics of the returned arrays
     m_dev, m_host = dev.metrics(), compute_metrics(dev.pnl, dev.position, dev.session_id, dev.trades, data.bars_per_day, params.initial_capital)
     for name in METRIC_NAMES:

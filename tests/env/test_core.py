@@ -364,3 +364,4 @@ def test_params_derived_sizes():
     assert p.state_dim(10) == 10 + PORTFOLIO_DIM == 18
     k = p.step_consts(0.5)
     assert k.max_size == 2.0 and k.tick_value == 0.5 * p.contract_multiplier and k.direction_lock == 1 and k.episode_length == 5000
+    assert EnvParams(slippage_ticks=1.5).step_consts(0.25).slippage == 0.375  # ticks -> price units

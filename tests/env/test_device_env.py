@@ -101,6 +101,9 @@ def test_gather_matches_numpy(rng, make_market):
     flat = s["position"] == 0
     expected = np.zeros((7, PORTFOLIO_DIM))
     expected[:, 0] = s["position"] / max(params.sizes)
+    # the column the learner reads the lock from (agent.lock_aware_target) is this one
+    np.testing.assert_allclose(obs[:, dev.position_column], s["position"] / max(params.sizes), rtol=1e-6)
+    assert dev.position_column == data.n_features
     expected[:, 1] = np.where(flat, 0.0, (mid - s["entry_price"]) * side / v)
     expected[:, 2] = s["bars_in_trade"] / params.obs_hold_bars
     expected[:, 3] = np.where(flat | (s["plan_target"] <= 0), 0.0, (s["target_level"] - mid) * side / v)

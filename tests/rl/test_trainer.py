@@ -71,6 +71,16 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     fold = summary["folds"][0]
     assert fold["best_checkpoint"].startswith("fold0-epoch")
     assert "sharpe" in fold["test"] and "oracle_test" in fold
+    # model selection (select_window 1): the epoch with the highest validation Sharpe
+    val = [x if x is not None else -np.inf for x in fold["val_sharpe_per_epoch"]]
+    assert fold["best_checkpoint"] == f"fold0-epoch{int(np.argmax(val)) + 1:04d}"
+    assert fold["oracle_test"]["sharpe"] > 0  # the planted signal, traded at full size, makes money
+    # the exploration schedule: epsilon = max(end, start - (start - end) t / decay) at collect step t
+    cfg = json.loads((out / "config.json").read_text())["train"]
+    for rec in train:
+        t = rec["collect_step"] - 1
+        want = cfg["epsilon_start"] + (cfg["epsilon_end"] - cfg["epsilon_start"]) * min(t / cfg["epsilon_decay_steps"], 1.0)
+        assert rec["epsilon"] == pytest.approx(want, rel=1e-6), rec
     assert summary["numbarl_version"] and summary["device"]
     # the windows are chronological and disjoint: nothing of validation/test inside training
     w = fold["window"]
@@ -324,8 +334,18 @@ def test_lock_aware_target_is_wired_into_training(run_cli, full_run, tmp_path):
     blocked_direction_kernel[1, 32, stream()](cuda().to_device(next_obs), np.int64(2), blocked)
     assert blocked.copy_to_host().tolist() == [0, 2, -1, 0]  # long: short barred; short: long barred
 
+    built = []
+    original = trainer.FoldTrainer.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append((self.agent.lock_column, self.env.position_column))
+
     out = tmp_path / "lock"
-    r = run_cli(*FAST, "--set", "agent.lock_aware_target=true", "--out", str(out))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer.FoldTrainer, "__init__", record)
+        r = run_cli(*FAST, "--set", "agent.lock_aware_target=true", "--out", str(out))
+    assert built and all(lock == column for lock, column in built)  # the position column (env test)
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert json.loads((out / "config.json").read_text())["agent"]["lock_aware_target"] is True
     a, _ = _final_params(full_run)
