@@ -351,3 +351,22 @@ def test_lock_aware_target_is_wired_into_training(run_cli, full_run, tmp_path):
     a, _ = _final_params(full_run)
     b, _ = _final_params(out)
     assert any(not np.array_equal(a[k], b[k]) for k in a if k.startswith("params/"))
+
+
+def test_model_selection_keeps_the_best_validation_epoch(run_cli, tmp_path, monkeypatch):
+    """Scripted validation scores 1, 3, 2 over three epochs: epoch 2 is the run's choice (summary,
+    best.json), and its checkpoint is what the test window was scored with."""
+    scores = iter([1.0, 3.0, 2.0])
+    original = trainer.FoldTrainer.validate
+
+    def scripted(self):
+        result, m, _ = original(self)
+        return result, m, next(scores)
+
+    monkeypatch.setattr(trainer.FoldTrainer, "validate", scripted)
+    out = tmp_path / "sel"
+    r = run_cli(*FAST, "--epochs", "3", "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    fold = json.loads((out / "summary.json").read_text())["folds"][0]
+    assert fold["best_checkpoint"] == "fold0-epoch0002"
+    assert RunDir.open(out).best_checkpoint()["tag"] == "fold0-epoch0002"
