@@ -39,6 +39,7 @@ from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.mapped import MappedBuffer
 from numbarl.cuda.runtime import Arena, cuda, simulator
+from numbarl.env.core import device_function, direction_allowed
 from numbarl.env.params import DIR_LONG, DIR_SHORT
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
@@ -137,20 +138,22 @@ def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats)
                 stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
 
 
+_direction_allowed = device_function(direction_allowed)
+
+
 @_cuda.jit(cache=True)
 def blocked_direction_kernel(next_obs, column, blocked):
-    """blocked[b] = the direction the lock forbids at next_obs[b] (signed position in `column`):
-    short while long, long while short, -1 when flat (select_row's direction_allowed)."""
+    """blocked[b] = the direction the lock forbids at next_obs[b] (signed position in `column`),
+    -1 when none: the env's own rule (`direction_allowed`, which select_row applies)."""
     b = _cuda.grid(1)
     if b >= blocked.shape[0]:
         return
     side = next_obs[b, column]
-    if side > _ZERO:
+    blocked[b] = -1
+    if not _direction_allowed(DIR_SHORT, side, 1):
         blocked[b] = DIR_SHORT
-    elif side < _ZERO:
+    elif not _direction_allowed(DIR_LONG, side, 1):
         blocked[b] = DIR_LONG
-    else:
-        blocked[b] = -1
 
 
 # ---------------------------------------------------------------------------------------------
