@@ -17,7 +17,7 @@ import math
 import statistics
 from pathlib import Path
 
-from numbarl.rl.runio import RunDir, RunError, flatten_record
+from numbarl.run.runio import RunDir, RunError, flatten_record
 
 COLUMNS = (  # (key, header, format)
     ("run", "run", "{}"),

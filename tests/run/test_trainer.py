@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from numbarl.cli import backtest_cmd, train_cmd
-from numbarl.rl import trainer
-from numbarl.rl.runio import RunDir
+from numbarl.run import trainer
+from numbarl.run.runio import RunDir
 
 # the tiny preset, made smaller still so three runs fit in the test budget
 FAST = ["--preset", "tiny", "--quiet", "--set", "data.synth_bars_per_day=30", "--set", "train.collect_steps_per_epoch=4",

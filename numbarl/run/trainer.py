@@ -39,7 +39,7 @@ from numbarl import __version__
 from numbarl import config as config_mod
 from numbarl.config import Config, ConfigError
 from numbarl.data.errors import DataError
-from numbarl.rl.runio import RunDir, RunError
+from numbarl.run.runio import RunDir, RunError
 
 SUMMARY_METRICS = ("sharpe", "daily_sharpe", "trade_sharpe", "sortino", "total_return", "max_drawdown", "calmar",
                    "win_rate", "profit_factor", "n_trades", "trades_per_day", "avg_hold", "exposure", "turnover")
@@ -454,11 +454,11 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                      f"{_num(test_m.get('total_return'), '.3%')} | trades {_num(test_m.get('n_trades'), '.0f')}"
                      + (f" | oracle Sharpe {_num(entry['oracle_test'].get('sharpe'), '.2f')}" if oracle is not None else ""))
     run.write_csv()
-    from numbarl.rl.report import write_report
+    from numbarl.run.report import write_report
 
     html, png = write_report(run)
     if len(summary["folds"]) > 1:  # the out-of-sample spread over the folds (numbarl-compare's table)
-        from numbarl.rl import compare
+        from numbarl.run import compare
 
         rows = compare.compare_rows([run])
         progress.log(compare.format_table(rows, compare.summarize(rows), {}).rsplit("\n", 1)[0])

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from numbarl.cli import compare_cmd
-from numbarl.rl import compare
-from numbarl.rl.runio import RunDir, RunError
+from numbarl.run import compare
+from numbarl.run.runio import RunDir, RunError
 
 
 def _run(tmp_path, name, seed, tests, lr=1e-3, oracle=200.0):

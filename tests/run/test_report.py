@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from numbarl.rl import report
-from numbarl.rl.runio import RunDir
+from numbarl.run import report
+from numbarl.run.runio import RunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 METRIC_NAMES = ("total_return", "sharpe", "sortino", "max_drawdown", "win_rate", "profit_factor", "avg_hold")

@@ -18,7 +18,7 @@ One `numbarl-train` run owns one folder (SPEC §6)::
       trades_<split>.csv        trade list per split ("val", "test", ...), a `fold` column per row
       equity/<split>_fold<k>.npz  per-bar pnl, equity, position (drawdown is derived) for the report
       summary.json              per fold: val and test metrics, bars_per_day, seed, version, device
-      report.html, report.png   written by numbarl.rl.report.write_report
+      report.html, report.png   written by numbarl.run.report.write_report
 
 Crash safety. Every file except metrics.jsonl is written to a temporary name in its own folder,
 flushed, fsync'ed, then moved over the final name with `os.replace` (atomic on POSIX and Windows

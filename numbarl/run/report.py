@@ -2,7 +2,7 @@
 
     html_path, png_path = write_report(run_dir)
 
-What it reads (all written through :class:`numbarl.rl.runio.RunDir`) and what it draws:
+What it reads (all written through :class:`numbarl.run.runio.RunDir`) and what it draws:
 
 - `equity/<split>_fold<k>.npz` → equity curves of the validation and test windows, folds
   stitched in order (cumulative sum of per-bar net P&L across folds, fold starts marked), with the
@@ -36,7 +36,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from numbarl.rl.runio import RunDir, atomic_write_bytes
+from numbarl.run.runio import RunDir, atomic_write_bytes
 
 REPORT_HTML = "report.html"
 REPORT_PNG = "report.png"

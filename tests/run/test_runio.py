@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from numbarl.rl import runio
-from numbarl.rl.runio import RunDir, RunError
+from numbarl.run import runio
+from numbarl.run.runio import RunDir, RunError
 
 
 def strict_json(text: str):

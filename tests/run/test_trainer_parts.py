@@ -2,7 +2,7 @@
 
 import math
 
-from numbarl.rl import trainer
+from numbarl.run import trainer
 
 
 def test_eta_from_mean_step_time(monkeypatch):
@@ -64,7 +64,7 @@ def test_runs_started_together_build_the_synthetic_market_once(tmp_path, monkeyp
 
     from numbarl import config as config_mod
     from numbarl.data import synth
-    from numbarl.rl import trainer
+    from numbarl.run import trainer
 
     original = synth.build_synthetic_cache
     marks = tmp_path / "builds"
@@ -97,7 +97,7 @@ def test_runs_started_together_build_the_synthetic_market_once(tmp_path, monkeyp
 
 
 def test_fold_seeds_do_not_collide_across_a_seed_sweep():
-    from numbarl.rl.trainer import fold_seed
+    from numbarl.run.trainer import fold_seed
 
     assert fold_seed(5, 0) == 5  # fold 0 keeps the run's seed (recorded single-fold results stand)
     seeds = {fold_seed(s, k) for s in range(2000) for k in range(4)}
@@ -110,7 +110,7 @@ def test_restore_reads_an_undefined_validation_sharpe_back_as_nan():
     import math
     import types
 
-    from numbarl.rl.trainer import FoldTrainer, selection_score
+    from numbarl.run.trainer import FoldTrainer, selection_score
 
     ft = types.SimpleNamespace(agent=types.SimpleNamespace(load_state=lambda a: None),
                                env=types.SimpleNamespace(arena=types.SimpleNamespace(load=lambda a: None)))
