@@ -21,7 +21,7 @@ def _expected_errors():
     """Exception types that are the user's input, not numbarl's bug (imported lazily)."""
     from numbarl.config import ConfigError
     from numbarl.data.errors import DataError
-    from numbarl.rl.runio import RunError
+    from numbarl.run.runio import RunError
 
     return (ConfigError, DataError, RunError)
 
@@ -65,7 +65,7 @@ def train_cmd(data, preset, config_file, sets, seed, folds, epochs, out_dir, res
                   "with --out to train with other settings.")
     sim = backend.select(True if simulate else None)
     try:
-        from numbarl.rl import trainer
+        from numbarl.run import trainer
 
         if sim and not simulate:
             what = " (tiny preset)" if preset is None and not resume_dir else ""
@@ -78,7 +78,7 @@ def train_cmd(data, preset, config_file, sets, seed, folds, epochs, out_dir, res
     except _expected_errors() as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001
-        from numbarl.rl.trainer import NonFiniteError
+        from numbarl.run.trainer import NonFiniteError
 
         if isinstance(e, NonFiniteError):
             _fail(e, 3)
@@ -104,7 +104,7 @@ def backtest_cmd(run_dir, checkpoint, data, split, fold, as_json, simulate):
     """Re-score a saved agent on a split and print the metrics table."""
     backend.select(True if simulate else None)
     try:
-        from numbarl.rl import trainer
+        from numbarl.run import trainer
 
         trainer.backtest_main(run_dir=run_dir, checkpoint=checkpoint, data=data, split=split, fold=fold, as_json=as_json)
     except _expected_errors() as e:
@@ -126,7 +126,7 @@ def compare_cmd(run_dirs, as_json):
     and fold from each summary.json, the spread of the test numbers, and the config fields that
     differ. Reads files only (no GPU)."""
     try:
-        from numbarl.rl import compare
+        from numbarl.run import compare
 
         click.echo(compare.main(run_dirs, as_json=as_json))
     except _expected_errors() as e:
