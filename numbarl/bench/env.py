@@ -34,18 +34,17 @@ import time
 
 import numpy as np
 
-from numbarl.cuda import backend
+from numbarl.cuda import backend, graph, rng
+from numbarl.cuda.runtime import cuda, device_name, simulator
+from numbarl.cuda.runtime import stream as default_stream
+from numbarl.env.backtest import DeviceBacktest, backtest, backtest_reference
+from numbarl.env.core import STATE_FIELDS
+from numbarl.env.device import DeviceEnv
+from numbarl.env.market import MarketData
+from numbarl.env.params import EnvParams
+from numbarl.env.reference import CpuEnv
 
 backend.select()
-
-from numbarl.cuda import graph, rng  # noqa: E402
-from numbarl.cuda.runtime import cuda, device_name, simulator, stream as default_stream  # noqa: E402
-from numbarl.env.backtest import DeviceBacktest, backtest, backtest_reference  # noqa: E402
-from numbarl.env.core import STATE_FIELDS  # noqa: E402
-from numbarl.env.device import DeviceEnv  # noqa: E402
-from numbarl.env.market import MarketData  # noqa: E402
-from numbarl.env.params import EnvParams  # noqa: E402
-from numbarl.env.reference import CpuEnv  # noqa: E402
 
 _cuda = cuda()
 BLOCK = 256

@@ -27,16 +27,14 @@ import time
 
 import numpy as np
 
-from numbarl.cuda import backend
+from numbarl.cuda import backend, graph
+from numbarl.cuda import reduce as red
+from numbarl.cuda.kernels import elementwise as ew
+from numbarl.cuda.kernels import layernorm as ln
+from numbarl.cuda.kernels import softmax as sm
+from numbarl.cuda.runtime import cuda, device_name, simulator, stream
 
 backend.select()  # before anything imports numba: the simulator when there is no GPU
-
-from numbarl.cuda import graph  # noqa: E402
-from numbarl.cuda import reduce as red  # noqa: E402
-from numbarl.cuda.kernels import elementwise as ew  # noqa: E402
-from numbarl.cuda.kernels import layernorm as ln  # noqa: E402
-from numbarl.cuda.kernels import softmax as sm  # noqa: E402
-from numbarl.cuda.runtime import cuda, device_name, simulator, stream  # noqa: E402
 
 _cuda = cuda()
 

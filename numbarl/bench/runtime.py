@@ -30,13 +30,11 @@ import time
 
 import numpy as np
 
-from numbarl.cuda import backend
+from numbarl.cuda import backend, blas, graph, rng
+from numbarl.cuda.mapped import MappedBuffer
+from numbarl.cuda.runtime import cuda, device_name, simulator, stream
 
 backend.select()  # before anything imports numba: the simulator when there is no GPU
-
-from numbarl.cuda.runtime import cuda, device_name, simulator, stream  # noqa: E402
-from numbarl.cuda import blas, graph, rng  # noqa: E402
-from numbarl.cuda.mapped import MappedBuffer  # noqa: E402
 
 _cuda = cuda()
 

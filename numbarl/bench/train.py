@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import replace
 
 import numpy as np
 

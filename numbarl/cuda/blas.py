@@ -62,13 +62,13 @@ import math
 import os
 
 import numpy as np
+from numba import float32, njit
 
 from numbarl.cuda import runtime
-from numbarl.cuda.runtime import cuda, simulator, stream as default_stream
+from numbarl.cuda.runtime import cuda, simulator
+from numbarl.cuda.runtime import stream as default_stream
 
-_cuda = cuda()  # selects the backend: numba reads NUMBA_ENABLE_CUDASIM when it is first imported
-
-from numba import float32, njit  # noqa: E402
+_cuda = cuda()  # the backend (GPU or simulator), selected once
 
 TILE = 16  # output tile edge of the fallback kernel: TILE x TILE threads per block
 TILE_K = 64  # k extent staged per step; the simulator pays ~40 ms per syncthreads per block

@@ -41,7 +41,8 @@ re-calls ``step_fn(stream)``.
 
 from __future__ import annotations
 
-from numbarl.cuda.runtime import cuda, new_stream, simulator, stream as default_stream, stream_handle
+from numbarl.cuda.runtime import cuda, new_stream, simulator, stream_handle
+from numbarl.cuda.runtime import stream as default_stream
 
 _cuda = cuda()
 _EAGER = False

@@ -56,12 +56,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import float32, int32
 
-from numbarl.cuda.runtime import cuda, simulator  # selects the backend before numba is imported
+from numbarl.cuda.runtime import cuda, simulator  # the backend (GPU or simulator), selected once
 
 _cuda = cuda()
-
-from numba import float32, int32  # noqa: E402  (after the backend switch)
 
 # ---------------------------------------------------------------------------------------------
 # constants

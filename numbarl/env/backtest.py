@@ -33,28 +33,27 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numbarl.cuda.runtime import Arena, cuda, stream as default_stream
-
-_cuda = cuda()
-
-
-from numbarl.env import metrics as _metrics  # noqa: E402
-from numbarl.env.core import (  # noqa: E402
+from numbarl.cuda.launch import device_function
+from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda.runtime import stream as default_stream
+from numbarl.env import metrics as _metrics
+from numbarl.env.core import (
     STATE_FIELDS,
     Grids,
     MarketArrays,
     StateArrays,
-    device_function,
-    row_jit,
     initial_portfolio,
     load_bars,
     load_row,
+    row_jit,
     step_core,
     store_row,
 )
-from numbarl.env.device import launch_dims, launch_gather, launch_select  # noqa: E402
-from numbarl.env.market import DeviceMarket, MarketData, check_range  # noqa: E402
-from numbarl.env.params import EXIT_NONE, EXIT_REASONS, N_BRANCHES, EnvParams, pack_actions, validate_actions  # noqa: E402
+from numbarl.env.device import launch_dims, launch_gather, launch_select
+from numbarl.env.market import DeviceMarket, MarketData, check_range
+from numbarl.env.params import EXIT_NONE, EXIT_REASONS, N_BRANCHES, EnvParams, pack_actions, validate_actions
+
+_cuda = cuda()
 
 BLOCK = 32  # one warp per block: P sequential chains spread over as many SMs as possible
 DEFAULT_CHUNK = 1 << 16

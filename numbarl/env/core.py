@@ -38,15 +38,11 @@ import math
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
-from numbarl.cuda.runtime import cuda, simulator
-
-cuda()  # selects the backend before numba is imported
-
-from numba import njit  # noqa: E402
-
-from numbarl.cuda import rng  # noqa: E402
-from numbarl.env.params import (  # noqa: E402
+from numbarl.cuda import rng
+from numbarl.cuda.runtime import cuda
+from numbarl.env.params import (
     BR_DIRECTION,
     DIR_FLAT,
     DIR_LONG,
@@ -60,6 +56,8 @@ from numbarl.env.params import (  # noqa: E402
     N_BRANCHES,
     NO_BAR,
 )
+
+cuda()  # the backend (GPU or simulator), selected once
 
 # RNG slots (numbarl/cuda/rng.py convention: one draw per (lane, counter, slot))
 SLOT_EXPLORE = 0  # + branch: exploration coin of branch b
@@ -243,35 +241,6 @@ class StepOut(NamedTuple):
 # ~100x slower (measured: 0.42 s vs 0.002 s for a 4,096 x 72 gather). numba-cuda ignores the
 # option when it compiles these functions for the device.
 row_jit = njit(cache=True, _nrt=False)
-
-
-def device_function(fn):
-    """The @njit function `fn` as a function kernels call.
-
-    On the GPU that is `fn` itself: numba-cuda compiles @jit functions for the device when a kernel
-    calls them. Under the simulator, kernels are Python and their arrays are simulator wrappers
-    that @njit code cannot take, so the call unwraps them to the numpy arrays they hold (writes go
-    straight to simulated device memory) and runs the same compiled `fn`.
-    """
-    if not simulator():
-        return fn
-
-    def call_on_simulator(*args):
-        return fn(*(_simulated_array_to_numpy(a) for a in args))
-
-    call_on_simulator.__name__ = getattr(fn, "__name__", "device_function")
-    return call_on_simulator
-
-
-def _simulated_array_to_numpy(x):
-    if isinstance(x, tuple):
-        values = tuple(_simulated_array_to_numpy(v) for v in x)
-        return type(x)(*values) if hasattr(x, "_fields") else values
-    item = x.__dict__.get("_item") if hasattr(x, "__dict__") else None  # in-kernel wrapper
-    if item is not None:
-        x = item
-    ary = x.__dict__.get("_ary") if hasattr(x, "__dict__") else None  # simulated device array
-    return ary if isinstance(ary, np.ndarray) else x
 
 
 # ---------------------------------------------------------------------------------------------

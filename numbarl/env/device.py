@@ -26,25 +26,25 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numbarl.cuda.runtime import Arena, cuda, stream as default_stream
-
-_cuda = cuda()
-
-from numbarl.cuda import rng  # noqa: E402
-from numbarl.env.core import (  # noqa: E402
+from numbarl.cuda import rng
+from numbarl.cuda.launch import device_function
+from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda.runtime import stream as default_stream
+from numbarl.env.core import (
     STATE_FIELDS,
     Grids,
     MarketArrays,
     StateArrays,
     StepArrays,
-    device_function,
     env_step_row,
     gather_row,
     reset_row,
     select_row,
 )
-from numbarl.env.market import DeviceMarket, MarketData, check_range  # noqa: E402
-from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams  # noqa: E402
+from numbarl.env.market import DeviceMarket, MarketData, check_range
+from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams
+
+_cuda = cuda()
 
 BLOCK = 128  # threads per block (one env per thread; the gather maps one obs element per thread)
 

@@ -32,12 +32,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 from numbarl.cuda import backend
 
-backend.select()  # before numba is imported (numba reads NUMBA_ENABLE_CUDASIM at import)
-
-from numba import njit  # noqa: E402
+backend.select()  # the backend (GPU or simulator), selected once
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,14 +31,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
+from numbarl.cuda.launch import device_function
 from numbarl.cuda.runtime import cuda
+from numbarl.env.core import row_jit
 
 _cuda = cuda()
-
-from numba import njit  # noqa: E402
-
-from numbarl.env.core import device_function, row_jit  # noqa: E402
 
 TRADING_DAYS = 252
 BLOCK = 32  # one warp per block: the per-policy scans spread over as many SMs as possible

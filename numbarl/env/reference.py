@@ -15,11 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from numbarl.cuda.runtime import cuda
-
-cuda()  # backend before numba
-
-
-from numbarl.env.core import (  # noqa: E402
+from numbarl.env.core import (
     STATE_FIELDS,
     Grids,
     MarketArrays,
@@ -35,8 +31,10 @@ from numbarl.env.core import (  # noqa: E402
     step_core,
     store_row,
 )
-from numbarl.env.market import MarketData, check_range  # noqa: E402
-from numbarl.env.params import EnvParams, validate_actions  # noqa: E402
+from numbarl.env.market import MarketData, check_range
+from numbarl.env.params import EnvParams, validate_actions
+
+cuda()  # the backend (GPU or simulator), selected once
 
 
 def new_state(n: int) -> StateArrays:

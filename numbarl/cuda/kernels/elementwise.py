@@ -45,14 +45,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
-from numbarl.cuda.runtime import cuda  # selects the backend before numba is imported
+from numbarl.cuda.reduce import as_rows
+from numbarl.cuda.runtime import cuda  # the backend (GPU or simulator), selected once
 
 _cuda = cuda()
-
-from numba import njit  # noqa: E402  (after the backend switch)
-
-from numbarl.cuda.reduce import as_rows  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # constants

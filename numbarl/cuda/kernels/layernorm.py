@@ -36,14 +36,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import float32
 
-from numbarl.cuda.runtime import cuda  # selects the backend before numba is imported
-
-_cuda = cuda()
-
-from numba import float32  # noqa: E402  (after the backend switch)
-
-from numbarl.cuda.reduce import (  # noqa: E402
+from numbarl.cuda.reduce import (
     LANES,
     OP_SUM,
     ROWS,
@@ -54,6 +49,9 @@ from numbarl.cuda.reduce import (  # noqa: E402
     row_fold,
     row_grid,
 )
+from numbarl.cuda.runtime import cuda  # the backend (GPU or simulator), selected once
+
+_cuda = cuda()
 
 # ---------------------------------------------------------------------------------------------
 # constants

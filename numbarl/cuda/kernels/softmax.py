@@ -31,14 +31,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import float32, njit
 
-from numbarl.cuda.runtime import cuda  # selects the backend before numba is imported
+from numbarl.cuda.reduce import LANES, OP_MAX, OP_SUM, ROWS, as_rows, combine, row_fold, row_grid
+from numbarl.cuda.runtime import cuda  # the backend (GPU or simulator), selected once
 
 _cuda = cuda()
-
-from numba import float32, njit  # noqa: E402  (after the backend switch)
-
-from numbarl.cuda.reduce import LANES, OP_MAX, OP_SUM, ROWS, as_rows, combine, row_fold, row_grid  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # constants

@@ -37,9 +37,10 @@ import numpy as np
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
+from numbarl.cuda.launch import device_function
 from numbarl.cuda.mapped import MappedBuffer
 from numbarl.cuda.runtime import Arena, cuda, simulator
-from numbarl.env.core import device_function, direction_allowed
+from numbarl.env.core import direction_allowed
 from numbarl.env.params import DIR_LONG, DIR_SHORT
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore

@@ -63,12 +63,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from numbarl.cuda.runtime import Arena, cuda, simulator
 
-_cuda = cuda()  # selects the backend (GPU or simulator) before numba is imported below
-
-from numba import njit  # noqa: E402  (numba must be imported after the backend switch)
+_cuda = cuda()  # the backend (GPU or simulator), selected once
 
 # Launch shapes. Under the simulator every thread is a Python thread, so the same kernels run
 # with small blocks (one thread walks a whole atom row): results are the same sums in the same order.

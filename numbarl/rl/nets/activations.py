@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import Arena, cuda
 
-_cuda = cuda()  # selects the backend before numba-using modules are imported
-
-from numbarl.cuda.kernels import elementwise  # noqa: E402
+_cuda = cuda()  # the backend (GPU or simulator), selected once
 
 LAYER_ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh", "tanh", "sigmoid")
 

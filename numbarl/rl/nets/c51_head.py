@@ -46,17 +46,14 @@ import math
 from typing import NamedTuple
 
 import numpy as np
+from numba import float32
 
-from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda import blas
+from numbarl.cuda.runtime import Arena, cuda, simulator
+from numbarl.rl.losses.c51 import EW_ATOMS, EW_ROWS, make_support
+from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init
 
-_cuda = cuda()  # selects the backend (GPU or simulator) before numba-using modules are imported
-
-from numbarl.cuda import blas  # noqa: E402
-from numba import float32  # noqa: E402
-
-from numbarl.cuda.runtime import simulator  # noqa: E402
-from numbarl.rl.losses.c51 import EW_ATOMS, EW_ROWS, make_support  # noqa: E402  (launch shapes)
-from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init  # noqa: E402
+_cuda = cuda()  # the backend (GPU or simulator), selected once
 
 # Forward launch shape: HEAD_SAMPLES samples per block, HEAD_TX lanes along the atoms, HEAD_TY
 # thread rows. Under the simulator (every thread a Python thread): 4 threads, lanes walk whole rows.

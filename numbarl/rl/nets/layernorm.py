@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from numbarl.cuda.kernels import layernorm as ln
 from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.nets.base import ParamStore, zeros_init
 
-_cuda = cuda()  # selects the backend before numba-using modules are imported
-
-from numbarl.cuda.kernels import layernorm as ln  # noqa: E402
-from numbarl.rl.nets.base import ParamStore, zeros_init  # noqa: E402
+_cuda = cuda()  # the backend (GPU or simulator), selected once
 
 DEFAULT_EPS = ln.DEFAULT_EPS
 

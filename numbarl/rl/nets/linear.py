@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from numbarl.cuda import blas
+from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.nets.activations import activation_backward_ref, activation_ref
+from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init
 
-_cuda = cuda()  # selects the backend before numba-using modules are imported
-
-from numbarl.cuda import blas  # noqa: E402
-from numbarl.cuda.kernels import elementwise  # noqa: E402
-from numbarl.rl.nets.activations import activation_backward_ref, activation_ref  # noqa: E402
-from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init  # noqa: E402
+_cuda = cuda()  # the backend (GPU or simulator), selected once
 
 
 LINEAR_ACTIVATIONS = (None, "relu", "silu")
