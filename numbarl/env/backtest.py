@@ -19,6 +19,19 @@ Two ways to choose actions:
   q_fn     q_fn(obs [P, state_dim], q_out [P, 4, max_actions], stream) fills greedy Q for a batch
            of observations; each bar runs gather -> q_fn -> select (epsilon 0) -> `bar_kernel`.
 
+Bars of a learned policy as CUDA graphs (graph=True, the default): eager, every bar costs ~5
+launches whose host-side argument preparation (~37 us each, numbarl/cuda/graph.py) dominated the
+validation of a training run. `PolicyBars` captures `bars_per_graph` (default GRAPH_BARS) bar
+steps into one graph and replays it ceil(steps / bars_per_graph) times per chunk. Nothing in a
+bar step needs a per-bar launch argument: each policy's bar is its state's `cursor` and the chunk
+origin is read from device memory, and `bar_kernel` advances the cursor inside the graph. The
+last replay of a chunk is masked by the same rule: `bar_kernel` leaves a policy whose cursor
+reached the chunk's (or window's) last decision bar untouched, so surplus steps only recompute
+the scratch obs/q/actions. The kernels, their order and their inputs are those of the eager
+loop, so the results are bitwise identical (tests/env/test_backtest.py, and on the GPU
+tests/env/test_gpu_env.py). A graph is captured once per (device market, params, window, policy
+callback) and reused by later calls, e.g. every epoch's validation (see `policy_bars`).
+
 Device buffers are time-major [rows, P] (coalesced: a warp's policies write adjacent addresses)
 and hold `chunk_bars` rows; long windows run chunk by chunk. Row r of a chunk with origin o holds
 bar o + r, and row r of the packed actions is the decision taken at bar o + r - 1. The metric
@@ -28,11 +41,14 @@ are computed without copying P x W arrays back.
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.launch import device_function
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.cuda.runtime import stream as default_stream
@@ -57,6 +73,10 @@ _cuda = cuda()
 
 BLOCK = 32  # one warp per block: P sequential chains spread over as many SMs as possible
 DEFAULT_CHUNK = 1 << 16
+# bar steps per captured graph: a 3,063-bar validation window is 12 replays (3,072 steps, the 9
+# surplus ones masked); longer graphs only lengthen the one-off capture
+GRAPH_BARS = 256
+GRAPH_CACHE_SIZE = 4  # captured policy backtests kept for reuse (validation and test windows of a fold)
 _MASK8 = np.int32(0xFF)
 _S8 = np.int32(8)
 _S16 = np.int32(16)
@@ -367,6 +387,116 @@ def _s(stream):
     return default_stream() if stream is None else stream
 
 
+# ---------------------------------------------------------------------------------------------
+# bars of a learned policy: captured graphs of bar steps
+# ---------------------------------------------------------------------------------------------
+class PolicyBars:
+    """Runs the bar steps of a policy callback on one DeviceBacktest, as graph replays or eagerly.
+
+        runner = PolicyBars(bt, q_fn, graph=True)
+        runner.run(n_steps, stream)     # n_steps bar steps of the current chunk (surplus: no-ops)
+
+    graph=True: the first `run` captures `bars_per_graph` calls of `bt.bar_step` into one CUDA
+    graph; the capture's warm-up (numbarl/cuda/graph.py) executes those bar steps for real, so it
+    counts as the first replay. Later runs, on later chunks and later windows started with
+    `bt.start`, only replay it: every buffer keeps its address and every per-bar value is device
+    state. graph=False: `n_steps` eager `bt.bar_step` calls (the reference path). Under the
+    simulator (or `graph.set_eager`) a replay re-calls the captured function: the same masked steps.
+    """
+
+    def __init__(self, bt: "DeviceBacktest", q_fn, graph: bool = True, bars_per_graph: int | None = None):
+        bars_per_graph = GRAPH_BARS if bars_per_graph is None else bars_per_graph
+        if not isinstance(bars_per_graph, (int, np.integer)) or bars_per_graph < 1:
+            raise ValueError(f"bars_per_graph = {bars_per_graph!r} is invalid: allowed an integer >= 1")
+        self.bt = bt
+        self.q_fn = q_fn
+        self.graph_mode = bool(graph)
+        # a graph longer than a chunk's steps would only add masked steps
+        self.bars_per_graph = int(min(bars_per_graph, bt.chunk_bars))
+        self.graph = None
+        self.replays = 0  # graph replays (the capture's warm-up counted), for tests and benchmarks
+
+    def _bars(self, stream) -> None:
+        q_fn = self.q_fn
+        for _ in range(self.bars_per_graph):
+            self.bt.bar_step(q_fn, stream)
+
+    def run(self, n_steps: int, stream=None) -> None:
+        """At least n_steps bar steps of every policy (the chunk's decisions; extra steps no-ops)."""
+        s = _s(stream)
+        if not self.graph_mode:
+            for _ in range(int(n_steps)):
+                self.bt.bar_step(self.q_fn, s)
+            return
+        done = 0
+        if self.graph is None and n_steps > 0:
+            self.graph = cuda_graph.capture(self._bars, s)  # the warm-up runs bars_per_graph real steps
+            done = self.bars_per_graph
+            self.replays += 1
+        while done < n_steps:
+            self.graph.replay(s)
+            done += self.bars_per_graph
+            self.replays += 1
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+            self.graph = None
+
+
+class _WeakCallback:
+    """Calls a bound method through a weak reference, so a cached graph does not keep the agent
+    (its replay buffer, its parameters) alive; the cache entry is dropped when the agent dies."""
+
+    def __init__(self, method, on_death):
+        self._ref = weakref.WeakMethod(method, on_death)
+
+    def __call__(self, *args):
+        method = self._ref()
+        if method is None:
+            raise ReferenceError("the backtest's q_fn belongs to an object that no longer exists")
+        return method(*args)
+
+
+_POLICY_CACHE: "OrderedDict[tuple, PolicyBars]" = OrderedDict()
+
+
+def _drop(key) -> None:
+    runner = _POLICY_CACHE.pop(key, None)
+    if runner is not None:
+        runner.close()
+
+
+def policy_bars(market, params: EnvParams, n_policies: int, window, chunk_bars, max_trades, q_fn, graph: bool = True) -> PolicyBars:
+    """A PolicyBars (with its DeviceBacktest) for this backtest; reused across calls when possible.
+
+    With a DeviceMarket and graph=True, the runner is cached per (market, params, n_policies,
+    window, chunk_bars, max_trades, q_fn), so the validation window of every epoch replays the
+    graph captured at the first epoch (the agent's weights change in place, at fixed addresses).
+    An entry holds its market (so `id(market)` stays its own) but only a weak reference to the
+    object whose bound method q_fn is, and dies with it; beyond GRAPH_CACHE_SIZE entries the oldest
+    is closed. Host MarketData (uploaded per call) and graph=False get a fresh DeviceBacktest each
+    call, as before.
+    """
+    if not graph or not isinstance(market, DeviceMarket):
+        return PolicyBars(DeviceBacktest(market, params, n_policies, window, chunk_bars, max_trades), q_fn, graph)
+    owner = getattr(q_fn, "__self__", None)
+    func = getattr(q_fn, "__func__", q_fn) if owner is not None else q_fn
+    key = (id(market), id(owner), func, params, int(n_policies), tuple(window), chunk_bars, max_trades)
+    runner = _POLICY_CACHE.get(key)
+    if runner is not None:
+        _POLICY_CACHE.move_to_end(key)
+        return runner
+    on_death = lambda _ref, key=key: _drop(key)  # noqa: E731 - a weakref callback
+    bt = DeviceBacktest(market, params, n_policies, window, chunk_bars, max_trades)
+    callback = _WeakCallback(q_fn, on_death) if owner is not None else q_fn
+    runner = PolicyBars(bt, callback, graph=True)
+    _POLICY_CACHE[key] = runner
+    while len(_POLICY_CACHE) > GRAPH_CACHE_SIZE:
+        _drop(next(iter(_POLICY_CACHE)))
+    return runner
+
+
 def _check_trade_list(max_trades) -> None:
     """backtest()/backtest_reference() compute the trade metrics from the trade list: count-only
     mode (max_trades=0) is DeviceBacktest's, for a caller that reads only the device scan."""
@@ -434,7 +564,7 @@ class BacktestResult:
         return self.initial_capital + np.cumsum(self.pnl, axis=1)
 
     def metrics(self) -> "_metrics.Metrics":
-        return _metrics.finalize(self.accumulators, self.trades, self.bars_per_day, self.initial_capital)
+        return _metrics.finalize(self.accumulators, self.trades, self.bars_per_day, self.initial_capital, pnl=self.pnl)
 
 
 def _window_actions(actions, params: EnvParams, n_bars: int) -> np.ndarray:
@@ -457,12 +587,16 @@ def backtest(
     chunk_bars: int | None = None,
     max_trades: int | None = None,
     stream=None,
+    graph: bool = True,
 ) -> BacktestResult:
     """Backtest P policies over window=(start, end) on the device.
 
     actions: int [P, W, 4] or [W, 4] branch indices per bar, or
     q_fn(obs_dev [P, state_dim], q_out_dev [P, 4, max_actions], stream): greedy Q per bar
     (n_policies required). Opportunity cost is off; the step function is the env's.
+    graph: run the q_fn bar steps as replays of a captured CUDA graph (`PolicyBars`; q_fn must then
+    be capturable: no allocation, host copy or synchronize), or False: one eager launch sequence
+    per bar. Both give bitwise identical results.
     Returns host arrays [P, W]; for windows too large for host memory (e.g. 4,096 x 10^6 bars)
     drive DeviceBacktest chunk by chunk and take the metrics from its device scan instead.
     """
@@ -485,7 +619,11 @@ def backtest(
         if n_policies is None:
             raise ValueError("backtest with q_fn needs n_policies")
         n_pol = int(n_policies)
-    bt = DeviceBacktest(data, params, n_pol, (start, end), chunk_bars, max_trades)
+    if packed is None:
+        runner = policy_bars(data, params, n_pol, (start, end), chunk_bars, max_trades, q_fn, graph)
+        bt = runner.bt
+    else:
+        bt = DeviceBacktest(data, params, n_pol, (start, end), chunk_bars, max_trades)
     s = _s(stream)
     pnl = np.zeros((n_pol, n_bars), np.float64)
     pos = np.zeros((n_pol, n_bars), np.float32)
@@ -506,9 +644,7 @@ def backtest(
             rows_dev.copy_to_device(chunk, stream=s)
             bt.run_actions(rows_dev, s)
         else:
-            steps = rows - 1 if origin == start else rows
-            for _ in range(steps):
-                bt.bar_step(q_fn, s)
+            runner.run(rows - 1 if origin == start else rows, s)
         bt.scan(s)
         c_pnl, c_pos, _ = bt.chunk_to_host(s)
         pnl[:, origin - start : origin - start + rows] = c_pnl.T

@@ -32,7 +32,8 @@ def empyrical_reference(pnl, pos, session, trades, bars_per_day, capital):
     out["max_drawdown"] = float(np.min((cum - peak) / peak))
     years = len(r) / ann
     cagr = (1 + out["total_return"]) ** (1 / years) - 1
-    out["calmar"] = cagr / abs(out["max_drawdown"])
+    out["calmar"] = cagr / abs(out["max_drawdown"]) if len(r) / bars_per_day >= 20 else np.nan
+    out["sharpe_adj"] = lo_reference(r.to_numpy(), bars_per_day)
     t = trades["pnl"].to_numpy()
     out["n_trades"] = len(t)
     out["win_rate"] = float((t > 0).mean())
@@ -45,6 +46,16 @@ def empyrical_reference(pnl, pos, session, trades, bars_per_day, capital):
     out["exposure"] = float(np.mean(np.asarray(pos) != 0))
     out["turnover"] = float(2 * trades["size"].abs().sum() / len(r))
     return out
+
+
+def lo_reference(r, q):
+    """Lo (2002) q-period Sharpe, q = bars_per_day, times sqrt(252), with the sample
+    autocorrelations written out lag by lag (the code under test uses an FFT)."""
+    d = r - r.mean()
+    lags = range(1, math.ceil(q))
+    rho = [np.sum(d[k:] * d[:-k]) / np.sum(d * d) for k in lags]
+    sr = r.mean() / r.std(ddof=1)
+    return float(sr * q / np.sqrt(q + 2 * sum((q - k) * rho_k for k, rho_k in zip(lags, rho))) * np.sqrt(252))
 
 
 def random_case(rng, n_pol=3, n_bars=200, per_session=40):
@@ -72,7 +83,7 @@ def random_case(rng, n_pol=3, n_bars=200, per_session=40):
 
 def test_metrics_match_independent_empyrical_implementation(rng):
     pnl, pos, session, trades = random_case(rng)
-    capital, bpd = 100_000.0, 40.0
+    capital, bpd = 100_000.0, 8.0  # 25 trading days: Calmar is defined
     m = M.compute_metrics(pnl, pos, session, trades, bpd, capital)
     assert set(m.values) == set(M.METRIC_NAMES)
     for p in range(pnl.shape[0]):
@@ -116,6 +127,7 @@ def test_hand_computed_small_case():
         ("no_trades", "avg_hold", "no trades"),
         ("ruin", "sharpe", "equity fell to zero"),
         ("short_boom", "calmar", "overflows"),
+        ("short_window", "calmar", "shorter than 20"),
     ],
 )
 def test_degenerate_cases_give_nan_and_a_reason(case, metric, reason):
@@ -124,7 +136,9 @@ def test_degenerate_cases_give_nan_and_a_reason(case, metric, reason):
     session = np.repeat(np.arange(5), 10)
     trades = pd.DataFrame({"policy": [0, 0], "entry_bar": [1, 5], "exit_bar": [3, 9], "size": [1.0, 1.0], "pnl": [1.0, -2.0]})
     bpd = 10.0
-    if case == "one_bar":
+    if case == "flat":
+        bpd = 2.0  # 25 trading days: long enough to annualize
+    elif case == "one_bar":
         pnl, session = np.array([5.0]), np.array([0])
     elif case == "one_session":
         pnl = np.linspace(-1, 1, n)
@@ -141,7 +155,9 @@ def test_degenerate_cases_give_nan_and_a_reason(case, metric, reason):
         pnl = np.array([10.0, -200.0, 5.0, 1.0])
         session = np.array([0, 0, 1, 1])
     elif case == "short_boom":
-        pnl, session, bpd = np.array([0.0, -10.0, 500.0]), np.array([0, 0, 0]), 1e4
+        pnl, session, bpd = np.array([0.0, -10.0, 1e300]), np.array([0, 0, 0]), 0.1  # 30 days in 3 bars
+    elif case == "short_window":
+        pnl = np.linspace(-1, 1, n)  # 5 trading days of 10 bars
     m = M.compute_metrics(pnl, np.zeros(len(pnl), np.float32), session, trades, bpd, 100.0)
     values, reasons = m.policy(0)
     assert math.isnan(values[metric])
