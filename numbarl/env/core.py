@@ -41,6 +41,7 @@ import numpy as np
 from numba import njit
 
 from numbarl.cuda import rng
+from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.runtime import cuda
 from numbarl.env.params import (
     BR_DIRECTION,
@@ -59,11 +60,11 @@ from numbarl.env.params import (
 
 cuda()  # the backend (GPU or simulator), selected once
 
-# RNG slots (numbarl/cuda/rng.py convention: one draw per (lane, counter, slot))
-SLOT_EXPLORE = 0  # + branch: exploration coin of branch b
-SLOT_RANDOM = 4  # + branch: random action of branch b
-SLOT_RESET = 16  # soft-reset start after done
-SLOT_INIT = 17  # start of the first episode (reset())
+# RNG slots (numbarl/cuda/rng.py convention: one draw per (lane, counter, slot)), registered by name
+SLOT_EXPLORE = RNG_STREAMS.claim("explore.coin", 0, width=4)  # + branch: exploration coin of branch b
+SLOT_RANDOM = RNG_STREAMS.claim("explore.action", 4, width=4)  # + branch: random action of branch b
+SLOT_RESET = RNG_STREAMS.claim("env.reset", 16)  # soft-reset start after done
+SLOT_INIT = RNG_STREAMS.claim("env.init", 17)  # start of the first episode (reset())
 
 _F0 = np.float64(0.0)
 _F1 = np.float64(1.0)

@@ -61,10 +61,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from numbarl.cuda import rng
+from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.runtime import Arena, cuda, stream
 
 BLOCK = 128
-SAMPLE_RNG_SLOT = 200  # counter-RNG slot of the sampler's draw (the env uses low slots per lane)
+SAMPLE_RNG_SLOT = RNG_STREAMS.claim("replay.sample", 200)  # the sampler's draw (numbarl.cuda.registry)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -176,7 +177,7 @@ def reset_count_kernel(count):
 
 @_cuda.jit(cache=True)
 def sample_index_kernel(reward_store, done_store, action_store, weight_store, count, counter,
-                        seed, rng_slot, n_step, gamma,
+                        seed, rng_slot, n_step, gamma_dev,
                         out_action, out_reward, out_done, out_discount, out_weight, out_index, out_next_index):
     """Per batch row: uniform draw over the valid (time, env) pairs, then the n-step scan."""
     b = _cuda.grid(1)
@@ -197,6 +198,7 @@ def sample_index_kernel(reward_store, done_store, action_store, weight_store, co
         out_next_index[b] = -1
         return
     lo = max(c - n_slots, 0)
+    gamma = gamma_dev[0]
     u = rng.randint(seed, b, counter[0], rng_slot, valid * n_envs)
     tau = lo + u // n_envs
     e = u % n_envs
@@ -270,7 +272,9 @@ class Replay:
     """Circular device replay buffer for N parallel envs with n-step returns (see module docstring).
 
     capacity: transitions kept (rounded down to a multiple of n_envs: n_slots = capacity // n_envs
-    time slots). gamma and n_step are fixed at construction; seed and rng_slot key the sampler.
+    time slots). n_step is fixed at construction; gamma is a device scalar (``Replay.gamma_device``,
+    initial value ``gamma``) read by every sample, so a schedule or the feedback loop changes it
+    between graph replays without re-capture (``set_gamma``); seed and rng_slot key the sampler.
     weights=True lets write() take a per-transition float32 weight (stored; 1.0 otherwise); the
     sampled weight comes back in ReplayBatch.weight either way.
     """
@@ -303,6 +307,7 @@ class Replay:
         self.store.add("done", (n_slots, n_envs), np.uint8)
         self.store.add("weight", (n_slots, n_envs), np.float32)
         self.store.add("count", (1,), np.int64)
+        self.store.add("gamma", (1,), np.float32)
         self.batch_arena = Arena("replay.batch")
         B = self.batch_size
         self.batch_arena.add("obs", (B, state_dim), np.float32)
@@ -330,8 +335,21 @@ class Replay:
         """Device int64 [1]: collect steps written so far."""
         return self.store["count"]
 
+    @property
+    def gamma_device(self):
+        """Device float32 [1]: the discount every sample reads."""
+        return self.store["gamma"]
+
+    def set_gamma(self, value: float) -> None:
+        """Write the device gamma from the host (a copy: outside capture only)."""
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"Replay: gamma must be in [0, 1], got {value}")
+        self.gamma = float(value)
+        self.store.load({"gamma": np.array([value], np.float32)})
+
     def allocate(self) -> "Replay":
         self.store.allocate()
+        self.store.load({"gamma": np.array([self.gamma], np.float32)})
         self.batch_arena.allocate()
         a = self.batch_arena
         self.batch = ReplayBatch(a["obs"], a["action"], a["reward"], a["done"], a["discount"],
@@ -369,7 +387,7 @@ class Replay:
             raise RuntimeError("Replay.sample before Replay.allocate()")
         sample_index_kernel[_grid(self.batch_size), BLOCK, stream](
             s["reward"], s["done"], s["action"], s["weight"], s["count"], counter,
-            np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), np.float32(self.gamma),
+            np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), s["gamma"],
             out.action, out.reward, out.done, out.discount, out.weight, out.index, out.next_index)
         gather_obs_kernel[_grid(self.batch_size * self.state_dim), BLOCK, stream](
             s["obs"], out.index, out.next_index, out.obs, out.next_obs)

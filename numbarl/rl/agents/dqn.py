@@ -39,7 +39,8 @@ from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.launch import device_function
 from numbarl.cuda.mapped import MappedBuffer
-from numbarl.cuda.runtime import Arena, cuda, simulator
+from numbarl.cuda import launch
+from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.core import direction_allowed
 from numbarl.env.params import DIR_LONG, DIR_SHORT
 from numbarl.rl.losses.c51 import C51Loss
@@ -53,7 +54,7 @@ _cuda = cuda()
 
 # one block reduces the batch statistics in a fixed order (a small block under the simulator,
 # where every simulated thread is a Python thread)
-STATS_BLOCK = 32 if simulator() else 1024  # H200, B = 16,384: 138 us with 256 threads, 90 us with 1024
+STATS_BLOCK = launch.shape(gpu=1024, sim=32)  # H200, B = 16,384: 138 us with 256 threads, 90 us with 1024
 
 # mapped stats slots (float32); the optimizer writes its slots first (numbarl.rl.optim.STAT_*)
 STAT_LOSS = 8           # mean C51 cross-entropy of the last train step

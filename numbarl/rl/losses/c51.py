@@ -65,31 +65,24 @@ import math
 import numpy as np
 from numba import njit
 
-from numbarl.cuda.runtime import Arena, cuda, simulator
+from numbarl.cuda import launch
+from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.nets.c51_head import EW_ATOMS, EW_ROWS, make_support
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
-# Launch shapes. Under the simulator every thread is a Python thread, so the same kernels run
-# with small blocks (one thread walks a whole atom row): results are the same sums in the same order.
-_SIM = simulator()
-BLOCK = 16 if _SIM else 128  # threads per block of the per-(sample, branch) kernels
-EW_ATOMS = 1 if _SIM else 64  # block x of the elementwise kernels: threads along the atoms (loop beyond)
-EW_ROWS = 8 if _SIM else 4  # block y of the elementwise kernels: samples per block
-REDUCE_BLOCK = 16 if _SIM else 256  # threads of the single-block loss reduction (power of two)
+# Launch shapes (numbarl.cuda.launch: small blocks under the simulator, where one thread walks a
+# whole atom row; the results are the same sums in the same order). The elementwise kernels share
+# the head's shape (EW_ATOMS x EW_ROWS, defined with the head whose outputs they read).
+BLOCK = launch.shape(gpu=128, sim=16)  # threads per block of the per-(sample, branch) kernels
+REDUCE_BLOCK = launch.shape(gpu=256, sim=16)  # threads of the single-block loss reduction (power of two)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _NEG_INF = np.float32(-np.inf)
 _NAN = np.float32(np.nan)
 
-
-def make_support(n_atoms: int, v_min: float, v_max: float) -> np.ndarray:
-    """The C51 support z_i = v_min + i·Δz as float32 [n_atoms] (both ends exact)."""
-    if int(n_atoms) < 2:
-        raise ValueError(f"n_atoms must be >= 2 (got {n_atoms}): C51 needs at least two atoms")
-    if not (np.isfinite(v_min) and np.isfinite(v_max) and v_max > v_min):
-        raise ValueError(f"C51 support needs finite v_min < v_max (got v_min={v_min}, v_max={v_max})")
-    return np.linspace(float(v_min), float(v_max), int(n_atoms)).astype(np.float32)
+__all__ = ["C51Loss", "make_support"]  # make_support lives with the head; re-exported for callers
 
 
 # ---------------------------------------------------------------------------------------------

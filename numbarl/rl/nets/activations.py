@@ -5,7 +5,7 @@
     (SiLU: Elfwing, Uchibe & Doya 2018, Eq. 1 and its derivative, Eq. 2)
 
 The kernels are the generic elementwise family (one thread per element, grid-stride); this module
-adds the Layer-protocol wrapper used where an activation is not fused into a Linear layer (after
+adds the module wrapper used where an activation is not fused into a Linear layer (after
 a LayerNorm) and the float64 layer references. For ReLU the backward may be given either the
 pre-activation x or the output y = relu(x) as the saved tensor (x > 0 ⇔ y > 0), so a Linear layer
 with a fused ReLU epilogue only keeps its output.
@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from numbarl.cuda.kernels import elementwise
-from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda.runtime import cuda
+from numbarl.rl.nets.module import Buf, Ctx, Module
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -48,64 +49,37 @@ def activation_backward_ref(dy, x, activation):
 # ---------------------------------------------------------------------------------------------
 # layer
 # ---------------------------------------------------------------------------------------------
-class Activation:
-    """Standalone activation layer (Layer protocol of numbarl.rl.nets.base; no parameters).
+class Activation(Module):
+    """Standalone activation layer (module contract of numbarl.rl.nets.module; no parameters).
 
-    Activations per tag: ``{name}.{tag}.y`` [B, dim], and with backward=True ``{name}.{tag}.dx``.
+    Buffers per tag: ``{name}.{tag}.y`` [B, dim], and with backward=True ``{name}.{tag}.dx``.
     Saves its input x (the pre-activation) for the backward pass.
     """
 
     def __init__(self, name: str, dim: int, activation: str):
-        self.name, self.dim = name, int(dim)
+        super().__init__(name)
+        self.dim = int(dim)
         self.activation = canonical_activation(activation)
-        self._acts: dict[str, Arena] = {}
-        self._batch: dict[str, int] = {}
-        self._inputs: dict[str, object] = {}
 
     @property
     def out_dim(self) -> int:
         return self.dim
 
-    def _act(self, tag, what):
-        return f"{self.name}.{tag}.{what}"
+    def in_shape(self, batch: int) -> tuple:
+        return (batch, self.dim)
 
-    def _arena(self, tag: str) -> Arena:
-        acts = self._acts.get(tag)
-        if acts is None:
-            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; call declare_acts(acts, batch, {tag!r})")
-        return acts
+    def buffers(self, batch: int, backward: bool, **opts) -> list[Buf]:
+        return [Buf("y", (batch, self.dim))] + ([Buf("dx", (batch, self.dim))] if backward else [])
 
-    def declare_params(self, store) -> None:
-        """No parameters."""
-
-    def declare_acts(self, acts: Arena, batch: int, tag: str, backward: bool = True) -> None:
-        acts.add(self._act(tag, "y"), (batch, self.dim), np.float32)
-        if backward:
-            acts.add(self._act(tag, "dx"), (batch, self.dim), np.float32)
-        self._acts[tag], self._batch[tag] = acts, int(batch)
-
-    def output(self, tag: str = "online"):
-        return self._arena(tag)[self._act(tag, "y")]
-
-    def forward(self, x, stream, tag: str = "online", role: str = "params"):
-        """y = act(x) for x [B, dim]. Capturable."""
-        y = self.output(tag)
-        if tuple(x.shape) != tuple(y.shape):
-            raise ValueError(f"{self.name}.forward({tag!r}): x has shape {tuple(x.shape)}, expected {tuple(y.shape)}")
-        elementwise.activation(x, y, self.activation, stream)
-        self._inputs[tag] = x
+    def forward_impl(self, c: Ctx, x):
+        """y = act(x) for x [B, dim]."""
+        y = c.buf("y")
+        elementwise.activation(x, y, self.activation, c.stream)
         return y
 
-    def backward(self, dy, stream, tag: str = "online"):
+    def backward_impl(self, c: Ctx, dy, dx):
         """dx = dy · act'(x) with the x saved by forward(tag)."""
-        acts, name = self._arena(tag), self._act(tag, "dx")
-        if name not in acts:
-            raise RuntimeError(f"{self.name}: tag {tag!r} was declared with backward=False; it has no backward buffers")
-        x = self._inputs.get(tag)
-        if x is None:
-            raise RuntimeError(f"{self.name}.backward({tag!r}) before forward({tag!r})")
-        dx = acts[name]
-        elementwise.activation_backward(x, dy, dx, self.activation, stream)
+        elementwise.activation_backward(c.x(), dy, dx, self.activation, c.stream)
         return dx
 
     # -- float64 reference of the layer (composable with the other layers' *_ref methods) -------

@@ -5,7 +5,8 @@ Adam moments and the target network mirror it view for view (same names, same of
 optimizer, gradient clipping and target updates run over flat vectors with one launch each
 (SPEC §2.1). Checkpoints are the params buffer plus metadata.
 
-Layer protocol (every layer / head / network follows it). One set of parameters serves several
+Layer protocol (every layer / head / network follows it; written once in
+numbarl/rl/nets/module.py, whose base class does this bookkeeping). One set of parameters serves several
 independent passes per train step (online net on obs with backward; online net on next_obs for
 the double-DQN argmax; target net on next_obs), so activation buffers are declared per *tag* and
 forward takes the parameter *role* ("params" or "target"):
@@ -16,9 +17,10 @@ forward takes the parameter *role* ("params" or "target"):
             # one set of activation/scratch buffers per pass tag ("online", "next", "target", ...)
         def forward(self, x, stream, tag="online", role="params") -> y
             # y is a fixed-address view of acts; params read from store.arenas[role]
-        def backward(self, dy, stream, tag="online") -> dx
-            # uses the activations saved by forward(tag); OVERWRITES this layer's grads
-            # (a parameter used once per step); returns dx (None for the first layer if not needed)
+        def backward(self, dy, stream, tag="online", dx_out=None) -> dx
+            # uses the activations saved by forward(tag); inside a step (begin_step) the first
+            # write of a gradient overwrites and later writes add (grad_beta); returns dx (None
+            # for the first layer if not needed)
 
 Views are looked up lazily (arena[name] caches), so layers keep the store/acts they were declared
 with and fetch views by name after allocation.
@@ -63,6 +65,14 @@ def bias_uniform_init(fan_in: int):
     return init
 
 
+def _address(buffer):
+    """A device view's identity for the ledger: its data pointer (simulator: the numpy buffer)."""
+    host = buffer.__dict__.get("_ary") if hasattr(buffer, "__dict__") else None
+    if isinstance(host, np.ndarray):  # simulator: the wrapped numpy array
+        return int(host.__array_interface__["data"][0]), tuple(buffer.shape)
+    return int(buffer.device_ctypes_pointer.value), tuple(buffer.shape)
+
+
 class ParamStore:
     """Named parameters in one flat buffer, mirrored by grads, Adam m/v and the target network."""
 
@@ -72,6 +82,40 @@ class ParamStore:
         self.specs: dict[str, ParamSpec] = {}
         self.arenas: dict[str, Arena] = {role: Arena(role) for role in self.ROLES}
         self._allocated = False
+        # gradient ledger of the open train step (numbarl.rl.nets.module: the gradient rule)
+        self._in_step = False
+        self._written: set = set()
+
+    # -- the gradient rule ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Open a train step: the next write of every gradient overwrites, later writes add."""
+        self._in_step = True
+        self._written = set()
+
+    def end_step(self) -> None:
+        """Close the step (the optimizer does, after reading the gradients)."""
+        self._in_step = False
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    def grad_beta(self, name: str) -> float:
+        """0.0 for the first write of parameter `name`'s gradient in the step, 1.0 afterwards.
+        Outside a step every write overwrites (one backward, e.g. a layer test)."""
+        return self._ledger(("grad", name))
+
+    def act_beta(self, buffer) -> float:
+        """The same rule for an activation gradient buffer shared by several consumers."""
+        return self._ledger(("act", _address(buffer)))
+
+    def _ledger(self, key) -> float:
+        if not self._in_step:
+            return 0.0
+        if key in self._written:
+            return 1.0
+        self._written.add(key)
+        return 0.0
 
     def add(self, name: str, shape, group: str, decay: bool, init=zeros_init) -> None:
         if name in self.specs:

@@ -20,7 +20,8 @@ Backward from d_logits (the loss writes zeros at padding and at actions not take
 
     dV[b, z]          = Σ_k Σ_{a < A_k} d_logits[b, k, a, z]
     dA[b, k, a, z]    = d_logits[b, k, a, z] - (1/A_k) Σ_a' d_logits[b, k, a', z]
-    dW_v = hᵀ·dV, db_v = colsum(dV)         dW_a = hᵀ·dA, db_a = colsum(dA)   (bgrad epilogue)
+    dW_v = hᵀ·dV, db_v = colsum(dV)         dW_a = hᵀ·dA, db_a = colsum(dA)   (bgrad epilogue;
+                                            accumulating GEMM + column sum for a later consumer)
     dh   = dV·W_vᵀ + dA·W_aᵀ                 (second GEMM accumulates with beta = 1)
 
 Thread mapping (forward: one launch after the two GEMMs). `dueling_head_kernel` gives a block
@@ -48,10 +49,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32
 
-from numbarl.cuda import blas
-from numbarl.cuda.runtime import Arena, cuda, simulator
-from numbarl.rl.losses.c51 import EW_ATOMS, EW_ROWS, make_support
-from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init
+from numbarl.cuda import blas, launch, reduce
+from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.nets.base import bias_uniform_init, kaiming_uniform_init
+from numbarl.rl.nets.linear import linear_param_grads
+from numbarl.rl.nets.module import Buf, Ctx, Module, Param
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -60,10 +62,13 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 # The kernel reads its shape from blockDim and a `samples` argument (never compiled-in constants,
 # which numba's on-disk cache would serve stale), so `dueling_forward(..., block=, samples=)` can
 # try other shapes: `python -m numbarl.bench.head --shapes 64x2x8,64x1x8`.
-_SIM = simulator()
-HEAD_TX = 1 if _SIM else 64
-HEAD_TY = 4 if _SIM else 2
-HEAD_SAMPLES = 4 if _SIM else 8  # at most (fewer when a sample's rows need more shared memory)
+HEAD_TX = launch.shape(gpu=64, sim=1)
+HEAD_TY = launch.shape(gpu=2, sim=4)
+HEAD_SAMPLES = launch.shape(gpu=8, sim=4)  # at most (fewer when a sample's rows need more shared memory)
+# Elementwise kernels over [B, Z] rows (the head's backward and the C51 loss's): EW_ATOMS threads
+# along the atoms (loop beyond), EW_ROWS samples per block.
+EW_ATOMS = launch.shape(gpu=64, sim=1)
+EW_ROWS = launch.shape(gpu=4, sim=8)
 SHARED_BYTES_MAX = 48 * 1024  # dynamic shared memory a block may use without an opt-in
 
 _ZERO = np.float32(0.0)
@@ -73,6 +78,15 @@ _NEG_INF = np.float32(-np.inf)
 # ---------------------------------------------------------------------------------------------
 # reference (numpy, float64)
 # ---------------------------------------------------------------------------------------------
+def make_support(n_atoms: int, v_min: float, v_max: float) -> np.ndarray:
+    """The C51 support z_i = v_min + i·Δz as float32 [n_atoms] (both ends exact)."""
+    if int(n_atoms) < 2:
+        raise ValueError(f"n_atoms must be >= 2 (got {n_atoms}): C51 needs at least two atoms")
+    if not (np.isfinite(v_min) and np.isfinite(v_max) and v_max > v_min):
+        raise ValueError(f"C51 support needs finite v_min < v_max (got v_min={v_min}, v_max={v_max})")
+    return np.linspace(float(v_min), float(v_max), int(n_atoms)).astype(np.float32)
+
+
 def branch_offsets(branch_sizes) -> np.ndarray:
     """offset_k = Σ_{k' < k} A_{k'} (in actions) as int64 [n_branches]."""
     sizes = np.asarray(branch_sizes, np.int64)
@@ -349,22 +363,25 @@ class C51Outputs(NamedTuple):
     q: object  # float32 [B, n_branches, max_actions] or None
 
 
-class BranchedDuelingC51Head:
-    """Dueling branched C51 head following the Layer protocol of `numbarl.rl.nets.base`.
+class BranchedDuelingC51Head(Module):
+    """Dueling branched C51 head (module contract of numbarl.rl.nets.module).
 
     Parameters (weights [in, out], y = h @ W + b):
         {name}.value.w [H, Z]   {name}.value.b [Z]            group "{name}.value"
         {name}.adv.w [H, ΣA·Z]  {name}.adv.b [ΣA·Z]           group "{name}.adv"
-    Activations per tag (declare_acts): value, adv, logits, lse, q, and probs if requested by
-    `outputs`; with backward=True the backward scratch d_value, d_adv, dh.
+    Buffers per tag (declare_acts): value, adv, logits, lse, q, and probs if requested by
+    `outputs`; with backward=True the backward scratch d_value, d_adv, dh and the column-sum
+    scratch of the accumulating bias gradients.
 
     forward(h, stream, tag, role) -> C51Outputs(logits, probs, q); backward(d_logits, stream, tag)
-    -> dh, overwriting the four gradients. compute="tf32" switches both GEMMs to TF32.
+    -> dh, the four gradients by the gradient rule. compute="tf32" switches the GEMMs to TF32.
     """
+
+    native_dx_accumulate = True  # dh ends in GEMMs: the first takes the ledger's beta
 
     def __init__(self, name: str, hidden: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0,
                  v_max: float = 10.0, compute: str = "fp32"):
-        self.name = name
+        super().__init__(name)
         self.hidden = int(hidden)
         self.branch_sizes = tuple(int(a) for a in branch_sizes)
         if self.hidden < 1:
@@ -398,36 +415,25 @@ class BranchedDuelingC51Head:
             "support": self.support_host,
         })
         self.layout = layout
-        self.store: ParamStore | None = None
-        self._acts: dict[str, Arena] = {}
-        self._batch: dict[str, int] = {}
-        self._wants: dict[str, frozenset] = {}  # per tag: the outputs it computes
-        self._inputs: dict[str, object] = {}
-
-    # -- names --------------------------------------------------------------------------------
-    @property
-    def param_names(self) -> dict[str, str]:
-        n = self.name
-        return {"w_value": f"{n}.value.w", "b_value": f"{n}.value.b", "w_adv": f"{n}.adv.w", "b_adv": f"{n}.adv.b"}
-
-    def _act(self, tag: str, what: str) -> str:
-        return f"{self.name}.{tag}.{what}"
 
     @property
     def support(self):
         """float32 device [Z] support of the head."""
         return self.layout["support"]
 
-    # -- protocol -----------------------------------------------------------------------------
-    def declare_params(self, store: ParamStore) -> None:
-        h, z, n = self.hidden, self.n_atoms, self.param_names
-        store.add(n["w_value"], (h, z), f"{self.name}.value", decay=True, init=kaiming_uniform_init)
-        store.add(n["b_value"], (z,), f"{self.name}.value", decay=False, init=bias_uniform_init(h))
-        store.add(n["w_adv"], (h, self.total_actions * z), f"{self.name}.adv", decay=True, init=kaiming_uniform_init)
-        store.add(n["b_adv"], (self.total_actions * z,), f"{self.name}.adv", decay=False, init=bias_uniform_init(h))
-        self.store = store
+    # -- declarations -------------------------------------------------------------------------
+    def params(self) -> list[Param]:
+        h, z, width = self.hidden, self.n_atoms, self.total_actions * self.n_atoms
+        value, adv = f"{self.name}.value", f"{self.name}.adv"
+        return [Param("value.w", (h, z), kaiming_uniform_init, decay=True, group=value, key="w_value"),
+                Param("value.b", (z,), bias_uniform_init(h), group=value, key="b_value"),
+                Param("adv.w", (h, width), kaiming_uniform_init, decay=True, group=adv, key="w_adv"),
+                Param("adv.b", (width,), bias_uniform_init(h), group=adv, key="b_adv")]
 
-    def declare_acts(self, acts: Arena, batch: int, tag: str, backward: bool = True, outputs=OUTPUTS) -> None:
+    def in_shape(self, batch: int) -> tuple:
+        return (batch, self.hidden)
+
+    def buffers(self, batch: int, backward: bool, outputs=OUTPUTS, **opts) -> list[Buf]:
         """Buffers of one pass. backward=False skips the backward scratch (target / next passes).
 
         outputs: which of "logits", "probs", "q" the pass computes (one kernel launch either way;
@@ -439,88 +445,56 @@ class BranchedDuelingC51Head:
         unknown = set(outputs) - set(OUTPUTS)
         if unknown or not outputs:
             raise ValueError(f"{self.name}: outputs must be a non-empty subset of {OUTPUTS} (got {tuple(outputs)})")
-        b, z = int(batch), self.n_atoms
+        b, z, width = int(batch), self.n_atoms, self.total_actions * self.n_atoms
         shape4 = (b, self.n_branches, self.max_actions, z)
-        acts.add(self._act(tag, "value"), (b, z), np.float32)
-        acts.add(self._act(tag, "adv"), (b, self.total_actions * z), np.float32)
+        bufs = [Buf("value", (b, z)), Buf("adv", (b, width))]
         if "logits" in outputs:
-            acts.add(self._act(tag, "logits"), shape4, np.float32)
+            bufs.append(Buf("logits", shape4))
         if "q" in outputs:
-            acts.add(self._act(tag, "lse"), shape4[:3], np.float32)
-            acts.add(self._act(tag, "q"), shape4[:3], np.float32)
+            bufs += [Buf("lse", shape4[:3]), Buf("q", shape4[:3])]
         if "probs" in outputs:
-            acts.add(self._act(tag, "probs"), shape4, np.float32)
-        self._wants[tag] = frozenset(outputs)
+            bufs.append(Buf("probs", shape4))
         if backward:
-            acts.add(self._act(tag, "d_value"), (b, z), np.float32)
-            acts.add(self._act(tag, "d_adv"), (b, self.total_actions * z), np.float32)
-            acts.add(self._act(tag, "dh"), (b, self.hidden), np.float32)
-        self._acts[tag] = acts
-        self._batch[tag] = b
+            bufs += [Buf("d_value", (b, z)), Buf("d_adv", (b, width)), Buf("dh", (b, self.hidden)),
+                     Buf("partials_value", reduce.col_partials_shape(b, z)),
+                     Buf("partials_adv", reduce.col_partials_shape(b, width))]
+        return bufs
 
     def outputs(self, tag: str = "online") -> C51Outputs:
         acts = self._arena(tag)
 
         def view(what):
-            name = self._act(tag, what)
+            name = self._buf_name(tag, what)
             return acts[name] if name in acts else None
 
         return C51Outputs(view("logits"), view("probs"), view("q"))
 
-    def _arena(self, tag: str) -> Arena:
-        acts = self._acts.get(tag)
-        if acts is None:
-            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; "
-                           f"call declare_acts(acts, batch, {tag!r})")
-        return acts
+    def dx_buffer(self, c: Ctx):
+        return c.buf("dh")
 
-    def forward(self, h, stream, tag: str = "online", role: str = "params") -> C51Outputs:
-        """Enqueue the head on h [B, hidden]; params from store.arenas[role]. Capturable."""
-        acts = self._arena(tag)
-        batch = self._batch[tag]
-        if tuple(h.shape) != (batch, self.hidden):
-            raise ValueError(f"{self.name}.forward({tag!r}): h has shape {tuple(h.shape)}, "
-                             f"expected {(batch, self.hidden)}")
-        if self.store is None:
-            raise RuntimeError(f"{self.name}: declare_params(store) was not called")
-        params, n = self.store.arenas[role], self.param_names
-        value, adv = acts[self._act(tag, "value")], acts[self._act(tag, "adv")]
-        blas.gemm(h, params[n["w_value"]], value, bias=params[n["b_value"]], compute=self.compute, stream=stream)
-        blas.gemm(h, params[n["w_adv"]], adv, bias=params[n["b_adv"]], compute=self.compute, stream=stream)
-        out = self.outputs(tag)
-        lse = acts[self._act(tag, "lse")] if out.q is not None else None
-        dueling_forward(value, adv, self.layout, stream, logits=out.logits, lse=lse, q=out.q, probs=out.probs)
-        self._inputs[tag] = h
+    # -- kernels ------------------------------------------------------------------------------
+    def forward_impl(self, c: Ctx, h) -> C51Outputs:
+        """The two GEMMs, then the dueling combination + softmax in one launch."""
+        value, adv = c.buf("value"), c.buf("adv")
+        blas.gemm(h, c.p("w_value"), value, bias=c.p("b_value"), compute=self.compute, stream=c.stream)
+        blas.gemm(h, c.p("w_adv"), adv, bias=c.p("b_adv"), compute=self.compute, stream=c.stream)
+        out = self.outputs(c.tag)
+        lse = c.buf("lse") if out.q is not None else None
+        dueling_forward(value, adv, self.layout, c.stream, logits=out.logits, lse=lse, q=out.q, probs=out.probs)
         return out
 
-    def backward(self, d_logits, stream, tag: str = "online"):
-        """Enqueue the backward from d_logits [B, n_branches, max_actions, Z]; returns dh [B, hidden].
-
-        Overwrites the grads of the four head tensors; uses the input saved by forward(tag).
-        """
-        acts = self._arena(tag)
-        name = self._act(tag, "dh")
-        if name not in acts:
-            raise RuntimeError(f"{self.name}: tag {tag!r} was declared with backward=False; it has no backward buffers")
-        h = self._inputs.get(tag)
-        if h is None:
-            raise RuntimeError(f"{self.name}.backward({tag!r}) before forward({tag!r})")
-        batch = self._batch[tag]
-        expected = (batch, self.n_branches, self.max_actions, self.n_atoms)
+    def backward_impl(self, c: Ctx, d_logits, dh):
+        """dV, dA from d_logits [B, n_branches, max_actions, Z]; the four gradients by the gradient
+        rule; dh = dV·W_vᵀ + dA·W_aᵀ into `dh` (the second GEMM accumulates)."""
+        expected = (c.batch, self.n_branches, self.max_actions, self.n_atoms)
         if tuple(d_logits.shape) != expected:
             raise ValueError(f"{self.name}.backward: d_logits has shape {tuple(d_logits.shape)}, expected {expected}")
-        params, grads, n = self.store.arenas["params"], self.store.arenas["grads"], self.param_names
-        d_value, d_adv, dh = acts[self._act(tag, "d_value")], acts[self._act(tag, "d_adv")], acts[name]
-        dueling_backward(d_logits, self.layout, d_value, d_adv, stream)
-        c = self.compute
-        # dW = hᵀ·dY and db = colsum(dY) in one GEMM each (bgrad epilogue)
-        blas.gemm(h, d_value, grads[n["w_value"]], trans_a=True, epilogue="bgrad", bias_grad=grads[n["b_value"]],
-                  compute=c, stream=stream)
-        blas.gemm(h, d_adv, grads[n["w_adv"]], trans_a=True, epilogue="bgrad", bias_grad=grads[n["b_adv"]],
-                  compute=c, stream=stream)
-        # dh = dV·W_vᵀ + dA·W_aᵀ (the second GEMM accumulates)
-        blas.gemm(d_value, params[n["w_value"]], dh, trans_b=True, compute=c, stream=stream)
-        blas.gemm(d_adv, params[n["w_adv"]], dh, trans_b=True, beta=1.0, compute=c, stream=stream)
+        h, d_value, d_adv = c.x(), c.buf("d_value"), c.buf("d_adv")
+        dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)
+        linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
+        linear_param_grads(c, h, d_adv, "w_adv", "b_adv", c.buf("partials_adv"), self.compute)
+        blas.gemm(d_value, c.p("w_value"), dh, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
+        blas.gemm(d_adv, c.p("w_adv"), dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
         return dh
 
     # -- float64 reference of the layer (host dict of params by name; composable with Linear's) --

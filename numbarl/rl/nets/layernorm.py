@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from numbarl.cuda.kernels import layernorm as ln
-from numbarl.cuda.runtime import Arena, cuda
-from numbarl.rl.nets.base import ParamStore, zeros_init
+from numbarl.cuda.runtime import cuda
+from numbarl.rl.nets.base import zeros_init
+from numbarl.rl.nets.module import Buf, Ctx, Module, Param
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -46,83 +47,44 @@ def layernorm_backward_ref(dy, cache, gamma):
 # ---------------------------------------------------------------------------------------------
 # layer
 # ---------------------------------------------------------------------------------------------
-class LayerNorm:
+class LayerNorm(Module):
     """LayerNorm over the last axis of x [B, dim] with learned γ, β (see module doc)."""
 
     def __init__(self, name: str, dim: int, eps: float = DEFAULT_EPS, group: str | None = None):
-        self.name, self.dim, self.eps = name, int(dim), float(eps)
+        super().__init__(name, group)
+        self.dim, self.eps = int(dim), float(eps)
         if self.dim < 1 or not self.eps >= 0.0:
             raise ValueError(f"{name}: dim must be >= 1 and eps >= 0 (got {dim}, {eps})")
-        self.group = group or name
-        self.store: ParamStore | None = None
-        self._acts: dict[str, Arena] = {}
-        self._batch: dict[str, int] = {}
-        self._inputs: dict[str, object] = {}
 
     @property
     def out_dim(self) -> int:
         return self.dim
 
-    @property
-    def param_names(self) -> dict[str, str]:
-        return {"gamma": f"{self.name}.gamma", "beta": f"{self.name}.beta"}
+    def params(self) -> list[Param]:
+        return [Param("gamma", (self.dim,), ones_init), Param("beta", (self.dim,), zeros_init)]
 
-    def _act(self, tag: str, what: str) -> str:
-        return f"{self.name}.{tag}.{what}"
+    def in_shape(self, batch: int) -> tuple:
+        return (batch, self.dim)
 
-    def _arena(self, tag: str) -> Arena:
-        acts = self._acts.get(tag)
-        if acts is None:
-            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; call declare_acts(acts, batch, {tag!r})")
-        return acts
-
-    # -- protocol -----------------------------------------------------------------------------
-    def declare_params(self, store: ParamStore) -> None:
-        n = self.param_names
-        store.add(n["gamma"], (self.dim,), self.group, decay=False, init=ones_init)
-        store.add(n["beta"], (self.dim,), self.group, decay=False, init=zeros_init)
-        self.store = store
-
-    def declare_acts(self, acts: Arena, batch: int, tag: str, backward: bool = True) -> None:
-        b = int(batch)
-        acts.add(self._act(tag, "y"), (b, self.dim), np.float32)
-        acts.add(self._act(tag, "mean"), (b,), np.float32)
-        acts.add(self._act(tag, "rstd"), (b,), np.float32)
+    def buffers(self, batch: int, backward: bool, **opts) -> list[Buf]:
+        bufs = [Buf("y", (batch, self.dim)), Buf("mean", (batch,)), Buf("rstd", (batch,))]
         if backward:
-            acts.add(self._act(tag, "dx"), (b, self.dim), np.float32)
-            acts.add(self._act(tag, "partials"), ln.layernorm_partials_shape(b, self.dim), np.float32)
-        self._acts[tag], self._batch[tag] = acts, b
+            bufs += [Buf("dx", (batch, self.dim)), Buf("partials", ln.layernorm_partials_shape(batch, self.dim))]
+        return bufs
 
-    def output(self, tag: str = "online"):
-        return self._arena(tag)[self._act(tag, "y")]
-
-    def forward(self, x, stream, tag: str = "online", role: str = "params"):
-        """y = LN(x) for x [B, dim]; params from store.arenas[role]. Capturable."""
-        acts = self._arena(tag)
-        if tuple(x.shape) != (self._batch[tag], self.dim):
-            raise ValueError(f"{self.name}.forward({tag!r}): x has shape {tuple(x.shape)}, "
-                             f"expected {(self._batch[tag], self.dim)}")
-        if self.store is None:
-            raise RuntimeError(f"{self.name}: declare_params(store) was not called")
-        params, n = self.store.arenas[role], self.param_names
-        y = acts[self._act(tag, "y")]
-        ln.layernorm_forward(x, params[n["gamma"]], params[n["beta"]], y, acts[self._act(tag, "mean")],
-                             acts[self._act(tag, "rstd")], self.eps, stream)
-        self._inputs[tag] = x
+    def forward_impl(self, c: Ctx, x):
+        """y = LN(x) for x [B, dim]."""
+        y = c.buf("y")
+        ln.layernorm_forward(x, c.p("gamma"), c.p("beta"), y, c.buf("mean"), c.buf("rstd"), self.eps, c.stream)
         return y
 
-    def backward(self, dy, stream, tag: str = "online"):
-        """dx from dy [B, dim]; overwrites dγ, dβ. Uses x, mean, rstd saved by forward(tag)."""
-        acts = self._arena(tag)
-        if self._act(tag, "dx") not in acts:
-            raise RuntimeError(f"{self.name}: tag {tag!r} was declared with backward=False; it has no backward buffers")
-        x = self._inputs.get(tag)
-        if x is None:
-            raise RuntimeError(f"{self.name}.backward({tag!r}) before forward({tag!r})")
-        params, grads, n = self.store.arenas["params"], self.store.arenas["grads"], self.param_names
-        dx = acts[self._act(tag, "dx")]
-        ln.layernorm_backward(dy, x, params[n["gamma"]], acts[self._act(tag, "mean")], acts[self._act(tag, "rstd")],
-                              dx, grads[n["gamma"]], grads[n["beta"]], acts[self._act(tag, "partials")], stream)
+    def backward_impl(self, c: Ctx, dy, dx):
+        """dx from dy [B, dim]; dγ, dβ by the gradient rule. Uses x, mean, rstd saved by forward."""
+        beta_g, beta_b = c.beta("gamma"), c.beta("beta")
+        if beta_g != beta_b:  # both are written by one kernel, always together
+            raise RuntimeError(f"{self.name}: gamma and beta gradients are out of step in the ledger")
+        ln.layernorm_backward(dy, c.x(), c.p("gamma"), c.buf("mean"), c.buf("rstd"), dx, c.g("gamma"), c.g("beta"),
+                              c.buf("partials"), c.stream, accumulate=beta_g == 1.0)
         return dx
 
     # -- float64 reference of the layer (host dict of params by name; composable) --------------

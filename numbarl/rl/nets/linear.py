@@ -13,6 +13,10 @@ Backward from dy (Goodfellow, Bengio & Courville 2016, §6.5.4, the dense layer'
     dW   = xᵀ · dpre               one GEMM whose "bgrad" epilogue also writes
     db   = Σ_batch dpre            db as the column sums of dpre (fixed order, deterministic)
     dx   = dpre · Wᵀ               skipped when the layer has input_grad=False (the first layer)
+When dW and db are not the first writes of the step (a second consumer: the gradient rule of
+numbarl/rl/nets/module.py) the GEMM accumulates (beta = 1) and db is a deterministic column sum
+added in place (numbarl.cuda.reduce.col_sum): the bgrad epilogue can only overwrite.
+:func:`linear_param_grads` is that logic, shared with every head that ends in a dense layer.
 
 Measured on an H200 (graph replay, batch 16,384, trunk 64→512→512 ReLU): forward 216 µs fp32 /
 56 µs tf32, backward without the first layer's dx 485 µs fp32 / 195 µs tf32. The ReLU backward
@@ -23,19 +27,20 @@ would fold it into the GEMMs once numbarl.cuda.blas exposes them.
 Parameters: ``{name}.w`` [in, out] (kaiming-uniform U(±1/sqrt(in)), PyTorch nn.Linear's default,
 weight decay per ``decay``) and ``{name}.b`` [out] (U(±1/sqrt(in)), never decayed), group
 ``group`` (default: the layer name). Activations per tag: ``{name}.{tag}.y`` and for SiLU
-``{name}.{tag}.pre``; with backward=True also ``{name}.{tag}.dpre`` (unless act is None) and
-``{name}.{tag}.dx`` (if input_grad).
+``{name}.{tag}.pre``; with backward=True also ``{name}.{tag}.dpre`` (unless act is None),
+``{name}.{tag}.dx`` (if input_grad) and ``{name}.{tag}.partials`` (column-sum scratch).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from numbarl.cuda import blas
+from numbarl.cuda import blas, reduce
 from numbarl.cuda.kernels import elementwise
-from numbarl.cuda.runtime import Arena, cuda
+from numbarl.cuda.runtime import cuda
 from numbarl.rl.nets.activations import activation_backward_ref, activation_ref
-from numbarl.rl.nets.base import ParamStore, bias_uniform_init, kaiming_uniform_init
+from numbarl.rl.nets.base import bias_uniform_init, kaiming_uniform_init
+from numbarl.rl.nets.module import Buf, Ctx, Module, Param
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -60,14 +65,33 @@ def linear_backward_ref(x, w, pre, dy, activation=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# shared by every module that ends in a dense layer
+# ---------------------------------------------------------------------------------------------
+def linear_param_grads(c: Ctx, x, dy, w_key: str, b_key: str, partials, compute: str) -> None:
+    """dW (+)= xᵀ·dy and db (+)= colsum(dy) by the gradient rule (c.beta): the first write of the
+    step is one GEMM with the bgrad epilogue; later writes a beta = 1 GEMM plus an accumulating
+    fixed-order column sum (`partials`: reduce.col_partials_shape(B, out) scratch)."""
+    beta_w, beta_b = c.beta(w_key), c.beta(b_key)
+    if beta_w == 0.0 and beta_b == 0.0:
+        blas.gemm(x, dy, c.g(w_key), trans_a=True, epilogue="bgrad", bias_grad=c.g(b_key), compute=compute,
+                  stream=c.stream)
+        return
+    blas.gemm(x, dy, c.g(w_key), trans_a=True, beta=beta_w, compute=compute, stream=c.stream)
+    reduce.col_sum(dy, c.g(b_key), partials, c.stream, accumulate=beta_b == 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # layer
 # ---------------------------------------------------------------------------------------------
-class Linear:
-    """Dense layer with fused bias/activation; Layer protocol of numbarl.rl.nets.base (see module doc)."""
+class Linear(Module):
+    """Dense layer with fused bias/activation (module contract of numbarl.rl.nets.module)."""
+
+    native_dx_accumulate = True  # dx is a GEMM: its beta adds into a shared buffer
 
     def __init__(self, name: str, in_dim: int, out_dim: int, activation=None, group: str | None = None,
                  decay: bool = True, input_grad: bool = True, compute: str = "fp32"):
-        self.name, self.in_dim, self.out_dim = name, int(in_dim), int(out_dim)
+        super().__init__(name, group)
+        self.in_dim, self.out_dim = int(in_dim), int(out_dim)
         if self.in_dim < 1 or self.out_dim < 1:
             raise ValueError(f"{name}: in_dim and out_dim must be >= 1 (got {in_dim}, {out_dim})")
         if compute not in blas.COMPUTES:
@@ -75,99 +99,52 @@ class Linear:
         self.activation = None if activation in (None, "none", "identity") else activation
         if self.activation not in LINEAR_ACTIVATIONS:
             raise ValueError(f"{name}: activation must be one of {LINEAR_ACTIVATIONS} (got {activation!r})")
-        self.group = group or name
         self.decay, self.input_grad, self.compute = bool(decay), bool(input_grad), compute
-        self.store: ParamStore | None = None
-        self._acts: dict[str, Arena] = {}
-        self._batch: dict[str, int] = {}
-        self._inputs: dict[str, object] = {}
 
-    # -- names --------------------------------------------------------------------------------
-    @property
-    def param_names(self) -> dict[str, str]:
-        return {"w": f"{self.name}.w", "b": f"{self.name}.b"}
+    def params(self) -> list[Param]:
+        return [Param("w", (self.in_dim, self.out_dim), kaiming_uniform_init, decay=self.decay),
+                Param("b", (self.out_dim,), bias_uniform_init(self.in_dim), decay=False)]
 
-    def _act(self, tag: str, what: str) -> str:
-        return f"{self.name}.{tag}.{what}"
+    def in_shape(self, batch: int) -> tuple:
+        return (batch, self.in_dim)
 
-    # -- protocol -----------------------------------------------------------------------------
-    def declare_params(self, store: ParamStore) -> None:
-        n = self.param_names
-        store.add(n["w"], (self.in_dim, self.out_dim), self.group, decay=self.decay, init=kaiming_uniform_init)
-        store.add(n["b"], (self.out_dim,), self.group, decay=False, init=bias_uniform_init(self.in_dim))
-        self.store = store
-
-    def declare_acts(self, acts: Arena, batch: int, tag: str, backward: bool = True) -> None:
-        """Buffers of one pass; backward=False (target / next / acting passes) skips the gradients."""
-        b = int(batch)
-        acts.add(self._act(tag, "y"), (b, self.out_dim), np.float32)
+    def buffers(self, batch: int, backward: bool, **opts) -> list[Buf]:
+        bufs = [Buf("y", (batch, self.out_dim))]
         if self.activation == "silu":
-            acts.add(self._act(tag, "pre"), (b, self.out_dim), np.float32)
+            bufs.append(Buf("pre", (batch, self.out_dim)))
         if backward:
             if self.activation is not None:
-                acts.add(self._act(tag, "dpre"), (b, self.out_dim), np.float32)
+                bufs.append(Buf("dpre", (batch, self.out_dim)))
             if self.input_grad:
-                acts.add(self._act(tag, "dx"), (b, self.in_dim), np.float32)
-        self._acts[tag], self._batch[tag] = acts, b
+                bufs.append(Buf("dx", (batch, self.in_dim)))
+            bufs.append(Buf("partials", reduce.col_partials_shape(batch, self.out_dim)))
+        return bufs
 
-    def output(self, tag: str = "online"):
-        """float32 [B, out] output view of a tag (valid after forward)."""
-        return self._arena(tag)[self._act(tag, "y")]
-
-    def _arena(self, tag: str) -> Arena:
-        acts = self._acts.get(tag)
-        if acts is None:
-            raise KeyError(f"{self.name}: no activations declared for tag {tag!r}; call declare_acts(acts, batch, {tag!r})")
-        return acts
-
-    def forward(self, x, stream, tag: str = "online", role: str = "params"):
-        """Enqueue y = act(x·W + b) for x [B, in]; params from store.arenas[role]. Capturable."""
-        acts = self._arena(tag)
-        if tuple(x.shape) != (self._batch[tag], self.in_dim):
-            raise ValueError(f"{self.name}.forward({tag!r}): x has shape {tuple(x.shape)}, "
-                             f"expected {(self._batch[tag], self.in_dim)}")
-        if self.store is None:
-            raise RuntimeError(f"{self.name}: declare_params(store) was not called")
-        params, n = self.store.arenas[role], self.param_names
-        y = acts[self._act(tag, "y")]
+    def forward_impl(self, c: Ctx, x):
+        """y = act(x·W + b) for x [B, in]."""
+        y = c.buf("y")
         if self.activation == "silu":
-            pre = acts[self._act(tag, "pre")]
-            blas.gemm(x, params[n["w"]], pre, bias=params[n["b"]], compute=self.compute, stream=stream)
-            elementwise.activation(pre, y, "silu", stream)
+            pre = c.buf("pre")
+            blas.gemm(x, c.p("w"), pre, bias=c.p("b"), compute=self.compute, stream=c.stream)
+            elementwise.activation(pre, y, "silu", c.stream)
         else:  # bias (+ ReLU) fused into the GEMM epilogue
-            blas.gemm(x, params[n["w"]], y, bias=params[n["b"]], epilogue=self.activation,
-                      compute=self.compute, stream=stream)
-        self._inputs[tag] = x
+            blas.gemm(x, c.p("w"), y, bias=c.p("b"), epilogue=self.activation, compute=self.compute, stream=c.stream)
         return y
 
-    def backward(self, dy, stream, tag: str = "online"):
-        """Enqueue the backward from dy [B, out]: overwrites grads of W and b; returns dx [B, in]
-        (None when input_grad=False). Uses the input and activations saved by forward(tag)."""
-        acts = self._arena(tag)
-        x = self._inputs.get(tag)
-        if x is None:
-            raise RuntimeError(f"{self.name}.backward({tag!r}) before forward({tag!r})")
-        batch = self._batch[tag]
-        if tuple(dy.shape) != (batch, self.out_dim):
-            raise ValueError(f"{self.name}.backward: dy has shape {tuple(dy.shape)}, expected {(batch, self.out_dim)}")
-        missing = (self.activation is not None and self._act(tag, "dpre") not in acts) or (
-            self.input_grad and self._act(tag, "dx") not in acts)
-        if missing:
-            raise RuntimeError(f"{self.name}: tag {tag!r} was declared with backward=False; it has no backward buffers")
-        params, grads, n = self.store.arenas["params"], self.store.arenas["grads"], self.param_names
+    def backward_impl(self, c: Ctx, dy, dx):
+        """dW, db by the gradient rule; dx = dpre·Wᵀ into `dx` (None: no input gradient)."""
+        if tuple(dy.shape) != (c.batch, self.out_dim):
+            raise ValueError(f"{self.name}.backward: dy has shape {tuple(dy.shape)}, expected {(c.batch, self.out_dim)}")
         if self.activation is None:
             dpre = dy
         else:  # ReLU: relu'(pre) = [y > 0], so the output serves as the saved tensor
-            dpre = acts[self._act(tag, "dpre")]
-            saved = acts[self._act(tag, "pre")] if self.activation == "silu" else acts[self._act(tag, "y")]
-            elementwise.activation_backward(saved, dy, dpre, self.activation, stream)
-        # dW = xᵀ·dpre and db = colsum(dpre) in one GEMM (bgrad epilogue)
-        blas.gemm(x, dpre, grads[n["w"]], trans_a=True, epilogue="bgrad", bias_grad=grads[n["b"]],
-                  compute=self.compute, stream=stream)
-        if not self.input_grad:
+            dpre = c.buf("dpre")
+            saved = c.buf("pre") if self.activation == "silu" else c.buf("y")
+            elementwise.activation_backward(saved, dy, dpre, self.activation, c.stream)
+        linear_param_grads(c, c.x(), dpre, "w", "b", c.buf("partials"), self.compute)
+        if dx is None:
             return None
-        dx = acts[self._act(tag, "dx")]
-        blas.gemm(dpre, params[n["w"]], dx, trans_b=True, compute=self.compute, stream=stream)
+        blas.gemm(dpre, c.p("w"), dx, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
         return dx
 
     # -- float64 reference of the layer (host dict of params by name; composable) --------------
