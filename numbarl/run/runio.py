@@ -55,6 +55,7 @@ import numpy as np
 import pandas as pd
 
 import numbarl
+from numbarl.run import tensorboard
 
 RUN_FORMAT = "numbarl-run"
 RUN_FORMAT_VERSION = 1
@@ -471,6 +472,7 @@ class RunDir:
         records; a record without a column leaves the cell empty; null is written empty."""
         frame = self.metrics_frame()
         text = frame.to_csv(index=False, lineterminator="\n")
+        tensorboard.write_events(self)  # the same records as TensorBoard scalars (numbarl/run/tensorboard.py)
         return atomic_write_bytes(self.csv_path, text.encode("utf-8"))
 
     def truncate_log(self, after_step: int, fold: int | None = None, closing_kinds: tuple = ()) -> int:
