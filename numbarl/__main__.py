@@ -3,20 +3,35 @@
 
 import sys
 
-from numbarl import cli
+from numbarl import __version__, cli
 
 COMMANDS = {"train": cli.train_cmd, "backtest": cli.backtest_cmd, "compare": cli.compare_cmd, "bench": cli.bench_cmd}
+USAGE = """usage: python -m numbarl {train|data|backtest|compare|bench} [options]
+
+  train      numbarl-train: train an agent, walk-forward validation and out-of-sample test
+  data       numbarl-data: build, generate, inspect and export feature caches
+  backtest   numbarl-backtest: re-score a saved agent
+  compare    numbarl-compare: several runs side by side
+  bench      numbarl-bench: GPU benchmarks
+
+`python -m numbarl COMMAND --help` shows a command's options."""
 
 
 def main():
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0)
+    if len(sys.argv) >= 2 and sys.argv[1] == "--version":
+        print(f"numbarl {__version__}")
+        sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in (*COMMANDS, "data"):
-        print("usage: python -m numbarl {train|data|backtest|compare|bench} [options]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         sys.exit(2)
     name, args = sys.argv[1], sys.argv[2:]
     if name == "data":
-        from numbarl.data.commands import data_group
+        from numbarl.data.commands import data_main
 
-        data_group(args, prog_name="numbarl-data")
+        data_main(args)
     else:
         COMMANDS[name](args, prog_name=f"numbarl-{name}")
 

@@ -2,19 +2,53 @@
 numbarl-compare, numbarl-bench.
 
 The CLI only maps options onto the config (STYLE rule 5) and turns expected errors (bad data,
-bad config, not a run) into one line on stderr and exit code 2. The backend (GPU or simulator)
-is chosen before anything imports numba.cuda.
+bad config, not a run, an --out that cannot be written) into one line on stderr and exit code 2.
+Conventions every command keeps: -h/--help and --version; Ctrl-C exits 130 and SIGTERM 143 with a
+message (numbarl-train names the `--resume` command that continues the run). The backend (GPU or
+simulator) is chosen before anything imports numba.cuda.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
 
+from numbarl import __version__
 from numbarl.cuda import backend
 
 EXIT_USAGE = 2
+EXIT_SIGINT = 130  # 128 + SIGINT: what shells report for a command stopped by Ctrl-C
+EXIT_SIGTERM = 143  # 128 + SIGTERM
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def _version(prog: str):
+    return click.version_option(__version__, "--version", prog_name=prog, message="%(prog)s %(version)s")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler or `kill` stopping the job): unwinds like Ctrl-C, so that files are
+    closed and the message names how to continue."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _handle_sigterm():
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (e.g. a test runner's worker): keep the default
+        pass
+
+
+def _interrupted(prog: str, cause: BaseException, hint: str = ""):
+    """One line for a Ctrl-C/SIGTERM stop, and the conventional exit code."""
+    terminated = isinstance(cause, Terminated)
+    click.echo(f"{prog}: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}{hint}", err=True)
+    sys.exit(EXIT_SIGTERM if terminated else EXIT_SIGINT)
 
 
 def _expected_errors():
@@ -34,11 +68,13 @@ def _fail(e: Exception, code: int = EXIT_USAGE):
 # ---------------------------------------------------------------------------------------------
 # numbarl-train
 # ---------------------------------------------------------------------------------------------
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT)
+@_version("numbarl-train")
 @click.option("--data", "data", default=None, help="fxcache folder, DBN/CSV files (comma separated) or 'synthetic' (default).")
-@click.option("--preset", default=None, help="tiny | small | default | large (default: 'default' on a GPU, 'tiny' on the simulator).")
-@click.option("--config", "config_file", default=None, type=click.Path(), help="TOML or JSON config file.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one field, e.g. --set agent.lr=3e-4 (repeatable).")
+@click.option("--preset", default=None, help="tiny | small | default | large (default: the config file's preset, else 'default' on a GPU, 'tiny' on the simulator).")
+@click.option("--config", "config_file", default=None, type=click.Path(), help="TOML or JSON config file (examples/config.toml; a run's config.json works too).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one field, e.g. --set agent.lr=3e-4 (repeatable; any field of numbarl/config.py or numbarl/env/params.py).")
+@click.option("--print-config", is_flag=True, help="Print the resolved config as TOML (loadable with --config) and exit without training.")
 @click.option("--seed", type=int, default=None, help="Training seed.")
 @click.option("--folds", type=int, default=None, help="Walk-forward folds.")
 @click.option("--epochs", type=int, default=None, help="Epochs per fold.")
@@ -48,7 +84,8 @@ def _fail(e: Exception, code: int = EXIT_USAGE):
 @click.option("--device", type=int, default=None, help="CUDA device index (sets CUDA_VISIBLE_DEVICES).")
 @click.option("--simulate", is_flag=True, help="Force the numba CUDA simulator even on a GPU machine (kernel debugging).")
 @click.option("--quiet", is_flag=True, help="Plain log lines only.")
-def train_cmd(data, preset, config_file, sets, seed, folds, epochs, out_dir, resume_dir, no_graph, device, simulate, quiet):
+def train_cmd(data, preset, config_file, sets, print_config, seed, folds, epochs, out_dir, resume_dir, no_graph, device,
+              simulate, quiet):
     """Train a distributional DQN trading agent with walk-forward validation and an
     out-of-sample test, and write a run folder with metrics, checkpoints and a report."""
     import os
@@ -63,25 +100,35 @@ def train_cmd(data, preset, config_file, sets, seed, folds, epochs, out_dir, res
             _fail(f"--resume continues the run in {resume_dir} with its saved config (config.json); "
                   f"{', '.join(given)} cannot be combined with it. Start a new run "
                   "with --out to train with other settings.")
+    _handle_sigterm()
     sim = backend.select(True if simulate else None)
     try:
         from numbarl.run import trainer
 
+        if print_config:
+            click.echo(trainer.main(data=data, preset=preset, config_file=config_file, sets=sets, seed=seed,
+                                    folds=folds, epochs=epochs, graph=not no_graph, print_config=True,
+                                    default_preset="tiny" if sim else "default"), nl=False)
+            return
         if sim and not simulate:
-            what = " (tiny preset)" if preset is None and not resume_dir else ""
+            what = " (tiny preset unless --preset or the config names one)" if preset is None and not resume_dir else ""
             click.echo(f"numbarl: no CUDA GPU found: running under the numba CUDA simulator{what}.", err=True)
-        if preset is None:
-            preset = "tiny" if sim else "default"
         trainer.main(data=data, preset=preset, config_file=config_file, sets=sets, seed=seed, folds=folds,
                      epochs=epochs, out_dir=out_dir, resume_dir=resume_dir, graph=not no_graph,
-                     simulator=sim, quiet=quiet)
+                     simulator=sim, quiet=quiet, default_preset="tiny" if sim else "default")
     except _expected_errors() as e:
         _fail(e)
+    except KeyboardInterrupt as e:  # before the trainer started (imports, backend)
+        _interrupted("numbarl-train", e, "; nothing was written")
     except Exception as e:  # noqa: BLE001
-        from numbarl.run.trainer import NonFiniteError
+        from numbarl.run.trainer import Interrupted, NonFiniteError
 
         if isinstance(e, NonFiniteError):
             _fail(e, 3)
+        if isinstance(e, Interrupted):
+            hint = (f"; the run folder keeps its last checkpoint: continue with `numbarl-train --resume {e.run_path}`"
+                    if e.run_path is not None else "; no run folder was made yet")
+            _interrupted("numbarl-train", e.cause, hint)
         raise
 
 
@@ -92,7 +139,8 @@ def train_main():
 # ---------------------------------------------------------------------------------------------
 # numbarl-backtest
 # ---------------------------------------------------------------------------------------------
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT)
+@_version("numbarl-backtest")
 @click.argument("run_dir", type=click.Path())
 @click.option("--checkpoint", default="best", show_default=True, help="best (each fold's best-by-validation checkpoint), latest, a saved tag, or 'all' (every saved checkpoint, one row each: a diagnostic). A checkpoint is scored on its own fold only.")
 @click.option("--data", default=None, help="Score on other data (fxcache folder or DBN files) instead of the run's own.")
@@ -102,6 +150,7 @@ def train_main():
 @click.option("--simulate", is_flag=True, help="Force the numba CUDA simulator.")
 def backtest_cmd(run_dir, checkpoint, data, split, fold, as_json, simulate):
     """Re-score a saved agent on a split and print the metrics table."""
+    _handle_sigterm()
     backend.select(True if simulate else None)
     try:
         from numbarl.run import trainer
@@ -109,6 +158,8 @@ def backtest_cmd(run_dir, checkpoint, data, split, fold, as_json, simulate):
         trainer.backtest_main(run_dir=run_dir, checkpoint=checkpoint, data=data, split=split, fold=fold, as_json=as_json)
     except _expected_errors() as e:
         _fail(e)
+    except KeyboardInterrupt as e:
+        _interrupted("numbarl-backtest", e, " (it only reads the run folder: nothing was changed)")
 
 
 def backtest_main():
@@ -118,7 +169,8 @@ def backtest_main():
 # ---------------------------------------------------------------------------------------------
 # numbarl-compare
 # ---------------------------------------------------------------------------------------------
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT)
+@_version("numbarl-compare")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print rows, spread and config differences as JSON.")
 def compare_cmd(run_dirs, as_json):
@@ -131,6 +183,8 @@ def compare_cmd(run_dirs, as_json):
         click.echo(compare.main(run_dirs, as_json=as_json))
     except _expected_errors() as e:
         _fail(e)
+    except KeyboardInterrupt as e:
+        _interrupted("numbarl-compare", e)
 
 
 def compare_main():
@@ -144,19 +198,49 @@ BENCHES = {"runtime": "numbarl.bench.runtime", "kernels": "numbarl.bench.kernels
            "env": "numbarl.bench.env", "head": "numbarl.bench.head", "train": "numbarl.bench.train"}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "ignore_unknown_options": True})
-@click.argument("what", type=click.Choice(list(BENCHES) + ["all"]))
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--simulate", is_flag=True, help="Force the numba CUDA simulator (only --check makes sense there).")
-def bench_cmd(what, args, simulate):
-    """GPU benchmarks: runtime (launch overhead, GEMM vs torch), kernels (reductions), env
-    (env steps/s, backtest bar-steps/s), head (the C51 head's dueling softmax per pass), train
-    (train step vs PyTorch; --profile lists GPU time per kernel), or all."""
-    backend.select(True if simulate else None)
-    import importlib
+BENCH_HELP = {"runtime": "Launch overhead (graph vs eager) and GEMM throughput vs torch.matmul.",
+              "kernels": "Deterministic reductions.", "env": "Env steps/s and backtest bar-steps/s vs the CPU reference.",
+              "head": "The C51 head's dueling softmax per pass.",
+              "train": "Train step vs PyTorch (eager, CUDA-graphed) and JAX; --profile lists GPU time per kernel.",
+              "all": "Every benchmark, one after the other."}
 
-    for name in (list(BENCHES) if what == "all" else [what]):
-        importlib.import_module(BENCHES[name]).main(list(args))
+
+@click.group(context_settings=CONTEXT)
+@_version("numbarl-bench")
+@click.option("--simulate", is_flag=True, help="Force the numba CUDA simulator (only the runtime --check makes sense there).")
+def bench_cmd(simulate):
+    """GPU benchmarks; `numbarl-bench WHAT --help` lists a benchmark's own options. Results and the
+    exact commands: docs/BENCHMARKS.md."""
+
+
+def _bench_command(what: str):
+    # the options belong to each benchmark's own parser (argparse): click passes them through,
+    # --help included, so `numbarl-bench train --help` shows the train benchmark's options
+    @bench_cmd.command(what, help=BENCH_HELP[what], add_help_option=False,
+                       context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    @click.pass_context
+    def command(ctx, args):
+        args = list(args)
+        simulate = ctx.parent.params.get("simulate") or "--simulate" in args
+        args = [a for a in args if a != "--simulate"]  # accepted after WHAT too, as before
+        _handle_sigterm()
+        backend.select(True if simulate else None)
+        import importlib
+
+        try:
+            for name in (list(BENCHES) if what == "all" else [what]):
+                code = importlib.import_module(BENCHES[name]).main(args)
+                if code:  # a benchmark that could not run (no GPU, bad option) is not a success
+                    sys.exit(code)
+        except KeyboardInterrupt as e:
+            _interrupted("numbarl-bench", e)
+
+    return command
+
+
+for _what in (*BENCHES, "all"):
+    _bench_command(_what)
 
 
 def bench_main():

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from numbarl.data.splits import DEFAULT_SPLIT
 from numbarl.env.params import EnvParams
 
 
@@ -72,8 +73,15 @@ class DataConfig:
         _check("data", "synth_bars_per_day", self.synth_bars_per_day, lo=0, hi=1_000_000)
 
 
+# agent families numbarl trains (the registry numbarl.rl.agents.base.AGENTS; a test keeps them equal)
+AGENT_KINDS = ("c51",)
+
+
 @dataclass(frozen=True)
 class AgentConfig:
+    kind: str = "c51"
+    """Agent family, a key of numbarl.rl.agents.base.AGENTS ('c51': branched dueling C51 + double
+    DQN); `python -m numbarl components` lists the learning components of each."""
     trunk: tuple = (512, 512)
     """Hidden widths of the trunk MLP."""
     activation: str = "relu"
@@ -119,6 +127,7 @@ class AgentConfig:
     """GEMM precision: 'fp32' or 'tf32'."""
 
     def validate(self):
+        _check("agent", "kind", self.kind, choices=AGENT_KINDS)
         if not self.trunk:
             raise ConfigError("agent.trunk = () must name at least one hidden width")
         for w in self.trunk:
@@ -167,13 +176,15 @@ class TrainConfig:
     """Training seed: weights, RNG streams, env starts."""
     folds: int = 1
     """Walk-forward folds."""
-    train_sessions: int = 14
+    # the window sizes default to the one split definition numbarl-data --folds checks too
+    train_sessions: int = DEFAULT_SPLIT["train_sessions"]
     """Sessions in each fold's training window."""
-    val_sessions: int = 3
+    val_sessions: int = DEFAULT_SPLIT["val_sessions"]
     """Sessions in each fold's validation window."""
-    test_sessions: int = 3
-    """Sessions in each fold's out-of-sample test window."""
-    embargo_bars: int = 50
+    test_sessions: int = DEFAULT_SPLIT["test_sessions"]
+    """Sessions in each fold's out-of-sample test window (the folds' test windows are adjacent and
+    end at the newest session: numbarl/data/splits.py)."""
+    embargo_bars: int = DEFAULT_SPLIT["embargo_bars"]
     """Bars dropped between train/validation/test windows."""
     graph: bool = True
     """Replay captured CUDA graphs (False = --no-graph: the same steps eagerly)."""
@@ -268,8 +279,25 @@ def preset(name: str) -> Config:
 # ---------------------------------------------------------------------------------------------
 # overrides: config files and --set key=value
 # ---------------------------------------------------------------------------------------------
+def _declared_kind(f: dataclasses.Field):
+    """The scalar type a field declares (``float | None`` -> float), for fields whose current value
+    (None) does not tell it; annotations are strings under ``from __future__ import annotations``."""
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str), ("tuple", tuple)):
+        if name in str(text):
+            return kind
+    return None
+
+
 def _coerce(section: str, f: dataclasses.Field, current, raw):
     where = f"{section}.{f.name}"
+    if current is None:  # a field whose default is None ("use the data's"): coerce to its declared type
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null")):
+            return None
+        kind = _declared_kind(f)
+        if kind is None:
+            return raw
+        current = {bool: False, int: 0, float: 0.0, str: "", tuple: ()}[kind]
     if isinstance(current, bool):
         if isinstance(raw, bool):
             return raw
@@ -315,10 +343,16 @@ def _apply_section(section_name: str, obj, updates: dict):
         raise ConfigError(f"{section_name}: {e}") from None
 
 
+SECTIONS = ("data", "env", "agent", "train")
+
+
 def apply(cfg: Config, updates: dict[str, Any]) -> Config:
-    """Apply nested {section: {field: value}} or dotted {"section.field": value} updates."""
+    """Apply nested {section: {field: value}} or dotted {"section.field": value} updates. A
+    top-level "preset" (config files, a run's config.json) is chosen by :func:`resolve`, not here."""
     nested: dict[str, dict] = {}
     for key, value in updates.items():
+        if key == "preset":
+            continue
         if isinstance(value, dict) and "." not in key:
             nested.setdefault(key, {}).update(value)
         elif "." not in key and key in ("data", "env", "agent", "train"):
@@ -351,19 +385,29 @@ def load_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):  # no YAML library is a dependency of numbarl
+        raise ConfigError(f"config file {path}: YAML is not supported; write the config as TOML (.toml) or "
+                          "JSON (.json): `numbarl-train --print-config` prints one, examples/config.toml is a sample")
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {path}: unknown format {suffix or '(no extension)'!r}; "
+                          "use a .toml or .json file (examples/config.toml is a sample)")
     try:
-        if path.suffix == ".toml":
+        text = path.read_text()
+        if suffix == ".toml":
             import tomllib
 
             loaded = tomllib.loads(text)
         else:
             loaded = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - report any parse error the same way
+    except Exception as e:  # noqa: BLE001 - report any parse/read error the same way
         raise ConfigError(f"config file {path} could not be parsed: {e}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a table of sections (data, env, agent, train), "
                           f"got a {type(loaded).__name__}")
+    if "preset" in loaded and not isinstance(loaded["preset"], str):
+        raise ConfigError(f"config file {path}: preset = {loaded['preset']!r} must be a preset name, "
+                          f"one of {list(PRESETS)}")
     return loaded
 
 
@@ -374,11 +418,78 @@ def from_dict(d: dict) -> Config:
     return replace(apply(base, updates), preset=d.get("preset", "default")).validate()
 
 
-def resolve(preset_name: str = "default", config_file: str | None = None, sets=(), **direct) -> Config:
-    """Preset → config file → --set overrides → direct CLI options (seed, epochs, folds ...)."""
-    cfg = preset(preset_name)
-    if config_file:
-        cfg = apply(cfg, load_file(config_file))
+def resolve(preset_name: str | None = None, config_file: str | None = None, sets=(), default_preset: str = "default",
+            **direct) -> Config:
+    """Preset → config file → --set overrides → direct CLI options (seed, epochs, folds ...).
+
+    The preset is `preset_name` (--preset) when given, else the config file's ``preset`` key, else
+    `default_preset` (the CLI's: 'default' on a GPU, 'tiny' on the simulator)."""
+    loaded = load_file(config_file) if config_file else {}
+    name = preset_name or loaded.get("preset") or default_preset
+    cfg = replace(preset(name), preset=name)
+    cfg = apply(cfg, loaded)
     cfg = apply(cfg, parse_sets(sets))
     cfg = apply(cfg, {k: v for k, v in direct.items() if v is not None})
     return cfg.validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# the resolved config as TOML (--print-config; loads back with --config)
+# ---------------------------------------------------------------------------------------------
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+
+def to_toml(cfg: Config) -> str:
+    """`cfg` as a TOML config file that `--config` loads back to the same config: the preset, then
+    every field of every section with its docstring's first line as a comment. TOML has no null:
+    a field left at None ("use the data's") is written commented out."""
+    lines = ["# numbarl config (numbarl-train --print-config); load with numbarl-train --config FILE",
+             f"preset = {_toml_value(cfg.preset)}"]
+    docs = _field_docs()
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        lines += ["", f"[{section}]"]
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            doc = docs.get((type(obj).__name__, f.name))
+            if doc:
+                lines.append(f"# {doc}")
+            if value is None:
+                lines.append(f"# {f.name} =  (unset: None)")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _field_docs() -> dict:
+    """{(class name, field): first line of the docstring under the field} from the sources."""
+    import ast
+    import inspect
+
+    from numbarl.env import params as env_params
+
+    out = {}
+    for cls in (DataConfig, AgentConfig, TrainConfig, env_params.EnvParams):
+        try:
+            tree = ast.parse(inspect.getsource(cls))
+        except (OSError, TypeError, SyntaxError):  # no source (a frozen install): no comments
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str)):
+                out[(cls.__name__, node.target.id)] = nxt.value.value.strip().splitlines()[0]
+    return out

@@ -117,7 +117,7 @@ def run(args) -> dict:
     from numbarl.cuda.runtime import device_name, stream
     from numbarl.env.device import DeviceEnv
     from numbarl.env.params import EnvParams
-    from numbarl.rl.agents.dqn import DQNAgent
+    from numbarl.rl.agents.base import make_agent
 
     s = stream()
     trunk = tuple(int(w) for w in args.trunk.split(","))
@@ -128,33 +128,24 @@ def run(args) -> dict:
     for compute in ("fp32", "tf32"):
         cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute)
         env = DeviceEnv(market, params, args.n_envs, seed=args.seed)
-        agent = DQNAgent(cfg, env.state_dim, params.branch_sizes, args.n_envs, args.seed, epsilon=(1.0, 0.05, 100))
+        agent = make_agent(cfg, env.state_dim, params.branch_sizes, args.n_envs, args.seed, epsilon=(1.0, 0.05, 100))
         env.reset(args.seed, s)
-        collect = cuda_graph.capture(lambda st: agent.collect_step(env, st), s)
+        steps = agent.step_functions(env)  # the run's own step functions
+        collect = cuda_graph.capture(steps["collect"], s)
         for _ in range(40):
             collect.replay(s)
         collect_ms = _time_graph(collect, s, iters=50)
-        train = cuda_graph.capture(agent.train_step, s)
+        train = cuda_graph.capture(steps["train"], s)
         train_ms = _time_graph(train, s, iters=50)
         r = {"train_step_ms": train_ms, "collect_step_ms": collect_ms,
              "env_steps_per_s_with_inference": args.n_envs / (collect_ms * 1e-3)}
-        # per-phase breakdown: each phase captured alone (inputs are whatever the last step left)
-        batch = agent.replay.batch
-        phases = {
-            "sample": lambda st: agent.replay.sample(agent.optim.step_counter, st),
-            "target passes (online+target on next_obs)": lambda st: (agent.forward(batch.next_obs, st, "next"),
-                                                                      agent.forward(batch.next_obs, st, "target", "target")),
-            "online pass": lambda st: agent.forward(batch.obs, st, "online"),
-            "loss (projection + CE + d logits)": lambda st: agent.loss(
-                agent.head.outputs("online").logits, batch.action, agent.head.outputs("next").q,
-                agent.head.outputs("target").probs, batch.reward, batch.done, batch.discount, st),
-            "backward (head + trunk)": lambda st: agent.trunk.backward(agent.head.backward(agent.loss.d_logits, st, "online"), st, "online"),
-            "optimizer (norm, clip, AdamW, target)": lambda st: agent.optim.step(st),
-        }
-        r["phases_ms"] = {name: _time_graph(cuda_graph.capture(fn, s), s, iters=50) for name, fn in phases.items()}
+        # per-phase breakdown: the agent's own train phases, each captured alone (inputs are
+        # whatever the last step left)
+        r["phases_ms"] = {name: _time_graph(cuda_graph.capture(fn, s), s, iters=50)
+                          for name, fn in agent.train_phases()}
         if getattr(args, "profile", False):
-            r["kernels_train"] = kernel_profile(agent.train_step, s)
-            r["kernels_collect"] = kernel_profile(lambda st: agent.collect_step(env, st), s)
+            r["kernels_train"] = kernel_profile(steps["train"], s)
+            r["kernels_collect"] = kernel_profile(steps["collect"], s)
         results["numbarl"][compute] = r
         if compute == "fp32":
             results["check"] = _check_against_peer(agent, s)
@@ -178,24 +169,19 @@ def _check_against_peer(agent, s) -> dict:
         import torch  # noqa: F401
     except ImportError:
         return {"available": False, "why": "torch is not installed"}
-    from numbarl.cuda import graph as cuda_graph
     from numbarl.rl.torch_peer import PeerSpec, TorchPeer, batch_to_torch
 
-    # one fresh sample, then loss + backward only (no optimizer step), numbarl side
-    agent.replay.sample(agent.optim.step_counter, s)
+    # one fresh sample, then the train step's phases up to the backward (no optimizer step)
+    phases = dict(agent.train_phases())
+    phases["sample"](s)
     batch = _peer_batch(agent, s)
     params = agent.store.to_host("params")
     target = agent.store.to_host("target")
-    b = agent.replay.batch
-    nxt = agent.forward(b.next_obs, s, "next")
-    tgt = agent.forward(b.next_obs, s, "target", "target")
-    onl = agent.forward(b.obs, s, "online")
-    agent.loss(onl.logits, b.action, nxt.q, tgt.probs, b.reward, b.done, b.discount, s)
-    dh = agent.head.backward(agent.loss.d_logits, s, "online")
-    agent.trunk.backward(dh, s, "online")
+    for name in ("targets", "online", "loss", "backward"):
+        phases[name](s)
+    agent.store.end_step()
     loss = float(agent.loss.loss.copy_to_host(stream=s)[0])
     grads = agent.store.to_host("grads")
-    del cuda_graph
     cfg = agent.cfg
     peer = TorchPeer(PeerSpec.from_numbarl(agent.trunk, agent.head, agent.store), params, target, lr=cfg.lr,
                      max_grad_norm=cfg.max_grad_norm)
@@ -261,17 +247,19 @@ def table(results: dict) -> str:
 def main(argv=None) -> int:
     backend.select()
     p = argparse.ArgumentParser(prog="numbarl-bench train", description=__doc__.split("\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument("--batch", type=int, default=16384)
-    p.add_argument("--n-envs", type=int, default=16384)
-    p.add_argument("--trunk", default="512,512")
-    p.add_argument("--features", type=int, default=64)
-    p.add_argument("--bars", type=int, default=200_000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--batch", type=int, default=16384, help="transitions per train step (default: %(default)s)")
+    p.add_argument("--n-envs", type=int, default=16384, help="parallel envs of the collect step (default: %(default)s)")
+    p.add_argument("--trunk", default="512,512", help="hidden widths of the trunk MLP (default: %(default)s)")
+    p.add_argument("--features", type=int, default=64, help="features per bar (default: %(default)s)")
+    p.add_argument("--bars", type=int, default=200_000, help="bars of the synthetic market the env steps over (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
     p.add_argument("--profile", action="store_true", help="also list GPU time per kernel (needs torch)")
     args = p.parse_args(argv)
     if backend.simulator_active():
-        print("numbarl-bench train needs a GPU (the simulator cannot time kernels)", file=sys.stderr)
+        print("error: numbarl-bench train needs a CUDA GPU: no GPU was found (or --simulate was given), and "
+              "the simulator cannot time kernels; run it on a GPU machine (docs/BENCHMARKS.md). Nothing was written.",
+              file=sys.stderr)
         return 2
     results = run(args)
     print(table(results))

@@ -1,11 +1,15 @@
 """Walk-forward splits in whole exchange sessions (SPEC §3.6).
 
-Fold k (k = 0..n_folds-1) takes consecutive sessions starting at session k·test_sessions::
+The folds are anchored on the NEWEST data: the last fold's test window ends at the last
+session, and fold k (k = 0..n_folds-1, oldest first) takes consecutive sessions starting at
+session ``first + k·test_sessions``, ``first = n_sessions - sessions_needed(...)``::
 
-    | train_sessions | val_sessions | test_sessions |
-                    ^ embargo        ^ embargo
+    | (older sessions, unused) | train_sessions | val_sessions | test_sessions |
+                                               ^ embargo        ^ embargo
 
-so successive test windows are adjacent and never overlap, every fold is strictly chronological
+so successive test windows are adjacent and never overlap, the out-of-sample test covers the
+most recent ``n_folds·test_sessions`` sessions (the data a researcher cares most about; anchoring
+on the oldest data silently left the newest sessions out), every fold is strictly chronological
 (train < validation < test, nothing after the fold's test window is used) and sessions are never
 split. The embargo removes the last ``embargo_bars`` bars of the training range before the
 validation range and the last ``embargo_bars`` bars of the validation range before the test range,
@@ -13,6 +17,11 @@ so features and labels that look a few bars back or ahead cannot straddle two ra
 (López de Prado, AFML §7.4.2). Ranges are half-open bar index pairs ``(start, end)``.
 
 Sessions needed: train + val + test + (n_folds - 1)·test.
+
+One split definition: :data:`DEFAULT_SPLIT` holds the window sizes that ``numbarl-train``'s
+config (``train.*_sessions``, ``train.embargo_bars``) and ``numbarl-data --folds`` both default
+to, and both call :func:`walk_forward`, so a cache checked with ``numbarl-data --folds 3`` is
+split exactly as ``numbarl-train --folds 3`` splits it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import numpy as np
 
 from numbarl.data.errors import DataError
 
+# the default window sizes (sessions) and embargo (bars) of every walk-forward split
+DEFAULT_SPLIT = {"train_sessions": 14, "val_sessions": 3, "test_sessions": 3, "embargo_bars": 50}
 MIN_WINDOW_BARS = 2  # a window must hold one step (bar t -> t + 1); the env's check_range agrees
 
 
@@ -57,12 +68,13 @@ def sessions_needed(n_folds: int, train_sessions: int, val_sessions: int, test_s
 def walk_forward(
     session_id,
     n_folds: int = 1,
-    embargo_bars: int = 0,
-    train_sessions: int = 12,
-    val_sessions: int = 4,
-    test_sessions: int = 4,
+    embargo_bars: int = DEFAULT_SPLIT["embargo_bars"],
+    train_sessions: int = DEFAULT_SPLIT["train_sessions"],
+    val_sessions: int = DEFAULT_SPLIT["val_sessions"],
+    test_sessions: int = DEFAULT_SPLIT["test_sessions"],
 ) -> list[Fold]:
-    """Chronological (train, validation, test) folds over bars numbered by ``session_id``.
+    """Chronological (train, validation, test) folds over bars numbered by ``session_id``, the
+    last test window ending at the newest session.
 
     ``session_id``: int [T], 0..S-1 non-decreasing (the cache's session_id).
     """
@@ -90,8 +102,9 @@ def walk_forward(
         )
     starts = np.searchsorted(sid, np.arange(n_sessions + 1), side="left")
     folds = []
+    first = n_sessions - need  # sessions older than the first fold's training window are unused
     for k in range(n_folds):
-        s0 = k * test_sessions
+        s0 = first + k * test_sessions
         s_val = s0 + train_sessions
         s_test = s_val + val_sessions
         s_end = s_test + test_sessions

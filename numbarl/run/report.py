@@ -13,8 +13,11 @@ What it reads (all written through :class:`numbarl.run.runio.RunDir`) and what i
 - `trades_<split>.csv` → histogram of net trade P&L (column `pnl`) of the test trades (validation
   trades when no test was run), wins and losses coloured, with count, win rate, payoff and
   profit factor.
-- `summary.json` → headline metrics (mean over folds per split) and, in the HTML, one metrics row
-  per fold and split, plus per-fold facts (bars_per_day, best checkpoint, ...).
+- `summary.json` → headline metrics: the folds' windows of each split POOLED (concatenated into
+  one track record, numbarl/run/pooled.py; the daily Sharpe first, the autocorrelation-adjusted
+  per-bar Sharpe `sharpe_adj` beside it) and, in the HTML, one metrics row per fold and split
+  beside them, plus per-fold facts (bars_per_day, best checkpoint, ...). A summary without pooled
+  metrics (written by an older numbarl) falls back to the mean over folds, labelled so.
 
 Every panel degrades to a short note when its input is missing (run still in progress, no trades
 in a window, a series not logged), so the report can be rendered at any point of a run. Plots use
@@ -56,9 +59,10 @@ SPLIT_ORDER = ("train", "val", "test")
 SPLIT_LABELS = {"train": "train", "val": "validation", "test": "test (out-of-sample)"}
 # headline metrics, in order, when the summary has them: (key, label)
 HEADLINE_METRICS = (
-    ("total_return", "Total return"),
+    ("daily_sharpe", "Daily Sharpe (ann.)"),
+    ("sharpe_adj", "Sharpe adj. (Lo 2002)"),
     ("sharpe", "Sharpe (ann.)"),
-    ("daily_sharpe", "Daily Sharpe"),
+    ("total_return", "Total return"),
     ("trade_sharpe", "Per-trade Sharpe"),
     ("sortino", "Sortino"),
     ("max_drawdown", "Max drawdown"),
@@ -73,7 +77,7 @@ HEADLINE_METRICS = (
     ("exposure", "Exposure"),
     ("turnover", "Turnover"),
 )
-MAX_HEADLINE_ROWS = 12
+MAX_HEADLINE_ROWS = 13
 NAN_REASONS = "nan_reasons"  # a split's {metric: why it is undefined} in summary.json
 
 COLOR_SPLIT = {"val": "#1f5f99", "test": "#b8322a", "train": "#4d4d4d"}
@@ -270,9 +274,26 @@ def trade_stats(trades: pd.DataFrame | None) -> dict | None:
     hold = _first_column(trades, TRADE_HOLD_KEYS)
     if hold is not None:
         values = _numeric(trades, hold)
+    elif "entry_bar" in trades.columns and "exit_bar" in trades.columns:  # the backtest's trade list
+        values = _numeric(trades, "exit_bar") - _numeric(trades, "entry_bar")  # as the avg_hold metric
+    else:
+        values = None
+    if values is not None:
         values = values[np.isfinite(values)]
         stats["avg_hold"] = float(values.mean()) if len(values) else None
     return stats
+
+
+def headline_metrics(summary: dict | None, rows) -> tuple[dict[str, dict], str]:
+    """({split: metrics}, what they are) for the headline: the pooled metrics of the folds' windows
+    when the summary has them (one track record), else the mean over folds (older summaries)."""
+    pooled = (summary or {}).get("pooled")
+    n_folds = len({fold for fold, _, _ in rows})
+    if isinstance(pooled, dict) and pooled:
+        means = {split: {k: v for k, v in m.items() if k != NAN_REASONS}
+                 for split, m in pooled.items() if isinstance(m, dict)}
+        return means, (f"{n_folds} folds' windows pooled" if n_folds > 1 else "")
+    return split_means(rows), (f"mean of {n_folds} folds" if n_folds > 1 else "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +327,8 @@ def _style(ax) -> None:
     ax.tick_params(labelsize=8)
 
 
-def _equity_panel(ax_equity, ax_drawdown, split: str, curve: dict | None, headline: dict | None) -> None:
+def _equity_panel(ax_equity, ax_drawdown, split: str, curve: dict | None, headline: dict | None,
+                  what: str = "") -> None:
     title = f"Equity — {SPLIT_LABELS.get(split, split)}"
     ax_equity.set_title(title, loc="left", fontsize=11, fontweight="bold")
     if curve is None or len(curve["equity"]) == 0:
@@ -361,11 +383,9 @@ def _equity_panel(ax_equity, ax_drawdown, split: str, curve: dict | None, headli
             ha="left",
         )
     info = [f"final {format_value(float(equity[-1]))}", f"bars {len(equity):,}"]
-    if headline and headline.get("sharpe") is not None:
-        info.append(
-            f"Sharpe {format_value(headline['sharpe'])}"
-            + (" (fold mean)" if len(curve["starts"]) > 1 else "")
-        )
+    if headline and headline.get("daily_sharpe") is not None:
+        info.append(f"daily Sharpe {format_value(headline['daily_sharpe'])}"
+                    + (f" ({what})" if what else ""))
     ax_equity.text(
         0.99,
         0.03,
@@ -552,8 +572,8 @@ def _headline_rows(means: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     return splits, rows
 
 
-def _headline_panel(ax, means: dict[str, dict], n_folds: int) -> None:
-    title = "Headline" + (f" (mean of {n_folds} folds)" if n_folds > 1 else "")
+def _headline_panel(ax, means: dict[str, dict], what: str) -> None:
+    title = "Headline" + (f" ({what})" if what else "")
     ax.set_title(title, loc="left", fontsize=11, fontweight="bold")
     if not means:
         _note(ax, "summary.json not written yet\n(run still in progress)")
@@ -590,8 +610,7 @@ def render_figure(run: RunDir) -> bytes:
     val = metrics[metrics["kind"] == "val"] if "kind" in metrics.columns else metrics.iloc[0:0]
     summary = run.read_summary()
     rows, _ = metric_rows(summary)
-    means = split_means(rows)
-    n_folds = len({fold for fold, _, _ in rows})
+    means, what = headline_metrics(summary, rows)
     equity = run.read_equity()
     trades = {split: run.read_trades(split) for split in ("val", "test")}
 
@@ -609,6 +628,7 @@ def render_figure(run: RunDir) -> bytes:
             split,
             stitch_equity(segments),
             means.get(split),
+            what,
         )
     middle = outer[1].subgridspec(1, 4, wspace=0.28)
     for column, (key, title, log_allowed) in enumerate(TRAIN_SERIES):
@@ -616,7 +636,7 @@ def render_figure(run: RunDir) -> bytes:
     _val_sharpe_panel(figure.add_subplot(middle[0, 3]), val)
     bottom = outer[2].subgridspec(1, 2, width_ratios=[1.6, 1.0], wspace=0.12)
     _trades_panel(figure.add_subplot(bottom[0, 0]), trades)
-    _headline_panel(figure.add_subplot(bottom[0, 1]), means, n_folds)
+    _headline_panel(figure.add_subplot(bottom[0, 1]), means, what)
 
     figure.suptitle(_title(run), x=0.05, ha="left", fontsize=14, fontweight="bold")
     figure.text(0.05, 0.948, _subtitle(run, summary), ha="left", va="bottom", fontsize=9, color="#555555")
@@ -787,14 +807,13 @@ def render_html(run: RunDir, png: bytes) -> str:
     """report.html text with `png` embedded (base64)."""
     summary = run.read_summary()
     rows, facts = metric_rows(summary)
-    means = split_means(rows)
+    means, what = headline_metrics(summary, rows)
     splits, headline = _headline_rows(means)
     headline_html = (
         _html_table(["metric"] + [SPLIT_LABELS.get(s, s) for s in splits], headline)
         if headline
         else '<p class="note">No summary yet: the run is in progress or was stopped before its test.</p>'
     )
-    n_folds = len({fold for fold, _, _ in rows})
     run_facts = _run_facts(run, summary)
     facts_rows = [[key, str(value)] for key, value in run_facts.items()] + [
         ["folder", str(run.path.resolve())]
@@ -805,7 +824,7 @@ def render_html(run: RunDir, png: bytes) -> str:
 <style>{CSS}</style></head><body>
 <h1>{html.escape(_title(run))}</h1>
 <div class="sub">{html.escape(_subtitle(run, summary))}</div>
-<h2>Headline{html.escape(f" (mean of {n_folds} folds)" if n_folds > 1 else "")}</h2>
+<h2>Headline{html.escape(f" ({what})" if what else "")}</h2>
 {headline_html}
 <h2>Charts</h2>
 <img alt="equity, drawdown, training curves and trade P&amp;L" src="data:image/png;base64,{encoded}">

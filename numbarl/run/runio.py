@@ -16,7 +16,8 @@ One `numbarl-train` run owns one folder (SPEC §6)::
         latest.json             {"tag": ...}: the checkpoint `--resume` continues from
         best.json               {"tag": ..., "score": ...}: best by validation score
       trades_<split>.csv        trade list per split ("val", "test", ...), a `fold` column per row
-      equity/<split>_fold<k>.npz  per-bar pnl, equity, position (drawdown is derived) for the report
+      equity/<split>_fold<k>.npz  per-bar pnl, equity, position, session id (drawdown is derived) for
+                                the report and the pooled metrics; <split>_fold<k>.csv the same as a table
       summary.json              per fold: val and test metrics, bars_per_day, seed, version, device
       report.html, report.png   written by numbarl.run.report.write_report
 
@@ -286,7 +287,35 @@ class RunDir:
     def equity_path(self, split: str, fold: int) -> Path:
         return self.equity_dir / f"{_check_split(split)}_fold{int(fold)}.npz"
 
+    def equity_csv_path(self, split: str, fold: int) -> Path:
+        return self.equity_dir / f"{_check_split(split)}_fold{int(fold)}.csv"
+
     # -- create / open -------------------------------------------------------------------------
+
+    @staticmethod
+    def check_destination(path, exist_ok: bool = False) -> Path:
+        """Refuse, before anything is computed, a run folder that cannot be made at `path`: a file
+        there or above it, a non-empty folder (without `exist_ok`), or a place not writable."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise RunError(f"cannot create run folder {path}: a file with that name exists")
+        if path.is_dir() and any(path.iterdir()) and not exist_ok:
+            raise RunError(
+                f"run folder {path} already exists and is not empty; pick a new --out folder, "
+                "or continue that run with --resume"
+            )
+        if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            raise RunError(f"cannot create run folder {path}: the folder is not writable")
+        # the folder is made as a temporary sibling and renamed into place: the nearest existing
+        # folder above it must be writable
+        ancestor = path.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise RunError(f"cannot create run folder {path}: {ancestor} is a file, not a folder")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise RunError(f"cannot create run folder {path}: {ancestor} is not writable")
+        return path
 
     @classmethod
     def create(cls, path, config: dict, meta: dict | None = None, exist_ok: bool = False) -> "RunDir":
@@ -297,14 +326,7 @@ class RunDir:
         marker are rewritten; other files stay). `meta` is free-form run information (seed,
         device, data source, command line) stored in run.json.
         """
-        path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise RunError(f"cannot create run folder {path}: a file with that name exists")
-        if path.is_dir() and any(path.iterdir()) and not exist_ok:
-            raise RunError(
-                f"run folder {path} already exists and is not empty; pick a new --out folder, "
-                "or continue that run with --resume"
-            )
+        path = cls.check_destination(path, exist_ok)
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict (the resolved config), got {type(config).__name__}")
         config = to_jsonable(config)
@@ -316,6 +338,13 @@ class RunDir:
         }
         if meta:
             marker.update(to_jsonable(dict(meta)))
+        try:
+            return cls._create(path, config, marker, exist_ok)
+        except OSError as err:  # a race with the checks above, a full disk, a read-only mount
+            raise RunError(f"cannot create run folder {path}: {err.strerror or err}") from None
+
+    @classmethod
+    def _create(cls, path: Path, config: dict, marker: dict, exist_ok: bool) -> "RunDir":
         if path.is_dir() and exist_ok:
             (path / CHECKPOINT_DIR).mkdir(exist_ok=True)
             atomic_write_json(path / CONFIG_FILE, config)
@@ -323,6 +352,10 @@ class RunDir:
             return cls(path, config, marker)
         # a new folder appears whole (temp folder + rename): a kill while it is made leaves no
         # half-made run folder under the --out name
+        made = []  # parent folders this call creates: removed again if the run folder is not made
+        for folder in reversed(path.parents):
+            if not folder.exists():
+                made.append(folder)
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f".{path.name}{TEMP_MARKER}*"):  # a creation killed before
             pid = stale.name[len(f".{path.name}{TEMP_MARKER}"):].split("-", 1)[0]
@@ -336,6 +369,11 @@ class RunDir:
             os.rename(tmp, path)  # onto an empty folder too (POSIX)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            for folder in reversed(made):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
             raise
         _fsync_dir(path.parent)
         return cls(path, config, marker)
@@ -465,7 +503,14 @@ class RunDir:
         for row in rows:
             for name in row:
                 columns.setdefault(name, None)
-        return pd.DataFrame.from_records(rows, columns=list(columns))
+        frame = pd.DataFrame.from_records(rows, columns=list(columns))
+        # a column whose values are all integers (steps, counts) stays integer where some records
+        # lack it (pandas would make it float: 3.0), as a nullable integer column
+        for name in frame.columns:
+            values = [row[name] for row in rows if row.get(name) is not None]
+            if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                frame[name] = frame[name].astype("Int64")
+        return frame
 
     def write_csv(self) -> Path:
         """Rebuild metrics.csv from metrics.jsonl (atomically). Columns are the union over all
@@ -813,6 +858,15 @@ class RunDir:
         if "pnl" not in series:
             series["pnl"] = np.diff(series["equity"], prepend=0.0)
         self.equity_dir.mkdir(exist_ok=True)
+        # the same series as a table for any tool (spreadsheet, pandas): one row per bar
+        table = pd.DataFrame({"bar": np.arange(len(series["pnl"]))})
+        if "timestamps" in series:
+            table["time_utc"] = pd.to_datetime(np.asarray(series["timestamps"], np.int64), utc=True)
+        for name, value in series.items():
+            if name != "timestamps":
+                table[name] = value
+        atomic_write_bytes(self.equity_csv_path(split, fold),
+                           table.to_csv(index=False, lineterminator="\n").encode("utf-8"))
         return atomic_write(self.equity_path(split, fold), lambda f: np.savez(f, **series))
 
     def read_equity(self, split: str | None = None) -> dict[tuple[str, int], dict[str, np.ndarray]]:

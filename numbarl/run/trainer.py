@@ -8,7 +8,7 @@ Read top to bottom it is the algorithm::
     folds  = walk_forward(cache.session_id, ...)            whole sessions, embargo between windows
     for fold in folds:
         env    = DeviceEnv(market, cfg.env, n_envs, bar_range=fold.train)   training bars only
-        agent  = DQNAgent(cfg.agent, ...)                   fresh weights per fold
+        agent  = make_agent(cfg.agent, ...)                 fresh weights per fold (agent.kind registry)
         for epoch:
             for step:   collect.replay(); train.replay()    captured CUDA graphs
                         every log_interval: read mapped stats (the only host syncs)
@@ -24,6 +24,7 @@ causal, and validation/test only read the agent's weights.
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,11 @@ from numbarl.config import Config, ConfigError
 from numbarl.data.errors import DataError
 from numbarl.run.runio import RunDir, RunError
 
+# summary.json's headline: the daily Sharpe first (per-bar Sharpe of a strategy whose bar returns
+# are autocorrelated overstates; sharpe_adj is the per-bar Sharpe with Lo's (2002) correction)
+HEADLINE_KEYS = ("daily_sharpe", "sharpe_adj", "sharpe", "total_return", "max_drawdown", "n_trades", "win_rate",
+                 "avg_trade", "profit_factor")
+INT_METRICS = ("n_trades",)  # counts: ints in summary.json, metrics.jsonl and the tables
 SUMMARY_METRICS = ("sharpe", "daily_sharpe", "trade_sharpe", "sortino", "total_return", "max_drawdown", "calmar",
                    "win_rate", "profit_factor", "n_trades", "trades_per_day", "avg_hold", "exposure", "turnover")
 
@@ -138,43 +145,121 @@ def _num(x, spec: str = ".3g") -> str:
 def metrics_dict(metrics, p: int = 0) -> dict:
     values, reasons = metrics.policy(p)
     out = {k: _finite(v) for k, v in values.items()}
+    for k in INT_METRICS:
+        if out.get(k) is not None:
+            out[k] = int(out[k])
     if reasons:
         out["nan_reasons"] = reasons
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# progress: a live line on a terminal, plain log lines otherwise
+# progress: a bar and an ETA over every phase, timestamps, and the run folder's train.log
 # ---------------------------------------------------------------------------------------------
+PHASES = ("step", "backtest", "checkpoint")  # a collect step (+ its train step), a backtest bar, a checkpoint
+LOG_FILE = "train.log"
+
+
+def _duration(seconds: float) -> str:
+    m, sec = divmod(int(round(max(seconds, 0.0))), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
 class Progress:
-    def __init__(self, quiet: bool):
+    """What a run prints: timestamped log lines, and status lines with a bar and an ETA over the
+    whole run (every phase: collect/train steps, validation and test backtests, checkpoints).
+
+    The ETA is the work left per phase times that phase's measured mean cost: steps in seconds per
+    collect step, backtests in seconds per bar (validation and test windows differ in length),
+    checkpoints in seconds each. While a phase with work left has not been timed yet, the ETA is a
+    lower bound and shows as ">2m10s". Every line also goes to the run folder's train.log (with
+    the date) once the folder exists; lines from before are kept and written then.
+    """
+
+    def __init__(self, quiet: bool, clock=time.perf_counter):
         self.live = sys.stderr.isatty() and not quiet
         self._console = None
         if self.live:
             from rich.console import Console
 
             self._console = Console(stderr=True)
+        self._clock = clock
         self._last_width = 0
-        self.total_steps = 0  # collect steps this run will take (all folds), for the ETA
-        self.done_steps = 0
-        self._t0 = time.perf_counter()
+        self._file = None
+        self._pending: list[str] = []  # lines logged before the run folder (and its log) existed
+        self.elapsed_offset = 0.0  # wall time of the run before this process (a resume)
+        self.plan()
 
-    def plan(self, total_steps: int):
-        self.total_steps, self.done_steps, self._t0 = int(total_steps), 0, time.perf_counter()
+    # -- the ETA ----------------------------------------------------------------------------------
+    def plan(self, steps: int = 0, backtest_bars: int = 0, checkpoints: int = 0):
+        """The work this run still has to do."""
+        self.left = {"step": int(steps), "backtest": int(backtest_bars), "checkpoint": int(checkpoints)}
+        self.spent = {phase: [0, 0.0] for phase in PHASES}  # phase -> [units done, seconds]
+        self._t0 = self._clock()
 
-    def step_done(self):
-        self.done_steps += 1
+    def done(self, phase: str, units: int, seconds: float):
+        """`units` of `phase` finished in `seconds` (measured after a host sync)."""
+        self.left[phase] = max(self.left[phase] - int(units), 0)
+        self.spent[phase][0] += int(units)
+        self.spent[phase][1] += float(seconds)
+
+    def remaining(self) -> tuple[float, bool]:
+        """(seconds left, exact): exact is False while a phase with work left is still untimed."""
+        total, exact = 0.0, True
+        for phase in PHASES:
+            units, seconds = self.spent[phase]
+            if self.left[phase] and not units:
+                exact = False
+            elif units:
+                total += self.left[phase] * seconds / units
+        return total, exact
 
     def eta(self) -> str:
-        """Remaining wall time from the mean time per collect step so far (validation included)."""
-        if not self.done_steps or not self.total_steps:
+        if not any(units for units, _ in self.spent.values()):
             return "--"
-        left = (time.perf_counter() - self._t0) / self.done_steps * max(self.total_steps - self.done_steps, 0)
-        m, sec = divmod(int(round(left)), 60)
-        h, m = divmod(m, 60)
-        return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+        left, exact = self.remaining()
+        return ("" if exact else ">") + _duration(left)
+
+    def bar(self, width: int = 20) -> str:
+        """[#####---------------] 25%: the fraction of the estimated wall time already spent."""
+        elapsed = self._clock() - self._t0
+        left, _ = self.remaining()
+        if not any(units for units, _ in self.spent.values()):
+            fraction = 0.0
+        else:
+            fraction = elapsed / (elapsed + left) if elapsed + left > 0 else 1.0
+        fill = int(round(fraction * width))
+        return f"[{'#' * fill}{'-' * (width - fill)}] {fraction:4.0%}"
+
+    def elapsed(self) -> float:
+        return self._clock() - self._t0
+
+    def stamp(self, record: dict) -> dict:
+        """`record` with the wall clock: `time` (UTC, ISO 8601) and `elapsed_s` (seconds since the run
+        started; a resumed run goes on from the elapsed time its log had reached)."""
+        return {**record, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "elapsed_s": round(self.elapsed_offset + self.elapsed(), 3)}
+
+    # -- output -------------------------------------------------------------------------------------
+    def attach(self, path: Path):
+        """Write every line from now on (and the ones logged so far) to `path` (appending: a resumed
+        run continues its log)."""
+        self._file = open(path, "a", encoding="utf-8", buffering=1)
+        for line in self._pending:
+            self._file.write(line + "\n")
+        self._pending = []
+
+    def _record(self, msg: str):
+        line = f"{_dt.datetime.now().astimezone().isoformat(timespec='seconds')} {msg}"
+        if self._file is not None:
+            self._file.write(line + "\n")
+        else:
+            self._pending.append(line)
 
     def log(self, msg: str):
+        self._record(msg)
+        msg = f"[{time.strftime('%H:%M:%S')}] {msg}"
         if self.live:
             self._clear()
             self._console.print(msg, highlight=False)
@@ -182,13 +267,19 @@ class Progress:
             print(msg, file=sys.stderr, flush=True)
 
     def status(self, msg: str):
+        """A progress line: redrawn in place on a terminal, a plain line otherwise."""
+        self._record(msg)
+        msg = f"[{time.strftime('%H:%M:%S')}] {msg}"
         if self.live:
             self._clear()
-            sys.stderr.write(msg[: 160])
+            sys.stderr.write(msg[: 200])
             sys.stderr.flush()
-            self._last_width = len(msg[:160])
+            self._last_width = len(msg[:200])
         else:
             print(msg, file=sys.stderr, flush=True)
+
+    def warn(self, msg: str):
+        self.log(f"warning: {msg}")
 
     def _clear(self):
         if self._last_width:
@@ -198,6 +289,9 @@ class Progress:
     def close(self):
         if self.live:
             self._clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class NonFiniteError(RuntimeError):
@@ -213,7 +307,7 @@ class FoldTrainer:
     def __init__(self, cfg: Config, market, fold, run: RunDir, graph: bool, progress: Progress, simulator: bool):
         from numbarl.cuda.runtime import stream
         from numbarl.env.device import DeviceEnv
-        from numbarl.rl.agents.dqn import DQNAgent
+        from numbarl.rl.agents.base import make_agent
 
         self.cfg, self.market, self.fold, self.run, self.graph = cfg, market, fold, run, graph
         self.progress, self.simulator = progress, simulator
@@ -221,12 +315,12 @@ class FoldTrainer:
         self.seed = fold_seed(t.seed, fold.index)
         self.stream = stream()
         self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
-        self.agent = DQNAgent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
+        self.agent = make_agent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
                               eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps),
                               lock_column=self.env.position_column if cfg.env.direction_lock else None)
         self.env.reset(self.seed, self.stream)
-        self.collect_graph = None
-        self.train_graph = None
+        self.steps = self.agent.step_functions(self.env)  # the agent's step functions, by graph name
+        self.graphs = {}  # each captured on its first use (the capture's warm-up run is that step)
         self.collect_steps = 0  # host mirror of the device collect counter (for scheduling only)
         self.epoch = 0
         self.best_sharpe = -math.inf
@@ -244,7 +338,8 @@ class FoldTrainer:
             arrays[f"env/{name}"] = value
         # the replay buffer (most of the bytes) only matters to an exact resume: latest checkpoint only
         replay = {name: arrays.pop(name) for name in [n for n in arrays if n.startswith("replay/")]}
-        state = {"fold": self.fold.index, "epoch": self.epoch, "collect_steps": self.collect_steps,
+        state = {"fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps,
+                 "collect_steps": self.collect_steps,
                  "best_sharpe": _finite(self.best_sharpe), "best_tag": self.best_tag,
                  "val_history": self.val_history, "seed": self.seed}
         tag = self.tag(self.epoch)
@@ -262,71 +357,86 @@ class FoldTrainer:
         self.val_history = [float("nan") if x is None else float(x) for x in state.get("val_history", [])]
 
     # -- the loop --------------------------------------------------------------------------------
-    def collect_once(self):
-        if self.collect_graph is None:  # capture runs the step once (warm-up): that is this step
-            self.collect_graph = _capture(lambda s: self.agent.collect_step(self.env, s), self.stream, self.graph)
+    def replay_graph(self, name: str):
+        if name not in self.graphs:  # capture runs the step once (warm-up): that is this step
+            self.graphs[name] = _capture(self.steps[name], self.stream, self.graph)
         else:
-            self.collect_graph.replay(self.stream)
-        self.collect_steps += 1
-        self.progress.step_done()
+            self.graphs[name].replay(self.stream)
 
-    def train_once(self):
-        if self.train_graph is None:
-            self.train_graph = _capture(self.agent.train_step, self.stream, self.graph)
-        else:
-            self.train_graph.replay(self.stream)
+    def collect_once(self):
+        self.replay_graph("collect")
+        self.collect_steps += 1
 
     def run_epoch(self):
         t = self.cfg.train
-        start_needed = max(t.learning_starts, self.agent.replay.min_writes)
         t0 = time.perf_counter()
         steps0 = self.collect_steps
+        timed_at, timed_steps = t0, self.collect_steps  # the ETA's step timing, at each log sync
         for _ in range(t.collect_steps_per_epoch):
             # COLLECT
             self.collect_once()
-            # TRAIN
-            if self.collect_steps >= start_needed and self.collect_steps % t.train_every == 0:
-                self.train_once()
+            # TRAIN (what the agent runs after this collect step: a train step, or nothing yet)
+            for name in self.agent.after_collect(self.collect_steps, t.learning_starts, t.train_every):
+                self.replay_graph(name)
             # LOG (the only host reads inside an epoch)
             if self.collect_steps % t.log_interval == 0:
                 stats = self.agent.read_stats(self.stream)
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                env_steps_per_s = (self.collect_steps - steps0) * t.n_envs / elapsed
+                now = time.perf_counter()
+                self.progress.done("step", self.collect_steps - timed_steps, now - timed_at)
+                timed_at, timed_steps = now, self.collect_steps
+                env_steps_per_s = (self.collect_steps - steps0) * t.n_envs / max(now - t0, 1e-9)
                 record = {"kind": "train", "fold": self.fold.index, "epoch": self.epoch + 1,
                           "step": self.collect_steps, "env_steps_per_s": env_steps_per_s, **stats}
-                self.run.log(record)
+                self.run.log(self.progress.stamp(record))
                 self.progress.status(
-                    f"fold {self.fold.index} epoch {self.epoch + 1}/{t.epochs} step {self.collect_steps} "
+                    f"fold {self.fold.index} epoch {self.epoch + 1}/{t.epochs} collect+train step {self.collect_steps} "
+                    f"{self.progress.bar()} ETA {self.progress.eta()} "
                     f"| {_num(env_steps_per_s)} env-steps/s | loss {stats['loss']:.4f} | eps {stats['epsilon']:.3f} "
-                    f"| last val Sharpe {_num(self.val_history[-1] if self.val_history else None, '.2f')} "
-                    f"| ETA {self.progress.eta()}")
+                    f"| last val Sharpe {_num(self.val_history[-1] if self.val_history else None, '.2f')}")
                 if stats["nonfinite_step"] >= 0:
                     self.stop_nonfinite(stats)
+        self.stream.synchronize()  # once per epoch: the steps since the last log interval are done (ETA)
+        self.progress.done("step", self.collect_steps - timed_steps, time.perf_counter() - timed_at)
         self.epoch += 1
 
     def stop_nonfinite(self, stats):
         what = {1: "loss", 2: "gradient norm"}.get(stats["nonfinite_what"], "value")
         tensors = self.agent.nonfinite_tensors()
         where = ", ".join(tensors) if tensors else "no parameter/gradient tensor (the loss inputs)"
-        last = self.run.latest_checkpoint() if hasattr(self.run, "latest_checkpoint") else None
+        last = self.run.latest_checkpoint()
+        if last is not None and last.get("tag"):
+            kept = (f"the last good checkpoint {last['tag']} is kept (inspect it with "
+                    f"`numbarl-backtest {self.run.path} --checkpoint {last['tag']}`)")
+        else:
+            kept = "no checkpoint had been saved yet (the run stopped in its first epoch): nothing to resume from"
         raise NonFiniteError(
             f"non-finite {what} at train step {stats['nonfinite_step']} (fold {self.fold.index}, epoch "
-            f"{self.epoch + 1}); non-finite tensors: {where}. The run stopped; the last good checkpoint "
-            f"is kept{f' ({last})' if last else ''}.")
+            f"{self.epoch + 1}); non-finite tensors: {where}. The run stopped; {kept}.")
 
     # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self, window):
         from numbarl.env.backtest import backtest
 
         params = self.cfg.env
-        return backtest(self.market, window, params, q_fn=self.agent.q_fn, n_policies=1, stream=self.stream)
+        return backtest(self.market, window, params, q_fn=self.agent.scores, n_policies=1, stream=self.stream)
+
+    def backtest_timed(self, window, what: str):
+        """A backtest of `window` with a status line before it and its time counted for the ETA."""
+        bars = window[1] - window[0]
+        self.progress.status(f"fold {self.fold.index} epoch {self.epoch}/{self.cfg.train.epochs} {what} backtest "
+                             f"({bars} bars) {self.progress.bar()} ETA {self.progress.eta()}")
+        t0 = time.perf_counter()
+        result = self.evaluate(window)
+        self.progress.done("backtest", bars, time.perf_counter() - t0)
+        return result
 
     def validate(self):
-        result = self.evaluate(self.fold.val)
+        result = self.backtest_timed(self.fold.val, "validation")
         m = metrics_dict(result.metrics())
         sharpe = m.get("sharpe")
         self.val_history.append(sharpe if sharpe is not None else float("nan"))
-        self.run.log({"kind": "val", "fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps, **m})
+        self.run.log(self.progress.stamp(
+            {"kind": "val", "fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps, **m}))
         return result, m, selection_score(self.val_history, self.cfg.train.select_window)
 
 
@@ -374,6 +484,61 @@ def _oracle_actions(cache, window, params):
     return acts
 
 
+def _plan(progress: Progress, tcfg, folds_left, resume):
+    """The work left for the ETA: collect steps, backtest bars (each epoch's validation, each fold's
+    test and oracle) and checkpoints of the folds not finished yet."""
+    steps = bars = checkpoints = 0
+    for fold in folds_left:
+        epochs = tcfg.epochs
+        if resume is not None and resume[1]["fold"] == fold.index:
+            epochs -= int(resume[1]["epoch"])
+        steps += epochs * tcfg.collect_steps_per_epoch
+        bars += epochs * (fold.val[1] - fold.val[0]) + (fold.test[1] - fold.test[0])
+        checkpoints += epochs
+    progress.plan(steps, bars, checkpoints)
+
+
+def _tidy_prices(trades, tick: float):
+    """Trade prices as a person writes them: a price within 1e-6 tick of the tick grid snapped onto it
+    and printed with the tick's decimals (3937.0, not 3937.0000000000005); others (a target or stop
+    between ticks) rounded to 1e-9 to drop float noise."""
+    if trades is None or not len(trades) or not tick > 0:
+        return trades
+    decimals = max(0, -Decimal(repr(float(tick))).normalize().as_tuple().exponent)
+    out = trades.copy()
+    for column in ("entry_price", "exit_price"):
+        if column in out.columns:
+            price = out[column].to_numpy(np.float64)
+            ticks = np.round(price / tick)
+            on_grid = np.abs(price / tick - ticks) < 1e-6
+            out[column] = np.where(on_grid, np.round(ticks * tick, decimals), np.round(price, 9))
+    return out
+
+
+def pooled_summary(run: RunDir, bars_per_day: float, initial_capital: float) -> dict:
+    """summary.json's "pooled" (the metrics of each split's fold windows concatenated: the
+    out-of-sample track record, numbarl/run/pooled.py) and "headline" (the pooled test window's
+    daily Sharpe, with the autocorrelation-adjusted per-bar Sharpe beside it, and the numbers a
+    reader checks next)."""
+    from numbarl.run.pooled import pooled_metrics
+
+    pooled = {}
+    for split in ("val", "test", "oracle_test"):
+        m = pooled_metrics(run, split, bars_per_day, initial_capital)
+        if m is not None:
+            pooled[split] = metrics_dict(m)
+    test = pooled.get("test") or {}
+    headline = {"split": "test", "folds": len(run.read_equity("test"))}
+    headline.update({k: test.get(k) for k in HEADLINE_KEYS})
+    return {"pooled": pooled, "headline": headline}
+
+
+def _headline_text(m: dict) -> str:
+    return (f"daily Sharpe {_num(m.get('daily_sharpe'), '.2f')} (sharpe_adj {_num(m.get('sharpe_adj'), '.2f')}) "
+            f"| return {_num(m.get('total_return'), '.3%')} | max DD {_num(m.get('max_drawdown'), '.2%')} "
+            f"| trades {_num(m.get('n_trades'), 'd')} | win rate {_num(m.get('win_rate'), '.1%')}")
+
+
 def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progress, simulator: bool,
                  resume: tuple | None = None, resuming: bool = False) -> dict:
     """Train every fold not yet finished. `resume`: (arrays, state) of the latest checkpoint;
@@ -393,10 +558,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     done_folds = {f["fold"] for f in summary["folds"]}
     if resume is not None and all(f.index in done_folds for f in folds):
         progress.log(f"{run.path}: every fold ({len(folds)}) has finished; nothing to resume (report rewritten)")
-    steps_left = sum(cfg.train.epochs for f in folds if f.index not in done_folds) * cfg.train.collect_steps_per_epoch
-    if resume is not None and resume[1]["fold"] not in done_folds:
-        steps_left -= resume[1]["collect_steps"]
-    progress.plan(steps_left)
+    _plan(progress, cfg.train, [f for f in folds if f.index not in done_folds], resume)
+    if resuming:  # the elapsed-time column goes on from where the killed run's log stopped
+        progress.elapsed_offset = max([float(r.get("elapsed_s") or 0.0) for r in run.read_metrics()] or [0.0])
     t_start = time.time()
     for fold in folds:
         if fold.index in done_folds:
@@ -419,26 +583,23 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             val_result, m, score = ft.validate()
             if score > ft.best_sharpe or ft.best_tag is None:
                 ft.best_sharpe, ft.best_tag, ft.best_val = score, ft.tag(ft.epoch), val_result
+            t0 = time.perf_counter()
+            progress.status(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs} checkpoint {ft.tag(ft.epoch)} "
+                            f"{progress.bar()} ETA {progress.eta()}")
             tag = ft.save()
+            progress.done("checkpoint", 1, time.perf_counter() - t0)
             run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
-            progress.log(f"fold {fold.index} epoch {ft.epoch}: val Sharpe {_num(m.get('sharpe'), '.2f')} | trades "
-                         f"{_num(m.get('n_trades'), '.0f')} | return {_num(m.get('total_return'), '.3%')} "
-                         f"| checkpoint {tag}")
+            progress.log(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs}: val Sharpe "
+                         f"{_num(m.get('sharpe'), '.2f')} | trades {_num(m.get('n_trades'), 'd')} | return "
+                         f"{_num(m.get('total_return'), '.3%')} | checkpoint {tag} | ETA {progress.eta()}")
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
         best_arrays, _ = run.load_checkpoint(ft.best_tag, prefix="params/")
         ft.agent.load_params(best_arrays)
-        val_result = ft.best_val if ft.best_val is not None else ft.evaluate(fold.val)
-        test_result = ft.evaluate(fold.test)
+        val_result = ft.best_val if ft.best_val is not None else ft.backtest_timed(fold.val, "validation (best epoch)")
+        test_result = ft.backtest_timed(fold.test, "test (out-of-sample)")
         val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
-        run.log({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m})
-        for split, result in (("val", val_result), ("test", test_result)):
-            trades = result.trades
-            if trades is not None and len(trades):
-                trades = trades.assign(fold=fold.index)
-            run.write_trades(split, trades, fold=fold.index)
-            lo = result.window[0]
-            run.write_equity(split, fold.index, {"pnl": result.pnl[0], "position": result.position[0],
-                                                 "timestamps": np.asarray(cache.timestamps[lo:lo + result.pnl.shape[1]])})
+        run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m}))
+        results = [("val", val_result), ("test", test_result)]
         entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
                  "val": val_m, "test": test_m, "bars_per_day": cache.bars_per_day, "seed": ft.seed,
                  "val_sharpe_per_epoch": ft.val_history}
@@ -446,13 +607,29 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         if oracle is not None:
             o = backtest(host_market, fold.test, cfg.env, actions=oracle)
             entry["oracle_test"] = metrics_dict(o.metrics())
+            results.append(("oracle_test", o))
+        tick = cfg.env.resolved_tick_size(cache.tick_size)
+        for split, result in results:
+            trades = _tidy_prices(result.trades, tick)
+            if trades is not None and len(trades):
+                trades = trades.assign(fold=fold.index)
+            run.write_trades(split, trades, fold=fold.index)
+            lo = result.window[0]
+            run.write_equity(split, fold.index, {"pnl": result.pnl[0], "position": result.position[0],
+                                                 "session_id": np.asarray(result.session_id),
+                                                 "timestamps": np.asarray(cache.timestamps[lo:lo + result.pnl.shape[1]])})
         summary["folds"].append(entry)
+        summary.update(pooled_summary(run, cache.bars_per_day, cfg.env.initial_capital))
         summary["wall_time_s"] = summary.get("wall_time_s", 0.0) + (time.time() - t_start)
         t_start = time.time()
         run.write_summary(summary)
-        progress.log(f"fold {fold.index} test: Sharpe {_num(test_m.get('sharpe'), '.2f')} | return "
-                     f"{_num(test_m.get('total_return'), '.3%')} | trades {_num(test_m.get('n_trades'), '.0f')}"
-                     + (f" | oracle Sharpe {_num(entry['oracle_test'].get('sharpe'), '.2f')}" if oracle is not None else ""))
+        progress.log(f"fold {fold.index} test: {_headline_text(test_m)}"
+                     + (f" | oracle daily Sharpe {_num(entry['oracle_test'].get('daily_sharpe'), '.2f')}"
+                        if oracle is not None else ""))
+    if len(summary["folds"]) > 1:
+        headline = summary.get("headline") or {}
+        progress.log(f"out-of-sample, the {len(summary['folds'])} folds' test windows pooled: "
+                     f"{_headline_text(headline)}")
     run.write_csv()
     from numbarl.run.report import write_report
 
@@ -466,11 +643,29 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     return summary
 
 
-def main(data=None, preset="default", config_file=None, sets=(), seed=None, folds=None, epochs=None,
-         out_dir=None, resume_dir=None, graph=True, simulator=False, quiet=False):
-    """numbarl-train: validate everything, then train (see module docstring)."""
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) stopped a run; `run_path` is the folder `--resume` continues (None when
+    it was not made yet), `cause` the KeyboardInterrupt (or the CLI's SIGTERM subclass of it)."""
+
+    def __init__(self, run_path, cause: BaseException):
+        super().__init__(f"interrupted ({type(cause).__name__})")
+        self.run_path, self.cause = run_path, cause
+
+
+# presets sized for a GPU: under the simulator (each GPU thread a Python thread) one of their epochs
+# takes hours on a CPU (measured: --preset default printed nothing for 10 minutes on 2 cores)
+GPU_PRESETS = ("small", "default", "large")
+
+
+def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=None, epochs=None,
+         out_dir=None, resume_dir=None, graph=True, simulator=False, quiet=False, default_preset="default",
+         print_config=False):
+    """numbarl-train: validate everything, then train (see module docstring). `preset` None: the
+    config file's preset, else `default_preset`. `print_config`: return the resolved config as TOML
+    without training (nothing is read or written)."""
     progress = Progress(quiet)
     resume = None
+    run = None
     if resume_dir:
         run = RunDir.open(resume_dir, clean=True)
         cfg = config_mod.from_dict(run.config)
@@ -480,31 +675,51 @@ def main(data=None, preset="default", config_file=None, sets=(), seed=None, fold
     else:
         direct = {"train.seed": seed, "train.folds": folds, "train.epochs": epochs,
                   "data.source": data}
-        cfg = config_mod.resolve(preset, config_file, sets, **{k: v for k, v in direct.items() if v is not None})
+        cfg = config_mod.resolve(preset, config_file, sets, default_preset=default_preset,
+                                 **{k: v for k, v in direct.items() if v is not None})
         if not graph:
             cfg = replace(cfg, train=replace(cfg.train, graph=False))
+    if print_config:
+        return config_mod.to_toml(cfg)
     graph = graph and cfg.train.graph
-    # DATA (validated before anything is written)
-    cache = prepare_data(cfg.data, log=progress.log)
-    make_folds(cache, cfg.train)  # too few sessions → DataError before any output
-    if cache.features.shape[1] < 1:
-        raise DataError(f"{cache.path}: the cache has no features")
     if not resume_dir:
         if out_dir is None:
             out_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        run = RunDir.create(out_dir, cfg.to_dict(), {"graph": graph, "simulator": simulator,
-                                                    "numbarl_version": __version__,
-                                                    "feature_names": list(cache.feature_names)})
-        progress.log(f"run folder: {run.path}")
-    progress.log(f"preset {cfg.preset} | {cache.n_bars} bars, {cache.n_sessions} sessions, "
-                 f"{cache.bars_per_day:.0f} bars/day, {cache.features.shape[1]} features | "
-                 f"{cfg.train.n_envs} envs | {'graphs' if graph else 'eager'}"
-                 f"{' | simulator' if simulator else ''}")
+        RunDir.check_destination(out_dir)  # before the data is read or built: a bad --out fails at once
     try:
-        summary = run_training(cfg, cache, run, graph, progress, simulator, resume, resuming=bool(resume_dir))
+        if simulator and cfg.preset in GPU_PRESETS:
+            progress.warn(f"preset {cfg.preset!r} ({cfg.train.n_envs} envs, batch {cfg.agent.batch_size}) is sized "
+                          "for a GPU; under the CUDA simulator it cannot realistically finish on a CPU (hours per "
+                          "epoch). Use --preset tiny (the default without a GPU) to try numbarl here.")
+        # DATA (validated before anything is written)
+        cache = prepare_data(cfg.data, log=progress.log)
+        make_folds(cache, cfg.train)  # too few sessions → DataError before any output
+        if cache.features.shape[1] < 1:
+            raise DataError(f"{cache.path}: the cache has no features")
+        if not resume_dir:
+            run = RunDir.create(out_dir, cfg.to_dict(), {"graph": graph, "simulator": simulator,
+                                                        "numbarl_version": __version__,
+                                                        "feature_names": list(cache.feature_names)})
+        progress.attach(run.path / LOG_FILE)
+        if resume_dir:
+            progress.log(f"resuming run {run.path}")
+        else:
+            progress.log(f"run folder: {run.path} (log: {run.path / LOG_FILE})")
+        progress.log(f"preset {cfg.preset} | {cache.n_bars} bars, {cache.n_sessions} sessions, "
+                     f"{cache.bars_per_day:.0f} bars/day, {cache.features.shape[1]} features | "
+                     f"{cfg.train.n_envs} envs | {'graphs' if graph else 'eager'}"
+                     f"{' | simulator' if simulator else ''}")
+        return run_training(cfg, cache, run, graph, progress, simulator, resume, resuming=bool(resume_dir))
+    except KeyboardInterrupt as e:
+        if run is not None:
+            progress.log(f"interrupted ({'SIGTERM' if type(e) is not KeyboardInterrupt else 'Ctrl-C'}); "
+                         f"continue with: numbarl-train --resume {run.path}")
+        raise Interrupted(run.path if run is not None else None, e) from None
+    except NonFiniteError as e:
+        progress.log(f"error: {e}")
+        raise
     finally:
         progress.close()
-    return summary
 
 
 def _check_same_features(run: RunDir, cache) -> None:
@@ -570,8 +785,8 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     from numbarl.env.backtest import backtest
     from numbarl.env.device import DeviceEnv  # noqa: F401 - compiles kernels the agent needs
     from numbarl.env.market import MarketData
-    from numbarl.rl.agents.dqn import DQNAgent
     from numbarl.cuda.runtime import stream
+    from numbarl.rl.agents.base import make_agent
 
     run = RunDir.open(run_dir)
     cfg = config_mod.from_dict(run.config)
@@ -589,14 +804,14 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
     state_dim = cfg.env.state_dim(cache.features.shape[1])
     small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
-    agent = DQNAgent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
+    agent = make_agent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
     rows = []
     for tag, f in tags:
         arrays, state = run.load_checkpoint(tag, prefix="params/")
         agent.load_params(arrays)
         for name in (("val", "test") if split == "all" else (split,)):
             window = getattr(f, name)
-            result = backtest(market, window, cfg.env, q_fn=agent.q_fn, n_policies=1, stream=stream())
+            result = backtest(market, window, cfg.env, q_fn=agent.scores, n_policies=1, stream=stream())
             rows.append({"checkpoint": tag, "epoch": state.get("epoch"), "fold": f.index, "split": name,
                          **metrics_dict(result.metrics())})
     if as_json:

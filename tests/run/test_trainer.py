@@ -47,6 +47,9 @@ def full_run(cache_dir, tmp_path_factory):
     return _uninterrupted(cache_dir, tmp_path_factory.mktemp("full"), FAST)
 
 
+TIMING = ("env_steps_per_s", "time", "elapsed_s")  # wall-clock columns: differ between any two runs
+
+
 def _final_params(path):
     arrays, state = RunDir.open(path).load_checkpoint("latest")
     return {k: v for k, v in arrays.items() if k.startswith(("params/", "adam_m/", "target/", "env/", "replay/"))}, state
@@ -140,7 +143,10 @@ def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer.FoldTrainer, "collect_once", dying)
     r = run_cli(*FAST, "--out", str(killed))
-    assert r.exit_code != 0
+    # Ctrl-C: exit 130 (not click's "Aborted!" and 1) and the command that continues the run
+    assert r.exit_code == 130, r.output + repr(r.exception)
+    assert f"continue with `numbarl-train --resume {killed}`" in r.output and "Aborted!" not in r.output
+    assert "interrupted (Ctrl-C)" in (killed / "train.log").read_text()
     assert not (killed / "summary.json").exists()
     monkeypatch.setattr(trainer.FoldTrainer, "collect_once", original)
     r = run_cli("--resume", str(killed), "--quiet")
@@ -153,7 +159,7 @@ def test_resume_equals_uninterrupted(run_cli, full_run, tmp_path, monkeypatch):
         assert np.array_equal(a[k], b[k], equal_nan=True), k
     assert state_a["collect_steps"] == state_b["collect_steps"]
     assert _metrics(full) == _metrics(killed)
-    strip = lambda recs: [{k: v for k, v in rec.items() if k != "env_steps_per_s"} for rec in recs]  # noqa: E731
+    strip = lambda recs: [{k: v for k, v in rec.items() if k not in TIMING} for rec in recs]  # noqa: E731
     assert strip(RunDir.open(full).read_metrics()) == strip(RunDir.open(killed).read_metrics())
 
 
@@ -305,7 +311,7 @@ def test_resume_after_kills_at_every_awkward_moment(run_cli, two_fold_run, tmp_p
     assert r.exit_code == 0, r.output + repr(r.exception)
 
     assert _metrics(two_fold_run) == _metrics(out)
-    strip = lambda recs: [{k: v for k, v in rec.items() if k != "env_steps_per_s"} for rec in recs]  # noqa: E731
+    strip = lambda recs: [{k: v for k, v in rec.items() if k not in TIMING} for rec in recs]  # noqa: E731
     assert strip(RunDir.open(two_fold_run).read_metrics()) == strip(RunDir.open(out).read_metrics())
     assert RunDir.open(out).best_checkpoint()["tag"] == RunDir.open(two_fold_run).best_checkpoint()["tag"]
     a, _ = _final_params(two_fold_run)

@@ -5,21 +5,46 @@ import math
 from numbarl.run import trainer
 
 
-def test_eta_from_mean_step_time(monkeypatch):
+def test_eta_covers_every_phase():
+    """The ETA counts the work left in every phase at its own measured cost: collect/train steps,
+    backtest bars (validation and test) and checkpoints; a phase with work left but not timed yet
+    makes it a lower bound (">"). The old ETA counted collect steps only ("ETA 0m15s" for a
+    14-minute run whose time went into validation)."""
     now = [100.0]
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: now[0])
-    p = trainer.Progress(quiet=True)
-    p.plan(10)
+    p = trainer.Progress(quiet=True, clock=lambda: now[0])
+    p.plan(steps=10, backtest_bars=200, checkpoints=2)
     assert p.eta() == "--"  # nothing done yet
-    for _ in range(4):
-        p.step_done()
-    now[0] += 8.0  # 2 s per step, 6 steps left
-    assert p.eta() == "0m12s"
-    p.plan(4000)
-    for _ in range(2):
-        p.step_done()
-    now[0] += 4.0  # 2 s per step, 3998 left: 2 h 13 min
+    p.done("step", 4, 8.0)  # 2 s per step, 6 left: 12 s, but backtests and checkpoints are untimed
+    assert p.eta() == ">0m12s"
+    p.done("backtest", 50, 25.0)  # 0.5 s per bar, 150 left: 75 s
+    p.done("checkpoint", 1, 3.0)  # 3 s each, 1 left
+    assert p.remaining() == (12.0 + 75.0 + 3.0, True)
+    assert p.eta() == "1m30s"
+    now[0] += 30.0  # 30 s spent, 90 s left: a quarter of the way
+    assert p.bar(width=8) == "[##------]  25%"
+    p.plan(steps=4000)
+    p.done("step", 2, 4.0)  # 2 s per step, 3998 left: 2 h 13 min
     assert p.eta() == "2h13m"
+
+
+def test_progress_lines_are_timestamped_and_kept_in_the_run_log(tmp_path, capsys):
+    import re
+
+    p = trainer.Progress(quiet=True)
+    p.log("building the market")  # before the run folder exists: kept, written on attach
+    p.attach(tmp_path / "train.log")
+    p.status("fold 0 epoch 1/2 validation backtest (22 bars)")
+    p.warn("preset 'default' is sized for a GPU")
+    p.close()
+    err = capsys.readouterr().err.splitlines()
+    assert all(re.match(r"^\[\d\d:\d\d:\d\d\] ", line) for line in err), err
+    logged = (tmp_path / "train.log").read_text().splitlines()
+    assert [line.split(" ", 1)[1] for line in logged] == [
+        "building the market", "fold 0 epoch 1/2 validation backtest (22 bars)",
+        "warning: preset 'default' is sized for a GPU"]
+    assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", line) for line in logged)
+    record = p.stamp({"kind": "val"})
+    assert record["elapsed_s"] >= 0 and record["time"].endswith("+00:00")
 
 
 def test_metric_cells():
