@@ -12,7 +12,8 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
 
  1. ORDER      the decision made at c's close is queued unless an order is already pending
                (then it is ignored); a "hold" (same direction, or flat while flat) queues nothing.
- 2. EXECUTION  an order due at c (c + fill_delay when it was queued) fills at c's close quote:
+ 2. EXECUTION  an order due at c (c + latency_bars when it was queued) fills at c's close quote:
+               with latency_bars = 0 the deciding bar's own close quote (zero latency);
                buys at ask + slippage, sells at bid - slippage, plus `fee` per contract per side.
                A new plan sets target/stop levels on the mid: mid_c +/- mult * vol_c.
                Direction lock: the opposite direction closes (no reversal); lock off: reverses.
@@ -595,7 +596,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, q_gap, k, last_b
 
     # 1. ORDER -------------------------------------------------------------------------------
     if p_due < 0 and changes_position(direction, pos):
-        p_due = c + k.fill_delay
+        p_due = c + k.latency_bars
         p_dir = np.int64(direction)
         if k.direction_lock != 0 and pos != _F0:
             # under the lock an order against the position only closes it: queued as a close, it

@@ -10,15 +10,29 @@ which is right: parameters do not change during a run).
 Actions are plans chosen per branch (branching dueling heads):
 
     branch 0  direction  {0: short, 1: flat, 2: long}
-    branch 1  size       index into `sizes`   (contracts)
+    branch 1  size       index into `sizes`   (contracts: whole multiples of `size_step`)
     branch 2  target     index into `targets` (units of recent volatility, 0 = no target)
     branch 3  stop       index into `stops`   (units of recent volatility, 0 = no stop)
 
 Q arrays are [n, N_BRANCHES, max_actions]; entries beyond a branch's size are ignored.
+
+Fill rule (numbarl/env/core.py, step 2): the decision is made at bar t's close from features up
+to t; with `latency_bars = L` the order fills at bar t+L's close quote (buys at the ask, sells at
+the bid, plus `slippage_ticks`), paying `fee_per_contract` per contract per side. L = 0, the
+default, fills at the deciding bar's own close quote (zero latency): an optimistic assumption on
+fast bars, so `EnvParams.fill_assumption()` states it in one line wherever results are shown.
+Targets and stops fill on a later bar at their level, half a spread and the slippage worse.
+
+Sizes are whole contracts by default (size_step = 1: futures trade whole contracts, and a
+fractional default would also pay fractional fees); the default grid (1, 2, 4) keeps the ratios
+size / max size = 1/4, 1/2, 1 of the earlier (0.25, 0.5, 1.0), so the observation's position
+feature and the conviction scaling see the same fractions. An instrument that trades fractions
+(a crypto pair, size_step = 0.001) declares its own step.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -53,6 +67,9 @@ PORTFOLIO_DIM = len(PORTFOLIO_FEATURES)
 NO_BAR = -(2**30)  # "never": last-entry bar before any entry
 
 
+SIZE_STEP_RTOL = 1e-9  # a size is a whole multiple of size_step when |s/step - round(s/step)| <= this
+
+
 class StepConsts(NamedTuple):
     """EnvParams resolved to scalars for the step functions (float64 / int64 only)."""
 
@@ -73,7 +90,7 @@ class StepConsts(NamedTuple):
     obs_hold_bars: np.float64
     episode_length: np.int64  # 0: no episodes (backtest)
     hard_cap: np.int64  # 0: no cap (backtest)
-    fill_delay: np.int64
+    latency_bars: np.int64  # an order decided at bar t's close fills at bar t + latency_bars's close
     direction_lock: np.int64
 
 
@@ -98,8 +115,9 @@ class EnvParams:
     """Every coefficient of the trading environment and backtest (SPEC §4)."""
 
     # --- action grids ---
-    sizes: tuple = (0.25, 0.5, 1.0)
-    """Position sizes in contracts, one per action of the size branch (all > 0)."""
+    sizes: tuple = (1.0, 2.0, 4.0)
+    """Position sizes in contracts, one per action of the size branch (all > 0, whole multiples
+    of size_step: whole contracts by default)."""
     targets: tuple = (0.0, 1.0, 2.0, 4.0)
     """Profit-target distances in volatility units; 0.0 means no target."""
     stops: tuple = (0.0, 1.0, 2.0, 4.0)
@@ -121,8 +139,12 @@ class EnvParams:
     """Fee in currency per contract per side (paid at entry and at exit)."""
     slippage_ticks: float = 0.0
     """Extra ticks paid per side on top of crossing the spread at the close quote."""
-    fill_delay: int = 0
-    """Bars between a decision and its fill at that later bar's close (0 = this bar's close)."""
+    size_step: float = 1.0
+    """The instrument's lot size in contracts: every entry of sizes must be a whole multiple of it
+    (1.0: whole contracts, as futures trade; e.g. 0.001 for an instrument that trades fractions)."""
+    latency_bars: int = 0
+    """Bars between a decision and its fill: decided at bar t's close, filled at bar t+latency_bars's
+    close quote (0 = the deciding bar's own close quote: zero latency). Formerly `fill_delay`."""
     direction_lock: bool = True
     """Mid-plan the direction is locked: the opposite direction closes instead of reversing."""
     initial_capital: float = 100_000.0
@@ -167,7 +189,7 @@ class EnvParams:
         ints = {
             "vol_span": (1, 10**7),
             "vol_horizon_bars": (1, 10**6),
-            "fill_delay": (0, 10**4),
+            "latency_bars": (0, 10**4),
             "churn_threshold_bars": (0, 10**7),
             "episode_length": (1, 2**30),
             "max_episode_bars": (1, 2**30),
@@ -196,6 +218,18 @@ class EnvParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 _fail(name, v, "a finite number > 0")
+        if isinstance(self.size_step, bool) or not isinstance(self.size_step, (int, float)) or not (
+            math.isfinite(self.size_step) and self.size_step > 0
+        ):
+            _fail("size_step", self.size_step, "a finite number > 0 (the instrument's lot size in contracts)")
+        for size in self.sizes:
+            lots = size / self.size_step
+            if abs(lots - round(lots)) > SIZE_STEP_RTOL * max(1.0, abs(lots)):
+                raise ValueError(
+                    f"EnvParams.sizes = {self.sizes!r} is invalid: {size!r} is not a whole multiple of size_step = "
+                    f"{self.size_step!r} (futures trade whole contracts: use sizes such as (1, 2, 4), or set "
+                    f"env.size_step to the lot size of an instrument that trades fractions)"
+                )
         if self.tick_size is not None and (
             not isinstance(self.tick_size, (int, float)) or not math.isfinite(self.tick_size) or self.tick_size <= 0
         ):
@@ -238,6 +272,24 @@ class EnvParams:
             np.asarray(self.stops, np.float32),
         )
 
+    @property
+    def fill_delay(self) -> int:
+        """The former name of latency_bars (still accepted by the constructor and replace())."""
+        return self.latency_bars
+
+    def fill_assumption(self) -> str:
+        """The execution assumption in one line, for reports and summaries."""
+        if self.latency_bars == 0:
+            when = "fills at the deciding bar's own close quote (zero latency)"
+        else:
+            bars = "bar" if self.latency_bars == 1 else "bars"
+            when = (f"fills {self.latency_bars} {bars} after the decision at that bar's close quote "
+                    f"(decided at bar t's close, filled at bar t+{self.latency_bars}'s)")
+        slip = f" + {self.slippage_ticks:g} tick slippage" if self.slippage_ticks else ""
+        lots = "whole contracts" if self.size_step == 1.0 else f"size step {self.size_step:g} contracts"
+        return (f"{when}, crossing the spread{slip}; fee {self.fee_per_contract:g} per contract per side; "
+                f"{lots}; targets/stops at their level, half a spread worse")
+
     def resolved_tick_size(self, data_tick_size: float) -> float:
         return float(self.tick_size) if self.tick_size is not None else float(data_tick_size)
 
@@ -264,17 +316,43 @@ class EnvParams:
             obs_hold_bars=np.float64(self.obs_hold_bars),
             episode_length=np.int64(0 if backtest else self.episode_length),
             hard_cap=np.int64(0 if backtest else self.max_episode_bars),
-            fill_delay=np.int64(self.fill_delay),
+            latency_bars=np.int64(self.latency_bars),
             direction_lock=np.int64(1 if self.direction_lock else 0),
         )
 
     def replace(self, **changes) -> "EnvParams":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        changes = _latency_alias(changes)
         unknown = set(changes) - set(values)
         if unknown:
             raise ValueError(f"EnvParams has no field(s) {sorted(unknown)}; fields: {sorted(values)}")
         values.update(changes)
         return EnvParams(**values)
+
+
+def _latency_alias(kwargs: dict) -> dict:
+    """`fill_delay=` (the former name) -> `latency_bars=`; both given and different is an error."""
+    if "fill_delay" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    delay = kwargs.pop("fill_delay")
+    if "latency_bars" in kwargs and kwargs["latency_bars"] != delay:
+        raise ValueError(f"EnvParams: fill_delay = {delay!r} and latency_bars = {kwargs['latency_bars']!r} disagree; "
+                         f"fill_delay is the former name of latency_bars: pass latency_bars only")
+    kwargs["latency_bars"] = delay
+    return kwargs
+
+
+_dataclass_init = EnvParams.__init__
+
+
+def _init_accepting_fill_delay(self, *args, **kwargs):
+    _dataclass_init(self, *args, **_latency_alias(kwargs))
+
+
+_init_accepting_fill_delay.__doc__ = _dataclass_init.__doc__
+_init_accepting_fill_delay.__signature__ = inspect.signature(_dataclass_init)
+EnvParams.__init__ = _init_accepting_fill_delay
 
 
 def pack_action(direction: int, size: int, target: int, stop: int) -> int:

@@ -137,7 +137,7 @@ def _select_numpy(q, position, branch_sizes, lock):
 
 def test_select_greedy_matches_numpy_with_lock_ties_and_padding(rng, make_market):
     data = make_market(rng, n_bars=30)
-    params = EnvParams(sizes=(0.5, 1.0), targets=(0.0, 1.0, 2.0, 3.0, 4.0), stops=(0.0, 2.0, 4.0))
+    params = EnvParams(sizes=(1.0, 2.0), targets=(0.0, 1.0, 2.0, 3.0, 4.0), stops=(0.0, 2.0, 4.0))
     n = 9
     dev = DeviceEnv(data, params, n)
     position = np.array([0, 1, -1, 0.5, -0.5, 0, 1, -1, 0], np.float32)
