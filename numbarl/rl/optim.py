@@ -19,19 +19,26 @@ replays it forever:
        g  = scale · grad
        m  = β1 m + (1 − β1) g
        v  = β2 v + (1 − β2) g²
-       p  = p · (1 − lr · wd · decay_mask)                   decoupled weight decay, masked per tensor
-       p  = p − (lr / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps)
+       p  = p · (1 − lr_g · wd_g · decay_mask)               decoupled weight decay, masked per tensor
+       p  = p − (lr_g / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps)
+
+   Parameter groups: every element belongs to the optimizer group of its tensor (``group_id``,
+   int32 over the flat buffer; a group per ParamSpec.group: "trunk", "head.value", "head.adv",
+   ...), and each group g has its own device learning rate ``lr[g]`` and weight decay ``wd[g]``
+   (float32 [G]), initialised from the config and changed between replays by schedules, a
+   feedback loop or :meth:`Adam.set_lr` / :meth:`Adam.set_weight_decay` (one group or all).
+   With one value for every group the step is bit for bit the single-rate step.
 
    The clip scale is applied inside the update (the grads buffer itself is left unscaled: the
    backward pass overwrites it every step, nothing else reads it after the optimizer).
-   ``lr`` is read from device memory (float32[1]): schedules change it between replays without
+   ``lr`` and ``wd`` are read from device memory (float32[G]): schedules change them between replays without
    recapture.
 4. **target update** (``target_update_kernel``): after the optimizer step t, when
    ``t % period == 0``: ``target = tau · params + (1 − tau) · target`` (Polyak; Lillicrap et al.
    2016) or an exact copy when tau = 1 (periodic hard update; Mnih et al. 2015). The condition is
    evaluated on the device from the step counter, so the same graph does it every k-th replay.
 
-Stats (float32 device vector, slots ``STAT_*``): grad norm before clipping, clip scale, lr used,
+Stats (float32 device vector, slots ``STAT_*``): grad norm before clipping, clip scale, lr of group 0,
 optimizer step, skipped non-finite steps. Pass ``stats=`` a view of mapped memory to have the
 kernels write straight into it, or copy ``Adam.stats`` there.
 
@@ -145,8 +152,11 @@ def clip_scale_ref(grads, max_norm: float, clip_eps: float = 1e-6):
     return norm, min(1.0, max_norm / (norm + clip_eps))
 
 
-def adam_ref(params, grads, m, v, decay_mask, step: int, lr: float, cfg: AdamConfig):
+def adam_ref(params, grads, m, v, decay_mask, step: int, lr, cfg: AdamConfig, weight_decay=None):
     """One AdamW step (module docstring, phase 2-3) in float64 on flat vectors.
+
+    lr and weight_decay: scalars, or per-element vectors (the element's group value); weight_decay
+    None: cfg.weight_decay. The stats' lr is the first element's.
 
     step: optimizer steps taken before this one. Returns (params, m, v, step, stats) with stats
     laid out like the device stats vector; a skipped (non-finite) step returns the inputs unchanged.
@@ -155,7 +165,9 @@ def adam_ref(params, grads, m, v, decay_mask, step: int, lr: float, cfg: AdamCon
     m, v = np.asarray(m, np.float64), np.asarray(v, np.float64)
     norm, scale = clip_scale_ref(g, cfg.max_grad_norm, cfg.clip_eps)
     stats = np.zeros(N_STATS)
-    stats[STAT_GRAD_NORM], stats[STAT_CLIP_SCALE], stats[STAT_LR] = norm, scale, lr
+    lr = np.asarray(lr, np.float64)
+    wd = np.asarray(cfg.weight_decay if weight_decay is None else weight_decay, np.float64)
+    stats[STAT_GRAD_NORM], stats[STAT_CLIP_SCALE], stats[STAT_LR] = norm, scale, float(lr.flat[0])
     if cfg.skip_nonfinite and not np.isfinite(norm):
         stats[STAT_CLIP_SCALE], stats[STAT_STEP], stats[STAT_SKIPPED] = 0.0, step, 1
         return p, m, v, step, stats
@@ -163,7 +175,7 @@ def adam_ref(params, grads, m, v, decay_mask, step: int, lr: float, cfg: AdamCon
     g = g * scale
     m = cfg.beta1 * m + (1.0 - cfg.beta1) * g
     v = cfg.beta2 * v + (1.0 - cfg.beta2) * g * g
-    p = p * (1.0 - lr * cfg.weight_decay * np.asarray(decay_mask, np.float64))
+    p = p * (1.0 - lr * wd * np.asarray(decay_mask, np.float64))
     p = p - (lr / (1.0 - cfg.beta1**t)) * m / (np.sqrt(v) / math.sqrt(1.0 - cfg.beta2**t) + cfg.eps)
     stats[STAT_STEP] = t
     return p, m, v, t, stats
@@ -186,9 +198,9 @@ _cuda = cuda()
 
 
 @_cuda.jit(cache=True)
-def finalize_kernel(step, lr, scal, stats, max_norm, clip_eps, beta1, beta2, skip_nonfinite):
+def finalize_kernel(step, lr, scal, group_scal, stats, max_norm, clip_eps, beta1, beta2, skip_nonfinite):
     """One thread: clip scale from scal[_SCAL_SUMSQ], step counter, bias corrections and stats
-    (module docstring, phase 2)."""
+    (module docstring, phase 2). group_scal[g] = (lr_g / (1 − β1^t), lr_g) for every group g."""
     if _cuda.grid(1) != 0:
         return
     norm = math.sqrt(scal[_SCAL_SUMSQ])
@@ -214,26 +226,31 @@ def finalize_kernel(step, lr, scal, stats, max_norm, clip_eps, beta1, beta2, ski
     scal[_SCAL_INV_SQRT_BC2] = float32(float64(1.0) / math.sqrt(bc2))
     scal[_SCAL_SKIP] = _ZERO
     scal[_SCAL_LR] = rate
+    for g in range(lr.shape[0]):  # a handful of groups, one thread: per-group step sizes
+        group_scal[g, 0] = float32(float64(lr[g]) / bc1)
+        group_scal[g, 1] = lr[g]
     stats[STAT_CLIP_SCALE] = scale
     stats[STAT_STEP] = float32(t)
 
 
 @_cuda.jit(cache=True)
-def adam_kernel(params, grads, m, v, decay_mask, scal, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                weight_decay):
-    """AdamW on one element per thread (module docstring, phase 3). 1 − β arrive precomputed in
-    float64 and rounded once: float32(1) − float32(0.999) is off by 1.3e-5 relative."""
+def adam_kernel(params, grads, m, v, decay_mask, group_id, group_scal, weight_decay, scal, beta1, one_minus_beta1,
+                beta2, one_minus_beta2, eps):
+    """AdamW on one element per thread (module docstring, phase 3), with its group's lr and weight
+    decay. 1 − β arrive precomputed in float64 and rounded once: float32(1) − float32(0.999) is
+    off by 1.3e-5 relative."""
     if scal[_SCAL_SKIP] != _ZERO:
         return
     for i in range(_cuda.grid(1), params.shape[0], _cuda.gridsize(1)):  # grid-stride
+        gid = group_id[i]
         g = grads[i] * scal[_SCAL_SCALE]
         mi = beta1 * m[i] + one_minus_beta1 * g
         vi = beta2 * v[i] + one_minus_beta2 * g * g
         m[i] = mi
         v[i] = vi
-        p = params[i] * (_ONE - scal[_SCAL_LR] * weight_decay * decay_mask[i])
+        p = params[i] * (_ONE - group_scal[gid, 1] * weight_decay[gid] * decay_mask[i])
         denom = math.sqrt(vi) * scal[_SCAL_INV_SQRT_BC2] + eps
-        params[i] = p - scal[_SCAL_STEP_SIZE] * mi / denom
+        params[i] = p - group_scal[gid, 0] * mi / denom
 
 
 @_cuda.jit(cache=True)
@@ -284,10 +301,15 @@ class Adam:
                 raise RuntimeError(f"ParamStore role {role!r} does not mirror params ({n} floats)")
         self._n = n
         self._reducer = Reducer(n)  # owns the fixed partials scratch of the grad-norm reduction
+        self.groups = self.store.optimizer_groups()
+        G = len(self.groups)
         st = self.state
         st.add("step", (1,), np.int64)
-        st.add("lr", (1,), np.float32)
+        st.add("lr", (G,), np.float32)
+        st.add("weight_decay", (G,), np.float32)
         st.add("scal", (N_SCAL,), np.float32)
+        st.add("group_scal", (G, 2), np.float32)
+        st.add("group_id", (n,), np.int32)
         st.add("decay_mask", (n,), np.float32)
         st.add("stats", (N_STATS,), np.float32)
         st.allocate()
@@ -297,7 +319,11 @@ class Adam:
         mask = np.zeros(n, np.float32)
         host_mask = self.store.decay_mask()
         mask[: host_mask.shape[0]] = host_mask
-        st.load({"decay_mask": mask, "lr": np.array([self.config.lr], np.float32)})
+        gid = np.zeros(n, np.int32)
+        host_gid = self.store.group_ids(self.groups)
+        gid[: host_gid.shape[0]] = host_gid
+        st.load({"decay_mask": mask, "group_id": gid, "lr": np.full(G, self.config.lr, np.float32),
+                 "weight_decay": np.full(G, self.config.weight_decay, np.float32)})
         return self
 
     # -- device views ---------------------------------------------------------------------------
@@ -308,8 +334,19 @@ class Adam:
 
     @property
     def lr(self):
-        """Device float32 [1] read by every step (write it from a schedule kernel or set_lr)."""
+        """Device float32 [G]: each group's learning rate, read by every step (written by a schedule
+        kernel or set_lr). Group order: ``self.groups``."""
         return self.state["lr"]
+
+    @property
+    def weight_decay(self):
+        """Device float32 [G]: each group's decoupled weight decay (where the decay mask is 1)."""
+        return self.state["weight_decay"]
+
+    def group_index(self, group: str) -> int:
+        if group not in self.groups:
+            raise KeyError(f"optimizer group {group!r} does not exist; groups: {', '.join(self.groups)}")
+        return self.groups.index(group)
 
     @property
     def stats(self):
@@ -322,7 +359,7 @@ class Adam:
         cfg, st = self.config, self.state
         self._reducer.sumsq(self.store.flat("grads"), st["scal"], stream, at=_SCAL_SUMSQ)
         finalize_kernel[1, 1, stream](
-            st["step"], st["lr"], st["scal"], self.stats,
+            st["step"], st["lr"], st["scal"], st["group_scal"], self.stats,
             np.float32(cfg.max_grad_norm), np.float32(cfg.clip_eps), np.float64(cfg.beta1),
             np.float64(cfg.beta2), bool(cfg.skip_nonfinite))
 
@@ -330,9 +367,10 @@ class Adam:
         """Phase 3: the AdamW update with the scalars grad_norm() left on the device."""
         cfg, st, s = self.config, self.state, self.store
         adam_kernel[stride_grid(self._n, BLOCK, 1 << 16)[0], stride_grid(self._n, BLOCK)[1], stream](
-            s.flat("params"), s.flat("grads"), s.flat("adam_m"), s.flat("adam_v"), st["decay_mask"], st["scal"],
+            s.flat("params"), s.flat("grads"), s.flat("adam_m"), s.flat("adam_v"), st["decay_mask"], st["group_id"],
+            st["group_scal"], st["weight_decay"], st["scal"],
             np.float32(cfg.beta1), np.float32(1.0 - cfg.beta1), np.float32(cfg.beta2), np.float32(1.0 - cfg.beta2),
-            np.float32(cfg.eps), np.float32(cfg.weight_decay))
+            np.float32(cfg.eps))
 
     def update_target(self, stream) -> None:
         """Phase 4 (no-op without a TargetConfig): decided on the device from the step counter."""
@@ -344,15 +382,36 @@ class Adam:
             np.float32(self.target.tau), np.float32(1.0 - self.target.tau))
 
     def step(self, stream) -> None:
-        """One optimizer step: grad norm + clip → AdamW → target update (4 launches, no host sync)."""
+        """One optimizer step: grad norm + clip → AdamW → target update (4 launches, no host sync).
+        Closes the store's train step (the gradient ledger: the next backward overwrites again)."""
         self.grad_norm(stream)
         self.apply(stream)
         self.update_target(stream)
+        self.store.end_step()
 
     # -- host helpers (between replays; not capturable) -----------------------------------------
-    def set_lr(self, value: float) -> None:
-        """Write the device lr scalar from the host (a copy: outside capture only)."""
-        self.state.load({"lr": np.array([value], np.float32)})
+    def set_lr(self, value: float, group: str | None = None) -> None:
+        """Write the device lr of one group (None: every group) from the host (outside capture)."""
+        self._set_group_value("lr", value, group)
+
+    def set_weight_decay(self, value: float, group: str | None = None) -> None:
+        """Write the device weight decay of one group (None: every group) from the host."""
+        self._set_group_value("weight_decay", value, group)
+
+    def _set_group_value(self, what: str, value: float, group: str | None) -> None:
+        if not value >= 0.0:
+            raise ValueError(f"Adam.set_{what}: {what} must be >= 0, got {value}")
+        values = self.state[what].copy_to_host()
+        if group is None:
+            values[:] = value
+        else:
+            values[self.group_index(group)] = value
+        self.state.load({what: values})
+
+    def group_values(self, what: str = "lr") -> dict[str, float]:
+        """{group: value} of the device lr or weight_decay (host copy; syncs)."""
+        values = self.state[what].copy_to_host()
+        return {g: float(values[i]) for i, g in enumerate(self.groups)}
 
     def read_stats(self) -> dict[str, float]:
         """Host copy of the stats (syncs; for tests and logs, not the hot path)."""

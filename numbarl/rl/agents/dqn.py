@@ -36,13 +36,14 @@ import math
 import numpy as np
 
 from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
+from numbarl.cuda import launch
 from numbarl.cuda.launch import device_function
 from numbarl.cuda.mapped import MappedBuffer
-from numbarl.cuda import launch
+from numbarl.cuda.registry import StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.core import direction_allowed
 from numbarl.env.params import DIR_LONG, DIR_SHORT
+from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
@@ -56,16 +57,23 @@ _cuda = cuda()
 # where every simulated thread is a Python thread)
 STATS_BLOCK = launch.shape(gpu=1024, sim=32)  # H200, B = 16,384: 138 us with 256 threads, 90 us with 1024
 
-# mapped stats slots (float32); the optimizer writes its slots first (numbarl.rl.optim.STAT_*)
-STAT_LOSS = 8           # mean C51 cross-entropy of the last train step
-STAT_Q_MEAN = 9         # mean over the batch and branches of Q_online(obs, a taken)
-STAT_Q_NEXT_MAX = 10    # mean over the batch and branches of max_a Q_online(next_obs, a)
-STAT_EPSILON = 11       # exploration rate of the last collect step
-STAT_COLLECT_STEP = 12  # collect steps done (float32: exact to 2**24)
-STAT_TRAIN_STEP = 13    # train steps done
-STAT_NONFINITE_STEP = 14   # first train step whose loss or gradient norm was not finite (-1 = none)
-STAT_NONFINITE_WHAT = 15   # 1 = loss, 2 = gradients
-N_STATS = 16
+# mapped stats of the agent (float32, named; numbarl.cuda.registry): the optimizer's slots are
+# copied first, at the optimizer's own numbers (numbarl.rl.optim.STAT_*)
+AGENT_STATS = StatsLayout("c51 agent")
+AGENT_STATS.slot("grad_norm", STAT_GRAD_NORM)
+AGENT_STATS.slot("clip_scale", STAT_CLIP_SCALE)
+AGENT_STATS.slot("lr", STAT_LR)
+AGENT_STATS.slot("optim_step", STAT_STEP, kind="int")
+AGENT_STATS.slot("skipped_steps", STAT_SKIPPED, kind="int")
+STAT_LOSS = AGENT_STATS.slot("loss", 8)  # mean C51 cross-entropy of the last train step
+STAT_Q_MEAN = AGENT_STATS.slot("q_mean", 9)  # mean over the batch and branches of Q_online(obs, a taken)
+STAT_Q_NEXT_MAX = AGENT_STATS.slot("q_next_max", 10)  # mean over batch and branches of max_a Q_online(next_obs, a)
+STAT_EPSILON = AGENT_STATS.slot("epsilon", 11)  # exploration rate of the last collect step
+STAT_COLLECT_STEP = AGENT_STATS.slot("collect_step", 12, kind="int")  # collect steps done (float32: exact to 2**24)
+STAT_TRAIN_STEP = AGENT_STATS.slot("train_step", 13, kind="int")  # train steps done
+STAT_NONFINITE_STEP = AGENT_STATS.slot("nonfinite_step", 14, kind="int")  # first train step whose loss or grad norm was not finite (-1 = none)
+STAT_NONFINITE_WHAT = AGENT_STATS.slot("nonfinite_what", 15, kind="int")  # 1 = loss, 2 = gradients
+N_STATS = AGENT_STATS.size
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -75,11 +83,15 @@ _ONE = np.float32(1.0)
 # kernels (tiny, one block: bookkeeping and fixed-order batch statistics)
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
-def epsilon_kernel(collect_step, eps_start, eps_end, decay_steps, epsilon, stats):
-    """epsilon = max(end, start − (start − end)·t/decay) at collect step t; t += 1 afterwards."""
+def epsilon_kernel(collect_step, schedule, decay_steps, epsilon, stats):
+    """epsilon = max(end, start − (start − end)·t/decay) at collect step t; t += 1 afterwards.
+    schedule = (start, end) float32 and decay_steps int64 [1] are device scalars: a feedback loop
+    changes them between replays without re-capture."""
     if _cuda.grid(1) == 0:
         t = collect_step[0]
-        frac = min(np.float64(t) / np.float64(decay_steps), np.float64(1.0))
+        eps_start = schedule[0]
+        eps_end = schedule[1]
+        frac = min(np.float64(t) / np.float64(decay_steps[0]), np.float64(1.0))
         eps = np.float32(eps_start + (eps_end - eps_start) * frac)
         epsilon[0] = eps
         collect_step[0] = t + 1
@@ -161,15 +173,14 @@ def blocked_direction_kernel(next_obs, column, blocked):
 # ---------------------------------------------------------------------------------------------
 # the agent
 # ---------------------------------------------------------------------------------------------
-class DQNAgent:
+@register("c51")
+class DQNAgent(Agent):
     """Online/target branched dueling C51 network, replay, loss and AdamW on the device.
 
     cfg: AgentConfig; state_dim: observation width; branch_sizes: actions per branch (the env's
     (direction, size, target, stop)); n_envs: parallel envs feeding the replay; eval_batch: batch of
     the greedy evaluation pass (policies in a backtest).
     """
-
-    PASS_TAGS = ("online", "next", "target", "act", "eval")
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
                  eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), lock_column: int | None = None):
@@ -183,7 +194,7 @@ class DQNAgent:
         self.branch_sizes = tuple(int(b) for b in branch_sizes)
         self.n_branches = len(self.branch_sizes)
         self.max_actions = max(self.branch_sizes)
-        self.eps_start, self.eps_end, self.eps_decay = float(epsilon[0]), float(epsilon[1]), int(epsilon[2])
+        eps_start, eps_end, eps_decay = float(epsilon[0]), float(epsilon[1]), int(epsilon[2])
         B = cfg.batch_size
 
         # NETWORK: trunk MLP + dueling branched C51 head, one flat parameter buffer
@@ -215,14 +226,26 @@ class DQNAgent:
         self.replay = Replay(cfg.replay_capacity, self.n_envs, self.state_dim, self.n_branches, B,
                              n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed).allocate()
 
-        # device scalars and the mapped stats the host reads at log intervals
+        # device scalars (counters, the epsilon schedule) and the mapped stats read at log intervals
         self.scalars = Arena("agent.scalars")
         self.scalars.add("collect_step", (1,), np.int64)
         self.scalars.add("train_step", (1,), np.int64)
+        self.scalars.add("epsilon_schedule", (2,), np.float32)
+        self.scalars.add("epsilon_decay_steps", (1,), np.int64)
         self.scalars.allocate()
+        self.set_epsilon_schedule(eps_start, eps_end, eps_decay)
         self.stats = MappedBuffer(N_STATS, np.float32)
         self.stats.reset(0)
         self.stats.host[STAT_NONFINITE_STEP] = -1.0
+
+    def set_epsilon_schedule(self, start: float, end: float, decay_steps: int) -> None:
+        """Write the device epsilon schedule (host copy: between replays, never inside capture)."""
+        if not (0.0 <= end <= 1.0 and 0.0 <= start <= 1.0) or int(decay_steps) < 1:
+            raise ValueError(f"epsilon schedule needs start, end in [0, 1] and decay_steps >= 1 "
+                             f"(got {start}, {end}, {decay_steps})")
+        self.eps_start, self.eps_end, self.eps_decay = float(start), float(end), int(decay_steps)
+        self.scalars.load({"epsilon_schedule": np.array([start, end], np.float32),
+                           "epsilon_decay_steps": np.array([decay_steps], np.int64)})
 
     # -- network passes ------------------------------------------------------------------------
     def forward(self, obs, stream, tag: str, role: str = "params"):
@@ -230,17 +253,31 @@ class DQNAgent:
         h = self.trunk.forward(obs, stream, tag=tag, role=role)
         return self.head.forward(h, stream, tag=tag, role=role)
 
-    def q_fn(self, obs, q_out, stream):
-        """Greedy-evaluation Q for a batch of eval_batch observations (backtest callback)."""
+    def scores(self, obs, q_out, stream):
+        """Greedy-evaluation Q [eval_batch, n_branches, max_actions] for a backtest's policies."""
         out = self.forward(obs, stream, tag="eval")
         _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
+
+    q_fn = scores  # the backtest's callback name
+
+    # -- the agent contract: graphs and their schedule ------------------------------------------
+    def step_functions(self, env) -> dict:
+        return {"collect": lambda s: self.collect_step(env, s), "train": self.train_step}
+
+    def after_collect(self, collect_steps: int, learning_starts: int, train_every: int) -> tuple[str, ...]:
+        """One train step after every `train_every`-th collect step once the replay holds enough."""
+        ready = collect_steps >= max(int(learning_starts), self.prefill_steps)
+        return ("train",) if ready and collect_steps % int(train_every) == 0 else ()
+
+    @property
+    def prefill_steps(self) -> int:
+        return self.replay.min_writes
 
     # -- the two step functions (captured as graphs) --------------------------------------------
     def collect_step(self, env, stream):
         # COLLECT
-        epsilon_kernel[1, 1, stream](self.scalars["collect_step"], np.float32(self.eps_start),
-                                     np.float32(self.eps_end), np.int64(self.eps_decay), env.epsilon,
-                                     self.stats.device)
+        epsilon_kernel[1, 1, stream](self.scalars["collect_step"], self.scalars["epsilon_schedule"],
+                                     self.scalars["epsilon_decay_steps"], env.epsilon, self.stats.device)
         obs = env.gather(env.transition.obs, stream)                  # [N, state_dim]
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
         actions, q_gap = env.select(q=q, stream=stream)                 # epsilon-greedy, direction lock
@@ -248,41 +285,57 @@ class DQNAgent:
         self.replay.write(obs, actions, out.reward, out.done, stream)
         env.advance(stream)
 
+    def train_phases(self) -> list:
+        """The train step's phases in program order (train_step runs exactly these)."""
+        return [("sample", self._sample), ("targets", self._targets), ("online", self._online),
+                ("loss", self._loss), ("backward", self._backward), ("update", self._update),
+                ("stats", self._stats)]
+
     def train_step(self, stream):
-        cfg = self.cfg
-        # SAMPLE
-        batch = self.replay.sample(self.optim.step_counter, stream)
-        # TARGETS (double DQN: online argmax on next_obs, target-network probabilities)
-        next_online = self.forward(batch.next_obs, stream, tag="next")
-        next_target = self.forward(batch.next_obs, stream, tag="target", role="target")
-        # LOSS
-        online = self.forward(batch.obs, stream, tag="online")
+        for _, phase in self.train_phases():
+            phase(stream)
+
+    # SAMPLE
+    def _sample(self, stream):
+        self.replay.sample(self.optim.step_counter, stream)
+
+    # TARGETS (double DQN: online argmax on next_obs, target-network probabilities)
+    def _targets(self, stream):
+        batch = self.replay.batch
+        self.forward(batch.next_obs, stream, tag="next")
+        self.forward(batch.next_obs, stream, tag="target", role="target")
+
+    def _online(self, stream):
+        self.forward(self.replay.batch.obs, stream, tag="online")
+
+    # LOSS
+    def _loss(self, stream):
+        batch, cfg = self.replay.batch, self.cfg
         lock_aware = cfg.lock_aware_target and self.lock_column is not None
         if lock_aware:
             blocked_direction_kernel[_blocks(cfg.batch_size), 256, stream](
                 batch.next_obs, np.int64(self.lock_column), self.loss.blocked)
-        self.loss(online.logits, batch.action, next_online.q, next_target.probs, batch.reward, batch.done,
-                  batch.discount, stream, use_blocked=lock_aware)
-        # BACKWARD
+        inputs = {"logits": self.head.outputs("online").logits, "actions": batch.action,
+                  "next_q": self.head.outputs("next").q, "target_probs": self.head.outputs("target").probs,
+                  "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
+                  "use_blocked": lock_aware}
+        self.store.begin_step()  # the gradient rule: this step's first writes overwrite
+        self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
+
+    # BACKWARD (d logits → head → trunk)
+    def _backward(self, stream):
         dh = self.head.backward(self.loss.d_logits, stream, tag="online")
         self.trunk.backward(dh, stream, tag="online")
-        # UPDATE (global-norm clip, AdamW, target copy / Polyak)
+
+    # UPDATE (global-norm clip, AdamW, target copy / Polyak)
+    def _update(self, stream):
         self.optim.step(stream)
-        # STATS
-        train_stats_kernel[1, STATS_BLOCK, stream](online.q, next_online.q, batch.action, self.loss.loss,
-                                                   self.optim.stats, self.scalars["train_step"], self.stats.device)
 
-    # -- graphs -----------------------------------------------------------------------------------
-    def capture(self, env, stream, graph: bool = True):
-        """Capture (or, graph=False, wrap eagerly) the collect and train steps.
-
-        Capturing runs each step once eagerly (warm-up), which is a real step: the collect warm-up
-        is the first collect step; the train warm-up runs on a replay that must already hold
-        min_writes steps (the trainer collects those first).
-        """
-        collect = cuda_graph.capture(lambda s: self.collect_step(env, s), stream, eager=not graph)
-        train = cuda_graph.capture(self.train_step, stream, eager=not graph)
-        return collect, train
+    # STATS
+    def _stats(self, stream):
+        train_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, self.head.outputs("next").q,
+                                                   self.replay.batch.action, self.loss.loss, self.optim.stats,
+                                                   self.scalars["train_step"], self.stats.device)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -309,7 +362,10 @@ class DQNAgent:
             if role == "grads":
                 continue
             arena.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(role + "/")})
-        self.optim.state.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optim/")})
+        optim = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optim/")}
+        if "lr" in optim and optim["lr"].shape != self.optim.lr.shape:  # a checkpoint from before groups
+            optim["lr"] = np.broadcast_to(optim["lr"], self.optim.lr.shape)
+        self.optim.state.load(optim)
         self.replay.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("replay/")})
         self.scalars.load({k.split("/", 1)[1]: v for k, v in arrays.items()
                            if k.startswith("agent/") and k != "agent/stats"})
@@ -321,17 +377,12 @@ class DQNAgent:
         self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
 
     def read_stats(self, stream) -> dict[str, float]:
-        """Host read of the mapped stats (waits on an event behind the writers; log intervals only)."""
+        """Host read of the mapped stats by name (waits on an event behind the writers; log
+        intervals only)."""
         self.stats.record(stream)
-        v = self.stats.read()
-        return {
-            "loss": float(v[STAT_LOSS]), "q_mean": float(v[STAT_Q_MEAN]), "q_next_max": float(v[STAT_Q_NEXT_MAX]),
-            "epsilon": float(v[STAT_EPSILON]), "grad_norm": float(v[STAT_GRAD_NORM]),
-            "clip_scale": float(v[STAT_CLIP_SCALE]), "lr": float(v[STAT_LR]),
-            "collect_step": int(v[STAT_COLLECT_STEP]), "train_step": int(v[STAT_TRAIN_STEP]),
-            "skipped_steps": int(v[STAT_SKIPPED]),
-            "nonfinite_step": int(v[STAT_NONFINITE_STEP]), "nonfinite_what": int(v[STAT_NONFINITE_WHAT]),
-        }
+        values = AGENT_STATS.read(self.stats.read())
+        values.pop("optim_step")  # the same number as train_step once training runs
+        return values
 
     def nonfinite_tensors(self) -> list[str]:
         """Names of the device tensors holding NaN/inf (host check after a guard trip): every role

@@ -67,6 +67,7 @@ from numba import njit
 
 from numbarl.cuda import launch
 from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.losses.base import Loss
 from numbarl.rl.nets.c51_head import EW_ATOMS, EW_ROWS, make_support
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
@@ -463,8 +464,12 @@ def support_scalars(n_atoms: int, v_min: float, v_max: float):
     return support[0], support[-1], np.float32((int(n_atoms) - 1) / (float(v_max) - float(v_min)))
 
 
-class C51Loss:
+class C51Loss(Loss):
     """Plan for the fused distributional double-DQN loss: owns every buffer it writes.
+
+    Loss contract (numbarl/rl/losses/base.py): ``apply({"logits", "actions", "next_q",
+    "target_probs", "rewards", "dones", "discounts"[, "weights"]}, {"logits": buffer}, stream,
+    weight)``; the positional ``__call__`` below is the launcher it runs.
 
     Built once before capture (allocates an Arena); `__call__` only launches three kernels:
 
@@ -507,6 +512,17 @@ class C51Loss:
         arena.allocate()
         arena.load({"support": self.support_host, "branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self.arena = arena
+
+    name = "c51"
+    inputs = ("logits", "actions", "next_q", "target_probs", "rewards", "dones", "discounts")
+    grad_inputs = ("logits",)
+
+    def compute(self, x: dict, stream) -> None:
+        self(x["logits"], x["actions"], x["next_q"], x["target_probs"], x["rewards"], x["dones"], x["discounts"],
+             stream, weights=x.get("weights"), use_blocked=bool(x.get("use_blocked", False)))
+
+    def grad(self, name: str):
+        return self.d_logits
 
     @classmethod
     def for_head(cls, head, batch: int) -> "C51Loss":

@@ -166,6 +166,20 @@ class ParamStore:
     def decay_mask(self) -> np.ndarray:
         return self.mask(lambda s: s.decay)
 
+    def optimizer_groups(self) -> list[str]:
+        """The optimizer's parameter groups: every tensor group, in declaration order."""
+        return list(dict.fromkeys(s.group for s in self.specs.values()))
+
+    def group_ids(self, groups: list[str]) -> np.ndarray:
+        """Host int32 over the flat buffer: the index in `groups` of each element's tensor group
+        (padding between views: 0; its grads and moments are zero, so its group does not matter)."""
+        ids = np.zeros(self.flat_size, np.int32)
+        arena = self.arenas["params"]
+        for spec in self.specs.values():
+            v = arena.views[spec.name]
+            ids[v.offset // 4 : v.offset // 4 + v.size] = groups.index(spec.group)
+        return ids
+
     # -- host I/O -----------------------------------------------------------------------------
     def init(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Draw initial values on the host (in declaration order), load them into params and

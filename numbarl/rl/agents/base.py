@@ -1,0 +1,106 @@
+"""The agent contract and the registry keyed by ``agent.kind``.
+
+An agent owns everything it learns with and is the ONE place its steps are written: the trainer,
+the benchmarks and the GPU tests take the step functions from it (SPEC §2.0)::
+
+    agent = make_agent(cfg.agent, state_dim, branch_sizes, n_envs, seed, eval_batch=1, epsilon=...)
+    steps = agent.step_functions(env)       # {"collect": fn(stream), "train": fn(stream), ...}
+    graphs = {name: capture(fn) for name, fn in steps.items()}        # each captured once
+    for each collect step t:
+        graphs["collect"].replay()
+        for name in agent.after_collect(t, learning_starts, train_every):   # e.g. ("train",)
+            graphs[name].replay()
+    agent.reset_eval(stream); agent.scores(obs, out, stream)   # greedy scores in a backtest
+    agent.state_arrays() / load_state(arrays) / load_params(arrays)          # checkpoints
+
+``train_phases()`` lists the named phases of the train step in program order (the train step is
+exactly their concatenation), so a benchmark times each phase from the same code the run uses.
+Statistics go to mapped memory through a named :class:`numbarl.cuda.registry.StatsLayout` and are
+read at log intervals by :meth:`Agent.read_stats`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+AGENTS: dict[str, type] = {}
+
+
+def register(kind: str):
+    """Class decorator: the agent built for ``agent.kind = kind``."""
+
+    def deco(cls):
+        if kind in AGENTS and AGENTS[kind] is not cls:
+            raise ValueError(f"agent kind {kind!r} is registered twice ({AGENTS[kind].__name__}, {cls.__name__})")
+        AGENTS[kind] = cls
+        cls.kind = kind
+        return cls
+
+    return deco
+
+
+def agent_class(kind: str) -> type:
+    _load_builtin()
+    cls = AGENTS.get(kind)
+    if cls is None:
+        raise ValueError(f"agent.kind = {kind!r} is not a registered agent; registered: {', '.join(sorted(AGENTS))}")
+    return cls
+
+
+def make_agent(cfg, state_dim: int, branch_sizes, n_envs: int, seed: int, **kwargs):
+    """The agent of ``cfg.kind`` (an AgentConfig), built for an env of this shape."""
+    return agent_class(cfg.kind)(cfg, state_dim, branch_sizes, n_envs, seed, **kwargs)
+
+
+def known_kinds() -> tuple[str, ...]:
+    _load_builtin()
+    return tuple(sorted(AGENTS))
+
+
+def _load_builtin() -> None:
+    from numbarl.rl.agents import dqn  # noqa: F401  (registers "c51")
+
+
+class Agent:
+    """Base of every agent (see the module docstring). Subclasses define the step functions."""
+
+    kind: str = ""
+
+    def step_functions(self, env) -> dict[str, Callable]:
+        """{graph name: step function(stream)}: what the trainer captures, once each."""
+        raise TypeError(f"{type(self).__name__} does not define step_functions")
+
+    def train_phases(self) -> list[tuple[str, Callable]]:
+        """[(phase name, fn(stream))] of the train step, in program order."""
+        return []
+
+    def after_collect(self, collect_steps: int, learning_starts: int, train_every: int) -> tuple[str, ...]:
+        """The graphs to replay after collect step number `collect_steps` (1-based), in order."""
+        return ()
+
+    @property
+    def prefill_steps(self) -> int:
+        """Collect steps needed before the first training graph may run."""
+        return 0
+
+    def scores(self, obs, out, stream) -> None:
+        """Greedy per-branch action scores [P, n_branches, max_actions] for a backtest's policies."""
+        raise TypeError(f"{type(self).__name__} does not define scores")
+
+    def reset_eval(self, stream) -> None:
+        """Clear state carried from bar to bar in a backtest (recurrent / sequence agents)."""
+
+    def state_arrays(self) -> dict:
+        return {}
+
+    def load_state(self, arrays: dict) -> None:
+        pass
+
+    def load_params(self, arrays: dict) -> None:
+        pass
+
+    def read_stats(self, stream) -> dict:
+        return {}
+
+    def nonfinite_tensors(self) -> list[str]:
+        return []
