@@ -23,6 +23,7 @@ import click
 import numpy as np
 
 from numbarl.data.errors import DataError
+from numbarl.data.splits import DEFAULT_SPLIT
 
 FOLD_OPTIONS = ("folds", "train_sessions", "val_sessions", "test_sessions", "embargo_bars")
 
@@ -58,30 +59,25 @@ def _progress():
 def _fold_spec(options: dict) -> dict | None:
     if options.get("folds") is None:
         return None
-    return {
-        "n_folds": options["folds"],
-        "train_sessions": options["train_sessions"],
-        "val_sessions": options["val_sessions"],
-        "test_sessions": options["test_sessions"],
-        "embargo_bars": options["embargo_bars"],
-    }
+    return {"n_folds": options["folds"], **{name: options[name] for name in DEFAULT_SPLIT}}
 
 
 def fold_options(fn):
-    """--folds and friends: check that the cache can be split before writing it."""
+    """--folds and friends: check that the cache can be split before writing it, with the split
+    numbarl-train uses (numbarl/data/splits.py: the same defaults, the same walk_forward)."""
     options = [
-        click.option("--folds", type=int, default=None, help="Require this many walk-forward folds (checked before writing)."),
-        click.option("--train-sessions", type=int, default=12, show_default=True),
-        click.option("--val-sessions", type=int, default=4, show_default=True),
-        click.option("--test-sessions", type=int, default=4, show_default=True),
-        click.option("--embargo-bars", type=int, default=0, show_default=True),
+        click.option("--folds", type=int, default=None, help="Require this many walk-forward folds, split as numbarl-train splits them (checked before writing)."),
+        *(click.option(f"--{name.replace('_', '-')}", type=int, default=DEFAULT_SPLIT[name], show_default=True,
+                       help=f"As numbarl-train's train.{name}.") for name in DEFAULT_SPLIT),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-@click.group(cls=DataGroup, name="numbarl-data", help=__doc__.split("\n\n")[0])
+@click.group(cls=DataGroup, name="numbarl-data", help=__doc__.split("\n\n")[0],
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="numbarl", prog_name="numbarl-data", message="%(prog)s %(version)s")
 def data_group():
     pass
 
@@ -241,6 +237,8 @@ def inspect(cache_dir, as_json):
     """Bars, sessions, bars/day, time span and per-feature mean/std/NaN count of a cache."""
     from numbarl.data.fxcache import load_cache
 
+    if not Path(cache_dir).exists():
+        raise DataError(f"{cache_dir}: no such folder")
     info = describe(load_cache(cache_dir))
     if as_json:
         click.echo(json.dumps(info, indent=1))
@@ -303,7 +301,10 @@ def export(cache_dir, parquet, force):
         pq.write_table(table, tmp)
         os.replace(tmp, parquet)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a file where a folder should be: there is no temporary file to remove
+            pass
         if isinstance(exc, OSError):  # full disk, read-only mount, a file where a folder should be
             raise DataError(f"cannot write {parquet}: {exc.strerror or exc}") from None
         raise
@@ -319,7 +320,10 @@ def data_main(argv=None):
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+            click.echo("numbarl-data: interrupted (no cache written)", err=True)
+            sys.exit(130)
         click.echo("numbarl-data: aborted", err=True)
         sys.exit(1)
     except KeyboardInterrupt:

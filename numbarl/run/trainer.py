@@ -24,6 +24,7 @@ causal, and validation/test only read the agent's weights.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -78,9 +79,26 @@ def _synth_spec(dcfg) -> dict:
     return spec
 
 
+@contextlib.contextmanager
+def _build_once(path: Path):
+    """fxcache.build_lock around a cache build (runs started together build it once), and no empty
+    `.<name>.lock` file left in the cache folder when the build fails (bad input, Ctrl-C): users
+    found them piling up. A run waiting on the lock at that moment still holds the file open and
+    builds the cache itself."""
+    from numbarl.data.fxcache import META_FILE, build_lock
+
+    try:
+        with build_lock(path):
+            yield
+    except BaseException:
+        if not (path / META_FILE).is_file():
+            (path.parent / f".{path.name}.lock").unlink(missing_ok=True)
+        raise
+
+
 def prepare_data(dcfg, log=print):
     """Load or build the feature cache the config names. Errors are DataError (one clear line)."""
-    from numbarl.data.fxcache import META_FILE, build_cache, build_lock, load_cache
+    from numbarl.data.fxcache import META_FILE, build_cache, load_cache
 
     features = dcfg.features or None
     source = dcfg.source
@@ -91,7 +109,7 @@ def prepare_data(dcfg, log=print):
         key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
         path = default_cache_dir(dcfg) / f"synthetic-{key}"
         if not (path / META_FILE).is_file():
-            with build_lock(path):  # runs started together build it once
+            with _build_once(path):  # runs started together build it once
                 if not (path / META_FILE).is_file():
                     log(f"building the synthetic market ({spec['sessions']} sessions, signal {spec['signal']}) -> {path}")
                     t0 = time.time()
@@ -119,7 +137,7 @@ def prepare_data(dcfg, log=print):
     h.update((dcfg.symbol + "|" + (dcfg.features or "")).encode())
     path = default_cache_dir(dcfg) / f"cache-{h.hexdigest()[:12]}"
     if not (path / META_FILE).is_file():
-        with build_lock(path):
+        with _build_once(path):
             if not (path / META_FILE).is_file():
                 log(f"building the feature cache from {len(files)} file(s) -> {path}")
                 build_cache(files, path, symbol=dcfg.symbol or None, feature_names=features, overwrite=True)
@@ -408,7 +426,8 @@ class FoldTrainer:
             kept = (f"the last good checkpoint {last['tag']} is kept (inspect it with "
                     f"`numbarl-backtest {self.run.path} --checkpoint {last['tag']}`)")
         else:
-            kept = "no checkpoint had been saved yet (the run stopped in its first epoch): nothing to resume from"
+            kept = ("no checkpoint had been saved yet (it stopped in its first epoch), so none is kept; "
+                    "`--resume` would start the fold over")
         raise NonFiniteError(
             f"non-finite {what} at train step {stats['nonfinite_step']} (fold {self.fold.index}, epoch "
             f"{self.epoch + 1}); non-finite tensors: {where}. The run stopped; {kept}.")
@@ -682,15 +701,15 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
     if print_config:
         return config_mod.to_toml(cfg)
     graph = graph and cfg.train.graph
+    if simulator and cfg.preset in GPU_PRESETS:
+        progress.warn(f"preset {cfg.preset!r} ({cfg.train.n_envs} envs, batch {cfg.agent.batch_size}) is sized "
+                      "for a GPU; under the CUDA simulator it cannot realistically finish on a CPU (hours per "
+                      "epoch). Use --preset tiny (the default without a GPU) to try numbarl here.")
     if not resume_dir:
         if out_dir is None:
             out_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         RunDir.check_destination(out_dir)  # before the data is read or built: a bad --out fails at once
     try:
-        if simulator and cfg.preset in GPU_PRESETS:
-            progress.warn(f"preset {cfg.preset!r} ({cfg.train.n_envs} envs, batch {cfg.agent.batch_size}) is sized "
-                          "for a GPU; under the CUDA simulator it cannot realistically finish on a CPU (hours per "
-                          "epoch). Use --preset tiny (the default without a GPU) to try numbarl here.")
         # DATA (validated before anything is written)
         cache = prepare_data(cfg.data, log=progress.log)
         make_folds(cache, cfg.train)  # too few sessions → DataError before any output
