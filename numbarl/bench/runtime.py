@@ -128,15 +128,6 @@ def _check_gemm(gen, trans_a, trans_b, epilogue, M, K, N, compute="fp32"):
     return max(errs) < tol, f"max rel err {max(errs):.1e}"
 
 
-def _graph_step_buffers(gen, n, k):
-    x = _cuda.to_device(gen.standard_normal((n, k)).astype(np.float32))
-    w = _cuda.to_device((gen.standard_normal((k, k)) / math.sqrt(k)).astype(np.float32))
-    b = _cuda.to_device(gen.standard_normal(k).astype(np.float32))
-    h = _cuda.device_array((n, k), np.float32)
-    counter = _cuda.to_device(np.zeros(1, np.int64))
-    return x, w, b, h, counter
-
-
 def _make_step(x, w, b, h, counter, seed):
     n, k = x.shape
 

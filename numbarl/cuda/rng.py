@@ -39,7 +39,6 @@ _INV24 = np.float32(1.0 / 16777216.0)
 _TWO_PI = np.float32(2.0 * math.pi)
 _MINUS_TWO = np.float32(-2.0)
 _HALF = np.float32(0.5)
-BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,48 +122,6 @@ def advance_kernel(counter, k):
         counter[0] += k
 
 
-@_cuda.jit(cache=True)
-def uniform_kernel(out, seed, counter, slot):
-    i = _cuda.grid(1)
-    if i < out.size:
-        out[i] = uniform(seed, i, counter[0], slot)
-
-
-@_cuda.jit(cache=True)
-def normal_kernel(out, seed, counter, slot):
-    i = _cuda.grid(1)
-    if i < out.size:
-        out[i] = normal(seed, i, counter[0], slot)
-
-
-@_cuda.jit(cache=True)
-def randint_kernel(out, seed, counter, slot, high):
-    i = _cuda.grid(1)
-    if i < out.size:
-        out[i] = randint(seed, i, counter[0], slot, high)
-
-
-# ---------------------------------------------------------------------------------------------
-# launchers (all read the counter from device memory: safe to capture)
-# ---------------------------------------------------------------------------------------------
-def _grid(n):
-    return max(1, (n + BLOCK - 1) // BLOCK)
-
-
 def advance(counter, stream, k=1):
     """counter[0] += k on the device (int64 counter array of length >= 1)."""
     advance_kernel[1, 1, stream](counter, np.int64(k))
-
-
-def fill_uniform(out, seed, counter, stream, slot=0):
-    """out[i] = uniform(seed, lane=i, counter[0], slot), float32 1-D array."""
-    uniform_kernel[_grid(out.size), BLOCK, stream](out, np.uint64(seed), counter, np.uint64(slot))
-
-
-def fill_normal(out, seed, counter, stream, slot=0):
-    normal_kernel[_grid(out.size), BLOCK, stream](out, np.uint64(seed), counter, np.uint64(slot))
-
-
-def fill_randint(out, seed, counter, high, stream, slot=0):
-    """out[i] in [0, high), int32/int64 1-D array."""
-    randint_kernel[_grid(out.size), BLOCK, stream](out, np.uint64(seed), counter, np.uint64(slot), np.uint64(high))
