@@ -322,13 +322,13 @@ class NonFiniteError(RuntimeError):
 class FoldTrainer:
     """Trains one walk-forward fold: env on the training window, fresh agent, epochs, validation."""
 
-    def __init__(self, cfg: Config, market, fold, run: RunDir, graph: bool, progress: Progress, simulator: bool):
+    def __init__(self, cfg: Config, market, fold, run: RunDir, graph: bool, progress: Progress):
         from numbarl.cuda.runtime import stream
         from numbarl.env.device import DeviceEnv
         from numbarl.rl.agents.base import make_agent
 
         self.cfg, self.market, self.fold, self.run, self.graph = cfg, market, fold, run, graph
-        self.progress, self.simulator = progress, simulator
+        self.progress = progress
         t = cfg.train
         self.seed = fold_seed(t.seed, fold.index)
         self.stream = stream()
@@ -558,7 +558,7 @@ def _headline_text(m: dict) -> str:
             f"| trades {_num(m.get('n_trades'), 'd')} | win rate {_num(m.get('win_rate'), '.1%')}")
 
 
-def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progress, simulator: bool,
+def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progress,
                  resume: tuple | None = None, resuming: bool = False) -> dict:
     """Train every fold not yet finished. `resume`: (arrays, state) of the latest checkpoint;
     `resuming`: the run folder already holds a (killed) run, whose records after its last
@@ -585,7 +585,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         if fold.index in done_folds:
             continue
         progress.log(f"fold {fold.index}: train bars {fold.train}, validation {fold.val}, test {fold.test}")
-        ft = FoldTrainer(cfg, market, fold, run, graph, progress, simulator)
+        ft = FoldTrainer(cfg, market, fold, run, graph, progress)
         run.reset_best()  # best.json: the best checkpoint of the fold in training
         if resume is not None and resume[1]["fold"] == fold.index:
             ft.restore(*resume)
@@ -728,7 +728,7 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
                      f"{cache.bars_per_day:.0f} bars/day, {cache.features.shape[1]} features | "
                      f"{cfg.train.n_envs} envs | {'graphs' if graph else 'eager'}"
                      f"{' | simulator' if simulator else ''}")
-        return run_training(cfg, cache, run, graph, progress, simulator, resume, resuming=bool(resume_dir))
+        return run_training(cfg, cache, run, graph, progress, resume, resuming=bool(resume_dir))
     except KeyboardInterrupt as e:
         if run is not None:
             progress.log(f"interrupted ({'SIGTERM' if type(e) is not KeyboardInterrupt else 'Ctrl-C'}); "
