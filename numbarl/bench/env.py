@@ -18,7 +18,13 @@ Then, on a GPU:
   (entries, target/stop exits, trade accounting);
   the CPU column's backtest also runs the metric scan (backtest_reference computes both);
 * the CPU reference env and backtest on this host (@njit, one core) at smaller sizes, scaled per
-  step, and the device/CPU ratios.
+  step, and the device/CPU ratios;
+* backtest with a learned policy, bars/s: the default preset's validation window (--val-bars,
+  default 3,063 bars, 1 policy, the default agent network 64 features -> 512 -> 512, C51 head
+  4 branches x 51 atoms): every bar gather -> network -> greedy select -> step, as replays of
+  captured graphs of bar steps (numbarl.env.backtest.PolicyBars) and as the eager loop; checked
+  bitwise equal before it is timed. The first graphed call captures (timed apart), later calls
+  replay (the trainer's validation from the second epoch on).
 
 Timing: CUDA events, warm-up first, median of --reps repetitions.
 """
@@ -251,6 +257,60 @@ def time_backtest(n_policies: int, n_bars: int, chunk: int, reps: int) -> dict:
     }
 
 
+def policy_backtest(n_bars: int = 3063, n_features: int = 64, reps: int = 5, trunk=None, seed: int = 8) -> dict:
+    """A greedy learned policy over an n_bars window: graph == eager (bitwise), then timings.
+
+    The network is the default preset's (AgentConfig(); trunk= overrides it, e.g. for a quick
+    run under the simulator) with its initial weights; the env is EnvParams(). Returns seconds
+    per call: eager, first graphed call (capture included), median of `reps` later graphed calls;
+    bars/s of the latter; and `identical`, the name of the first output that differs (or None).
+    """
+    from dataclasses import replace
+
+    from numbarl.config import AgentConfig
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    params = EnvParams()
+    data = synthetic_market(n_bars + 1, n_features, seed=seed)
+    market = data.to_device(params.vol_span, params.vol_horizon_bars)
+    cfg = replace(AgentConfig(), batch_size=256, replay_capacity=1024)  # the network is what a backtest runs
+    if trunk is not None:
+        cfg = replace(cfg, trunk=tuple(trunk))
+    agent = DQNAgent(cfg, params.state_dim(n_features), params.branch_sizes, 1, seed, eval_batch=1)
+    window = (0, n_bars)
+    s = default_stream()
+
+    def call(graph_mode):
+        t0 = time.perf_counter()
+        result = backtest(market, window, params, q_fn=agent.q_fn, n_policies=1, stream=s, graph=graph_mode)
+        return result, time.perf_counter() - t0  # backtest() returns host arrays: it has synchronized
+
+    eager, t_eager = call(False)
+    first, t_first = call(True)
+    times = []
+    for _ in range(max(1, reps)):
+        again, t = call(True)
+        times.append(t)
+    differs = None
+    for name, a, b in (("pnl", first.pnl, eager.pnl), ("position", first.position, eager.position),
+                       ("accumulators", first.accumulators, eager.accumulators),
+                       ("pnl (cached graph)", again.pnl, eager.pnl), ("accumulators (cached graph)", again.accumulators, eager.accumulators)):
+        if not np.array_equal(a, b, equal_nan=True):
+            differs = differs or name
+    if not (first.trades.equals(eager.trades) and again.trades.equals(eager.trades)):
+        differs = differs or "trades"
+    m_eager, m_graph = eager.metrics().values, again.metrics().values
+    for name in m_eager:
+        if not np.array_equal(np.asarray(m_graph[name]), np.asarray(m_eager[name]), equal_nan=True):
+            differs = differs or f"metric {name}"
+    t_graph = statistics.median(times)
+    return {
+        "bars": n_bars, "trunk": list(cfg.trunk), "n_atoms": cfg.n_atoms, "identical": differs is None, "differs": differs,
+        "trades": len(eager.trades), "s_eager": t_eager, "s_graph_first": t_first, "s_graph": t_graph,
+        "s_graph_all": times, "bars_per_s_graph": (n_bars - 1) / t_graph, "bars_per_s_eager": (n_bars - 1) / t_eager,
+    }
+
+
 def time_cpu(n_envs: int, steps: int, bt_policies: int, bt_bars: int) -> dict:
     params = bench_params()
     data = synthetic_market(max(bt_bars + 10, 20_000), 64, seed=6)
@@ -300,6 +360,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-steps", type=int, default=50)
     ap.add_argument("--cpu-bt-policies", type=int, default=16)
     ap.add_argument("--cpu-bt-bars", type=int, default=200_000)
+    ap.add_argument("--val-bars", type=int, default=3063, help="bars of the learned-policy backtest (default preset validation)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=str, default=None, help="write results to this path")
     args = ap.parse_args(argv)
@@ -328,6 +389,12 @@ def main(argv=None) -> int:
         _write(args.json, results)
         return 0
 
+    pol = policy_backtest(args.val_bars, args.features, args.reps)
+    print(
+        f"  [{'pass' if pol['identical'] else 'FAIL'}] learned-policy backtest, graph == eager bitwise: "
+        f"{pol['bars']} bars, {pol['trades']} trades" + ("" if pol["identical"] else f" ({pol['differs']} differs)")
+    )
+    results["checks"]["learned-policy backtest graph == eager"] = {"pass": pol["identical"], "detail": pol["differs"]}
     env = time_env(args.n_envs, args.graph_steps, args.features, args.env_bars, args.reps)
     bt = time_backtest(args.bt_policies, args.bt_bars, args.bt_chunk, max(1, args.reps // 2))
     cpu = time_cpu(args.cpu_envs, args.cpu_steps, args.cpu_bt_policies, args.cpu_bt_bars)
@@ -337,6 +404,7 @@ def main(argv=None) -> int:
         ("env step, eager launch", "env-steps/s", env["eager_step"], cpu["step"], None),
         (f"backtest {args.bt_policies} x {args.bt_bars:,} bars", "bar-steps/s", bt["bar_steps_per_s"], cpu["backtest"], 1e10),
         ("backtest + device metric scan per chunk", "bar-steps/s", bt["bar_steps_per_s_with_metrics"], cpu["backtest"], None),
+        (f"backtest with a learned policy, {pol['bars']:,} bars (graphs)", "bars/s", pol["bars_per_s_graph"], pol["bars_per_s_eager"], (pol["bars"] - 1) / 0.1),
     ]
     print(f"\n{'what':<58} {'unit':<12} {'device':>10} {'CPU ref':>10} {'ratio':>8} {'goal':>8}")
     for what, unit, dev, ref, goal in rows:
@@ -347,10 +415,15 @@ def main(argv=None) -> int:
         f"generation (subtracted), {bt['trades']:,} trades; "
         f"CPU reference: one core, {args.cpu_envs} envs x {args.cpu_steps} steps, backtest {args.cpu_bt_policies} x {args.cpu_bt_bars:,} bars"
     )
-    results.update({"env": env, "backtest": bt, "cpu": cpu, "args": vars(args)})
+    print(
+        f"learned-policy backtest ({pol['bars']:,} bars, 1 policy, trunk {pol['trunk']}, {pol['n_atoms']} atoms; its 'CPU ref' "
+        f"column is the eager device loop): {pol['s_graph'] * 1e3:.1f} ms per call with graphs (goal 100 ms), "
+        f"{pol['s_graph_first'] * 1e3:.0f} ms for the first call (capture), {pol['s_eager'] * 1e3:.0f} ms eager"
+    )
+    results.update({"env": env, "backtest": bt, "cpu": cpu, "policy_backtest": pol, "args": vars(args)})
     results["ratios"] = {"env_step": env["step"] / cpu["step"], "env_collect": env["collect"] / cpu["collect"], "backtest": bt["bar_steps_per_s"] / cpu["backtest"]}
     _write(args.json, results)
-    return 0
+    return 0 if pol["identical"] else 1
 
 
 def _write(path, results):

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from numbarl.cuda.runtime import cuda
+from numbarl.env import backtest as backtest_module
 from numbarl.env.backtest import backtest, backtest_reference
 from numbarl.env.device import DeviceEnv
 from numbarl.env.metrics import METRIC_NAMES, compute_metrics
@@ -135,12 +137,104 @@ def test_q_fn_backtest_equals_actions_backtest(rng, make_market):
         q_out.copy_to_device(q, stream=stream)
         calls.append(j)
 
-    via_q = backtest(data, (start, end), params, q_fn=q_fn, n_policies=n_pol, chunk_bars=13)
+    via_q = backtest(data, (start, end), params, q_fn=q_fn, n_policies=n_pol, chunk_bars=13, graph=False)
     via_a = backtest(data, (start, end), params, actions=actions)
     assert len(calls) == end - start - 1
     np.testing.assert_array_equal(via_q.pnl, via_a.pnl)
     np.testing.assert_array_equal(via_q.position, via_a.position)
     assert via_q.trades.equals(via_a.trades)
+    # the graphed path (here the simulator re-calls the captured bars: 13-bar graphs, the surplus
+    # steps of the last replay masked) is the same backtest
+    via_g = backtest(data, (start, end), params, q_fn=q_fn, n_policies=n_pol, chunk_bars=13, graph=True)
+    np.testing.assert_array_equal(via_g.pnl, via_a.pnl)
+    np.testing.assert_array_equal(via_g.position, via_a.position)
+    assert via_g.trades.equals(via_a.trades)
+
+
+_cuda = cuda()
+
+
+@_cuda.jit
+def _linear_q_kernel(obs, w, q):
+    """q[p, b, a] = sum_j obs[p, j] W[p, j, b * A + a]: a capturable per-policy 'network'."""
+    e = _cuda.grid(1)
+    n, nb, na = q.shape
+    if e >= n * nb * na:
+        return
+    p = e // (nb * na)
+    o = e - p * nb * na
+    acc = np.float32(0.0)
+    for j in range(obs.shape[1]):
+        acc += obs[p, j] * w[p, j, o]
+    q[p, o // na, o - (o // na) * na] = acc
+
+
+class _LinearPolicies:
+    """P linear greedy policies on the device (q_fn is a bound method, like an agent's)."""
+
+    def __init__(self, weights):
+        self.w = _cuda.to_device(weights)
+
+    def q_fn(self, obs, q, stream):
+        _linear_q_kernel[1, q.size, stream](obs, self.w, q)
+
+
+def test_graphed_policy_backtest_equals_eager_bitwise(rng, make_market, monkeypatch):
+    data = make_market(rng, n_bars=50, n_features=2)
+    params = params_for(rng, fill_delay=int(rng.integers(0, 2)))
+    market = data.to_device(params.vol_span, params.vol_horizon_bars)
+    n_pol, window = 2, (4, 45)  # 41 bars in 12-bar chunks: 11 + 12 + 12 + 5 steps
+    dim = params.state_dim(data.n_features)
+    policies = _LinearPolicies(rng.standard_normal((n_pol, dim, params.n_branches * params.max_actions)).astype(np.float32))
+    monkeypatch.setattr(backtest_module, "GRAPH_BARS", 5)  # 3 + 3 + 3 + 1 replays, masked tails
+    kw = dict(q_fn=policies.q_fn, n_policies=n_pol, chunk_bars=12)
+    eager = backtest(data, window, params, graph=False, **kw)
+    graphed = backtest(market, window, params, graph=True, **kw)
+    runner = backtest_module.policy_bars(market, params, n_pol, window, 12, None, policies.q_fn)
+    assert runner.bars_per_graph == 5 and runner.replays == 10
+    again = backtest(market, window, params, graph=True, **kw)  # the cached graph, replayed
+    assert runner.replays == 20 and backtest_module.policy_bars(market, params, n_pol, window, 12, None, policies.q_fn) is runner
+    assert len(eager.trades) > 0
+    for other in (graphed, again):
+        np.testing.assert_array_equal(other.pnl, eager.pnl)
+        np.testing.assert_array_equal(other.position, eager.position)
+        assert other.trades.equals(eager.trades)
+        np.testing.assert_array_equal(other.accumulators, eager.accumulators)
+        got, want = other.metrics().values, eager.metrics().values
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # the actions the greedy policies took, replayed: the actions-driven reference agrees
+    ref = backtest_reference(data, window, params, _greedy_actions(eager, data, params, policies, window))
+    np.testing.assert_allclose(eager.pnl, ref.pnl, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(eager.position, ref.position)
+    # the cache holds the policies weakly: their entry goes with them
+    key_count = len(backtest_module._POLICY_CACHE)
+    del policies, kw
+    assert len(backtest_module._POLICY_CACHE) == key_count - 1
+
+
+def _greedy_actions(result, data, params, policies, window):
+    """The greedy actions of `policies` at each window bar, recomputed on the host from the
+    backtest's positions (obs = features | portfolio features, via the CPU env's gather)."""
+    from numbarl.env.reference import CpuEnv
+
+    start, end = window
+    w = policies.w.copy_to_host()
+    n_pol = w.shape[0]
+    env = CpuEnv(data, params, n_pol)
+    from numbarl.env.core import initial_portfolio, store_row
+
+    for p in range(n_pol):
+        store_row(env.state, p, initial_portfolio(start))
+    out = np.zeros((n_pol, end - start, params.n_branches), np.int32)
+    for j in range(end - start - 1):
+        obs = env.gather()
+        q = np.einsum("pj,pjo->po", obs, w, dtype=np.float32).reshape(n_pol, params.n_branches, params.max_actions)
+        actions, _ = env.select(q.astype(np.float32), 0.0)
+        out[:, j] = actions
+        env.step(actions)
+    return out
 
 
 def test_flat_policy_has_no_pnl_and_degenerate_metrics(rng, make_market):

@@ -149,3 +149,26 @@ def test_gpu_collect_graph_replay_equals_eager_and_is_deterministic(rng, make_ma
             np.testing.assert_array_equal(env.arena[name].copy_to_host(), envs[0].arena[name].copy_to_host(), err_msg=name)
     assert envs[0].counter.copy_to_host()[0] == steps
     assert ref["kelly_wins"].sum() + ref["kelly_losses"].sum() > 0
+
+
+# the default preset's validation window (3,063 bars, 1 policy, the default network) and the
+# issue's goal for it; set NUMBARL_VAL_GOAL_S to check another GPU against its own number
+VALIDATION_SIZE = dict(n_bars=3063, n_features=64, reps=5)
+VALIDATION_GOAL_S = 0.1
+
+
+def test_gpu_learned_policy_backtest_graph_equals_eager_and_meets_the_validation_goal():
+    import os
+
+    from numbarl.bench.env import policy_backtest
+
+    r = policy_backtest(**VALIDATION_SIZE)
+    print(
+        f"\nlearned-policy backtest, {r['bars']} bars, trunk {r['trunk']}, {r['n_atoms']} atoms, {r['trades']} trades: "
+        f"graphs {r['s_graph'] * 1e3:.1f} ms per call (runs {', '.join(f'{t * 1e3:.1f}' for t in r['s_graph_all'])} ms; "
+        f"{r['bars_per_s_graph']:,.0f} bars/s), first call with capture {r['s_graph_first'] * 1e3:.0f} ms, "
+        f"eager {r['s_eager'] * 1e3:.0f} ms ({r['bars_per_s_eager']:,.0f} bars/s)"
+    )
+    assert r["identical"], f"graphed backtest differs from the eager one: {r['differs']}"
+    goal = float(os.environ.get("NUMBARL_VAL_GOAL_S", VALIDATION_GOAL_S))
+    assert r["s_graph"] <= goal, f"validation of {r['bars']} bars took {r['s_graph']:.3f} s with graphs (goal {goal} s)"
