@@ -1,0 +1,82 @@
+"""Every network module numbarl has, as a small case the contract test runs.
+
+``tests/rl/test_module_contract.py`` is parametrized over :data:`MODULES`: each entry builds a
+small instance on odd shapes and says which output its backward differentiates. Adding a module
+to numbarl is one new file (the module, following numbarl/rl/nets/module.py), one entry here,
+and its hand-computed cases in its own test file (docs/ARCHITECTURE.md walks through one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModuleCase:
+    """make() builds the module; batch and in_dim give the input x [batch, in_dim]; `primary`
+    picks the output the backward differentiates (default: the output itself) and `valid` the
+    entries of it that are defined (padding of ragged outputs is excluded from the test loss);
+    acts: extra keyword arguments of declare_acts."""
+
+    make: Callable
+    batch: int
+    in_dim: int
+    primary: Callable = field(default=lambda out: out)
+    valid: Callable | None = None
+    acts: dict = field(default_factory=dict)
+
+
+def _c51_logits(out):
+    return out.logits
+
+
+def _c51_valid(module):
+    def valid(shape):
+        mask = np.zeros(shape, bool)
+        for k, n in enumerate(module.branch_sizes):
+            mask[:, k, :n, :] = True
+        return mask
+
+    return valid
+
+
+def _cases() -> dict[str, ModuleCase]:
+    from numbarl.rl.nets.activations import Activation
+    from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+    from numbarl.rl.nets.layernorm import LayerNorm
+    from numbarl.rl.nets.linear import Linear
+    from numbarl.rl.nets.mlp import Mlp
+
+    return {
+        "linear": ModuleCase(lambda: Linear("fc", 5, 13), 7, 5),
+        "linear-relu": ModuleCase(lambda: Linear("fc", 5, 13, "relu"), 7, 5),
+        "linear-silu": ModuleCase(lambda: Linear("fc", 5, 13, "silu"), 7, 5),
+        "activation-silu": ModuleCase(lambda: Activation("act", 6, "silu"), 7, 6),
+        "layernorm": ModuleCase(lambda: LayerNorm("ln", 13), 7, 13),
+        "mlp-relu": ModuleCase(lambda: Mlp("trunk", 5, (13, 9), input_grad=True), 7, 5),
+        "mlp-layernorm-silu": ModuleCase(lambda: Mlp("trunk", 5, (11, 6), activation="silu", layernorm=True,
+                                                     input_grad=True), 7, 5),
+        "c51-head": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0, v_max=2.0),
+                               7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
+    }
+
+
+MODULES: dict[str, ModuleCase] = {}
+
+
+def modules() -> dict[str, ModuleCase]:
+    """The registered cases (built on first use: importing them compiles nothing)."""
+    if not MODULES:
+        MODULES.update(_cases())
+    return MODULES
+
+
+def valid_mask(case: ModuleCase, module, shape) -> np.ndarray:
+    if case.valid == "c51":
+        return _c51_valid(module)(shape)
+    if case.valid is None:
+        return np.ones(shape, bool)
+    return case.valid(shape)
