@@ -236,11 +236,11 @@ def _scalars(record: dict, prefix: str) -> dict:
 def _creation_time(run) -> float:
     created = run.meta.get("created") if isinstance(run.meta, dict) else None
     try:
-        stamp = _dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
+        stamp = _dt.datetime.fromisoformat(str(created))  # Python >= 3.11 reads a trailing "Z" too
     except ValueError:
         return 0.0
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=_dt.timezone.utc)
+    if stamp.tzinfo is None:  # run.json stores UTC
+        stamp = stamp.replace(tzinfo=_dt.UTC)
     return stamp.timestamp()
 
 

@@ -127,6 +127,8 @@ def test_hand_computed_small_case():
         ("no_trades", "avg_hold", "no trades"),
         ("ruin", "sharpe", "equity fell to zero"),
         ("short_boom", "calmar", "overflows"),
+        ("short_boom", "sharpe", "overflow"),  # not "zero variance": the squares overflow
+        ("short_boom", "sharpe_adj", "overflow"),
         ("short_window", "calmar", "shorter than 20"),
     ],
 )
