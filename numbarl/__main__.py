@@ -1,4 +1,4 @@
-"""`python -m numbarl train|data|backtest|compare|bench ...`: the console scripts without installing
+"""`python -m numbarl train|data|backtest|compare|bench|components ...`: the console scripts without installing
 (e.g. running from source on an offline GPU host, see docs/OFFLINE.md)."""
 
 import sys
@@ -6,13 +6,14 @@ import sys
 from numbarl import __version__, cli
 
 COMMANDS = {"train": cli.train_cmd, "backtest": cli.backtest_cmd, "compare": cli.compare_cmd, "bench": cli.bench_cmd}
-USAGE = """usage: python -m numbarl {train|data|backtest|compare|bench} [options]
+USAGE = """usage: python -m numbarl {train|data|backtest|compare|bench|components} [options]
 
   train      numbarl-train: train an agent, walk-forward validation and out-of-sample test
   data       numbarl-data: build, generate, inspect and export feature caches
   backtest   numbarl-backtest: re-score a saved agent
   compare    numbarl-compare: several runs side by side
   bench      numbarl-bench: GPU benchmarks
+  components every learning component: --set switch, reference, tests, liveness key [--json]
 
 `python -m numbarl COMMAND --help` shows a command's options."""
 
@@ -24,10 +25,14 @@ def main():
     if len(sys.argv) >= 2 and sys.argv[1] == "--version":
         print(f"numbarl {__version__}")
         sys.exit(0)
-    if len(sys.argv) < 2 or sys.argv[1] not in (*COMMANDS, "data"):
+    if len(sys.argv) < 2 or sys.argv[1] not in (*COMMANDS, "data", "components"):
         print(USAGE, file=sys.stderr)
         sys.exit(2)
     name, args = sys.argv[1], sys.argv[2:]
+    if name == "components":
+        from numbarl.rl import components
+
+        sys.exit(components.main(args))
     if name == "data":
         from numbarl.data.commands import data_main
 

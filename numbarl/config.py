@@ -125,6 +125,9 @@ class AgentConfig:
     measured on the GPU against the recorded results (docs/RESULTS.md)."""
     compute: str = "fp32"
     """GEMM precision: 'fp32' or 'tf32'."""
+    feature_gate: bool = False
+    """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
+    its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
 
     def validate(self):
         _check("agent", "kind", self.kind, choices=AGENT_KINDS)

@@ -82,6 +82,13 @@ class StatsLayout(_Slots):
         """Register `name` at `index` (None: the first free one); returns the index."""
         return self._claim(name, index, 1, kind).index
 
+    def copy(self, name: str | None = None) -> "StatsLayout":
+        """A layout with the same slots, to which an instance adds its own (e.g. one slot per
+        optimizer group, known only once the network is built)."""
+        out = StatsLayout(name or self.name)
+        out.slots = dict(self.slots)
+        return out
+
     @property
     def size(self) -> int:
         return max((s.index + s.width for s in self.slots.values()), default=0)

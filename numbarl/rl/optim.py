@@ -39,7 +39,7 @@ replays it forever:
    evaluated on the device from the step counter, so the same graph does it every k-th replay.
 
 Stats (float32 device vector, slots ``STAT_*``): grad norm before clipping, clip scale, lr of group 0,
-optimizer step, skipped non-finite steps. Pass ``stats=`` a view of mapped memory to have the
+optimizer step, skipped non-finite steps, clipped steps and target updates (both cumulative). Pass ``stats=`` a view of mapped memory to have the
 kernels write straight into it, or copy ``Adam.stats`` there.
 
 Padding between parameter views is zero in every role and stays zero (zero grad, zero moments).
@@ -68,7 +68,9 @@ STAT_CLIP_SCALE = 1   # factor the gradients were scaled by (1 when not clipped)
 STAT_LR = 2           # learning rate used by this step
 STAT_STEP = 3         # optimizer steps taken (float32: exact up to 2**24)
 STAT_SKIPPED = 4      # steps skipped because the gradient norm was not finite (cumulative)
-N_STATS = 5
+STAT_CLIPPED = 5      # steps whose gradients were scaled down by the clip (cumulative)
+STAT_TARGET_UPDATES = 6  # target-network updates done (cumulative: every step with Polyak)
+N_STATS = 7
 
 # scalars the finalize kernel hands to the update kernels (float32 [N_SCAL])
 _SCAL_SCALE = 0       # clip scale
@@ -178,6 +180,7 @@ def adam_ref(params, grads, m, v, decay_mask, step: int, lr, cfg: AdamConfig, we
     p = p * (1.0 - lr * wd * np.asarray(decay_mask, np.float64))
     p = p - (lr / (1.0 - cfg.beta1**t)) * m / (np.sqrt(v) / math.sqrt(1.0 - cfg.beta2**t) + cfg.eps)
     stats[STAT_STEP] = t
+    stats[STAT_CLIPPED] = float(scale < 1.0)  # this step's share of the device's cumulative count
     return p, m, v, t, stats
 
 
@@ -217,6 +220,8 @@ def finalize_kernel(step, lr, scal, group_scal, stats, max_norm, clip_eps, beta1
     scale = _ONE
     if max_norm > _ZERO:
         scale = min(_ONE, max_norm / (norm + clip_eps))
+        if scale < _ONE:
+            stats[STAT_CLIPPED] += _ONE
     t = step[0] + 1
     step[0] = t
     bc1 = float64(1.0) - math.pow(beta1, float64(t))  # float64 on one thread: exact bias correction
@@ -254,10 +259,12 @@ def adam_kernel(params, grads, m, v, decay_mask, group_id, group_scal, weight_de
 
 
 @_cuda.jit(cache=True)
-def target_update_kernel(target, params, step, scal, period, tau, one_minus_tau):
+def target_update_kernel(target, params, step, scal, period, tau, one_minus_tau, stats):
     """target ← tau·params + (1 − tau)·target after optimizer steps that are multiples of period."""
     if scal[_SCAL_SKIP] != _ZERO or step[0] % period != 0:
         return
+    if _cuda.grid(1) == 0:
+        stats[STAT_TARGET_UPDATES] += _ONE
     for i in range(_cuda.grid(1), target.shape[0], _cuda.gridsize(1)):  # grid-stride
         if tau == _ONE:
             target[i] = params[i]
@@ -379,7 +386,7 @@ class Adam:
         st, s = self.state, self.store
         target_update_kernel[stride_grid(self._n, BLOCK, 1 << 16)[0], stride_grid(self._n, BLOCK)[1], stream](
             s.flat("target"), s.flat("params"), st["step"], st["scal"], np.int64(self.target.period),
-            np.float32(self.target.tau), np.float32(1.0 - self.target.tau))
+            np.float32(self.target.tau), np.float32(1.0 - self.target.tau), self.stats)
 
     def step(self, stream) -> None:
         """One optimizer step: grad norm + clip → AdamW → target update (4 launches, no host sync).
@@ -420,5 +427,5 @@ class Adam:
         s = stream()
         host = self.stats.copy_to_host(stream=s)
         s.synchronize()
-        names = ("grad_norm", "clip_scale", "lr", "step", "skipped")
+        names = ("grad_norm", "clip_scale", "lr", "step", "skipped", "clipped", "target_updates")
         return {name: float(host[i]) for i, name in enumerate(names)}

@@ -8,7 +8,7 @@ import pytest
 from numbarl.cuda.runtime import stream
 from numbarl.rl.nets.base import ParamStore, kaiming_uniform_init
 from numbarl.rl.optim import (
-    N_STATS, STAT_CLIP_SCALE, STAT_GRAD_NORM, STAT_LR, STAT_SKIPPED, STAT_STEP,
+    N_STATS, STAT_CLIP_SCALE, STAT_CLIPPED, STAT_GRAD_NORM, STAT_LR, STAT_SKIPPED, STAT_STEP, STAT_TARGET_UPDATES,
     Adam, AdamConfig, TargetConfig, adam_ref, clip_scale_ref, target_update_ref,
 )
 
@@ -88,8 +88,9 @@ def test_adam_several_steps_match_reference(rng):
         _close(_flat(store, "params"), p, what=f"params step {k}")
         _close(_flat(store, "adam_m"), m, what=f"m step {k}")
         _close(_flat(store, "adam_v"), v, rtol=3e-6, atol=1e-12, what=f"v step {k}")
-        _close(_stats(opt), ref_stats, rtol=1e-5, what=f"stats step {k}")
-        clipped += ref_stats[STAT_CLIP_SCALE] < 1.0
+        _close(_stats(opt)[:STAT_CLIPPED], ref_stats[:STAT_CLIPPED], rtol=1e-5, what=f"stats step {k}")
+        clipped += ref_stats[STAT_CLIPPED]
+        assert _stats(opt)[STAT_CLIPPED] == clipped  # cumulative count of clipped steps
     assert 0 < clipped < 5
     assert opt.read_stats()["step"] == 5.0
     # padding between views stayed zero in every role
@@ -165,6 +166,7 @@ def test_periodic_target_copy(rng):
         else:
             np.testing.assert_array_equal(target, initial)
             assert not np.array_equal(target, params)
+        assert _stats(opt)[STAT_TARGET_UPDATES] == step // 3  # the liveness counter of the target update
 
 
 def test_polyak_target_matches_reference(rng):

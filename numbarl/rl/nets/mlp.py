@@ -6,6 +6,9 @@ For widths (w_0, ..., w_{L-1}) and input x [B, in_dim]:
     layernorm=True:   h_{i+1} = act(LN(h_i · W_i + b_i; γ_i, β_i))     Linear → LayerNorm → Activation
                       (the "Linear-LN-act" block of e.g. Ball et al. 2023 / Nauman et al. 2024, BRO)
 
+input_gate=True puts a :class:`numbarl.rl.nets.feature_gate.FeatureGate` (y = x ⊙ σ(x·W + b),
+parameter group ``{group}.gate``) before the first Linear.
+
 Every width gets the activation, so the trunk output h_L [B, w_{L-1}] feeds a head directly.
 Layer (and parameter) names: ``{name}.fc{i}`` (``.w`` [in, out], ``.b``), ``{name}.ln{i}``
 (``.gamma``, ``.beta``), ``{name}.act{i}``; all in tensor group ``group`` (default: name), weights
@@ -20,6 +23,7 @@ backward GEMM's sibling, dX = dH·W_0ᵀ).
 from __future__ import annotations
 
 from numbarl.rl.nets.activations import Activation
+from numbarl.rl.nets.feature_gate import FeatureGate
 from numbarl.rl.nets.layernorm import LayerNorm
 from numbarl.rl.nets.linear import LINEAR_ACTIVATIONS, Linear
 from numbarl.rl.nets.module import Sequential
@@ -30,7 +34,7 @@ class Mlp(Sequential):
 
     def __init__(self, name: str, in_dim: int, widths, activation="relu", layernorm: bool = False,
                  group: str | None = None, decay: bool = True, input_grad: bool = False,
-                 compute: str = "fp32", ln_eps: float = 1e-5):
+                 compute: str = "fp32", ln_eps: float = 1e-5, input_gate: bool = False):
         widths = tuple(int(w) for w in widths)
         if not widths or min(widths) < 1:
             raise ValueError(f"{name}: widths must be a non-empty sequence of sizes >= 1 (got {widths})")
@@ -39,10 +43,13 @@ class Mlp(Sequential):
         group = group or name
         layers = []
         d = int(in_dim)
+        if input_gate:  # sigmoid feature gate on the input, its own parameter group
+            layers.append(FeatureGate(f"{name}.gate", d, group=f"{group}.gate", decay=decay, input_grad=input_grad,
+                                      compute=compute))
         for i, w in enumerate(widths):
             fused = None if layernorm else activation
             layers.append(Linear(f"{name}.fc{i}", d, w, fused, group=group, decay=decay,
-                                 input_grad=input_grad or i > 0, compute=compute))
+                                 input_grad=input_grad or input_gate or i > 0, compute=compute))
             if layernorm:
                 layers.append(LayerNorm(f"{name}.ln{i}", w, eps=ln_eps, group=group))
                 if activation not in (None, "none"):
@@ -50,7 +57,7 @@ class Mlp(Sequential):
             d = w
         super().__init__(name, layers, group)
         self.in_dim, self.widths = int(in_dim), widths
-        self.activation, self.layernorm = activation, bool(layernorm)
+        self.activation, self.layernorm, self.input_gate = activation, bool(layernorm), bool(input_gate)
 
     @property
     def out_dim(self) -> int:

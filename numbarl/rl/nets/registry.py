@@ -46,6 +46,7 @@ def _c51_valid(module):
 def _cases() -> dict[str, ModuleCase]:
     from numbarl.rl.nets.activations import Activation
     from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+    from numbarl.rl.nets.feature_gate import FeatureGate
     from numbarl.rl.nets.layernorm import LayerNorm
     from numbarl.rl.nets.linear import Linear
     from numbarl.rl.nets.mlp import Mlp
@@ -56,6 +57,8 @@ def _cases() -> dict[str, ModuleCase]:
         "linear-silu": ModuleCase(lambda: Linear("fc", 5, 13, "silu"), 7, 5),
         "activation-silu": ModuleCase(lambda: Activation("act", 6, "silu"), 7, 6),
         "layernorm": ModuleCase(lambda: LayerNorm("ln", 13), 7, 13),
+        "feature-gate": ModuleCase(lambda: FeatureGate("gate", 6), 7, 6),
+        "mlp-gated": ModuleCase(lambda: Mlp("trunk", 5, (9,), input_gate=True, input_grad=True), 7, 5),
         "mlp-relu": ModuleCase(lambda: Mlp("trunk", 5, (13, 9), input_grad=True), 7, 5),
         "mlp-layernorm-silu": ModuleCase(lambda: Mlp("trunk", 5, (11, 6), activation="silu", layernorm=True,
                                                      input_grad=True), 7, 5),

@@ -1,0 +1,127 @@
+"""Every learning component numbarl has, with the switch, the reference, the tests and the proof
+that it runs in training.
+
+A component is only done when a real training run shows it working: each entry names a metrics
+key (a statistic the train step writes on the device, logged to metrics.jsonl every log interval)
+and the condition that key meets when the component is live. The origin of this rule is a system
+that shipped components which silently never ran in the training forward; the registry makes
+that visible, and tests/rl/test_components.py runs a tiny simulator training run with every
+switch on and checks every key.
+
+    python -m numbarl components            # a table
+    python -m numbarl components --json     # the same, machine-readable
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    summary: str
+    switch: str
+    """The --set that turns it on (always on: the agent kind that has it)."""
+    reference: str
+    """Paper and equation, or the formula."""
+    tests: tuple
+    """Test files that check it against its reference."""
+    liveness: str
+    """metrics.jsonl key (train records) that proves it ran in training."""
+    live_when: str
+    """The condition the key meets when the component is live: '> 0', '> 1' or '!= 0'."""
+    agent_kinds: tuple = ("c51",)
+
+    def is_live(self, value) -> bool:
+        if value is None or not math.isfinite(float(value)):
+            return False
+        op, bound = self.live_when.split()
+        bound = float(bound)
+        return {">": value > bound, "!=": value != bound}[op]
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component(
+        "c51", "branched dueling C51 value head, cross-entropy to the projected target distribution",
+        "agent.kind=c51",
+        "Bellemare, Dabney & Munos 2017, Eq. 7 (dense projection); Wang et al. 2016, Eq. 9 (dueling); "
+        "Tavakoli, Pardo & Kormushev 2018 (action branching)",
+        ("tests/rl/test_c51_head.py", "tests/rl/test_c51_loss.py", "tests/rl/test_module_contract.py"),
+        "loss", "> 0"),
+    Component(
+        "double_dqn", "next-state action from the online network, its distribution from the target network",
+        "agent.kind=c51",
+        "van Hasselt, Guez & Silver 2016, Eq. 4",
+        ("tests/rl/test_c51_loss.py",),
+        "q_next_max", "!= 0"),
+    Component(
+        "n_step", "n-step returns from the replay (the window stops at an episode end)",
+        "agent.n_step=3",
+        "Sutton 1988; Hessel et al. 2018 (Rainbow), Eq. 2",
+        ("tests/rl/test_replay.py",),
+        "nstep_len_mean", "> 1"),
+    Component(
+        "target_periodic", "target network copied every agent.target_period train steps",
+        "agent.target_update=periodic",
+        "Mnih et al. 2015 (Methods: target network)",
+        ("tests/rl/test_optim.py",),
+        "target_updates", "> 0"),
+    Component(
+        "target_polyak", "target network Polyak-averaged every train step",
+        "agent.target_update=polyak",
+        "Lillicrap et al. 2016, Algorithm 1 (soft target update)",
+        ("tests/rl/test_optim.py",),
+        "target_updates", "> 0"),
+    Component(
+        "grad_clip", "global-norm gradient clipping (deterministic norm)",
+        "agent.max_grad_norm=10",
+        "Pascanu, Mikolov & Bengio 2013, Algorithm 2",
+        ("tests/rl/test_optim.py",),
+        "clipped_steps", "> 0"),
+    Component(
+        "feature_gate", "sigmoid gate on each observation feature, y = x ⊙ σ(x·W + b), own optimizer group",
+        "agent.feature_gate=true",
+        "Dauphin et al. 2017, Eq. 1 (gated linear unit); Hu, Shen & Sun 2018, Eq. 3 (feature recalibration)",
+        ("tests/rl/test_feature_gate.py", "tests/rl/test_module_contract.py"),
+        "grad_norm.trunk.gate", "> 0"),
+)
+
+
+def by_name() -> dict[str, Component]:
+    return {c.name: c for c in COMPONENTS}
+
+
+def as_dicts() -> list[dict]:
+    return [{**asdict(c), "tests": list(c.tests), "agent_kinds": list(c.agent_kinds)} for c in COMPONENTS]
+
+
+def table() -> str:
+    rows = [("component", "switch (--set)", "liveness key", "live when", "reference")]
+    rows += [(c.name, c.switch, c.liveness, c.live_when, c.reference) for c in COMPONENTS]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = []
+    for r in rows:
+        lines.append("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 9)
+    return "\n".join(lines)
+
+
+def main(argv) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python -m numbarl components [--json]\n\n"
+              "Lists every learning component: its --set switch, reference, tests and the metrics.jsonl key\n"
+              "that proves it ran in training (and the condition that key meets when it is live).")
+        return 0
+    unknown = [a for a in argv if a != "--json"]
+    if unknown:
+        print(f"error: unknown argument {unknown[0]!r} (usage: python -m numbarl components [--json])", file=sys.stderr)
+        return 2
+    if "--json" in argv:
+        print(json.dumps(as_dicts(), indent=2))
+    else:
+        print(table())
+    return 0
