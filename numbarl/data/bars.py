@@ -3,7 +3,8 @@
 Signed volume. Each trade record (action ``T``) contributes b·v: v its size, b = +1 for a buy
 aggressor (side ``B``), -1 for a sell aggressor (side ``A``), and for side ``N`` the tick rule
 (López de Prado, AFML §2.3.2.1): b = sign(p - p_prev) if the price changed, else the previous b
-(0 before any trade). A bar accumulates θ = Σ b·v and closes once |θ| >= threshold.
+(0 before any trade of the session: the rule does not reach across a session boundary, so an
+opening-auction print is unsigned). A bar accumulates θ = Σ b·v and closes once |θ| >= threshold.
 
 Thresholds, two modes:
 
@@ -13,8 +14,16 @@ Thresholds, two modes:
   calibrates (it produces no bars).
 * ``ewma``: AFML expected imbalance, E0[θ_T] = E0[T] · |E0[b·v]|: E0[T] is an EWMA of past bar
   lengths in trades, clamped to [min_trades, max_trades]; E0[b·v] an EWMA over trades, floored at
-  ``imbalance_floor · E0[|v|]`` so a balanced market cannot drive the threshold to zero. The
-  threshold is fixed at the start of each bar.
+  ``imbalance_floor · E0[|v|]`` so a balanced market cannot drive the threshold to zero. E0[|v|]
+  averages trade *sizes*: a trade without an aggressor side (side ``N`` with no earlier price to
+  sign it, like CME's opening-auction print) adds 0 to E0[b·v] but its size to E0[|v|]. Both trade
+  EWMAs are bias-corrected (Σ w·x / Σ w over the trades so far, w = (1-α)^age): the first trade
+  does not stand for the whole past, so one large auction print weighs 1/k of the estimate after k
+  trades, not (1-α)^k. The threshold is fixed at the start of each bar, except that it follows the
+  EWMAs at every trade until the first bar of the stream has closed, and in a bar that has already
+  run ``ewma_max_trades`` trades: a threshold set by one outsized print cannot stay above every
+  later imbalance, and a session with trades always produces bars. The first bar's length (its
+  threshold was still warming up) does not enter E0[T].
 
 Where a bar closes. The trade that makes |θ| reach the threshold sets the bar *pending*; the bar
 closes at the next consistent book state — the next record with F_LAST (the end of the trade's
@@ -24,9 +33,14 @@ is reset.
 
 Book states. Only records with F_LAST carry a consistent book. A state is *usable* when best
 bid and ask exist, it is not flagged F_MAYBE_BAD_BOOK (a gap: counted in ``gaps``, the OFI
-reference is reset), and it is not crossed (bid > ask is a DataError unless ``allow_crossed``,
-then the state is skipped like a gap). ``R`` (clear) resets the book reference; F_SNAPSHOT
-records are book replays, not activity: they set the reference but add no OFI, events or trades.
+reference is reset), its levels pass the checks of validate.py (else it is skipped like a gap and
+counted), and it is neither crossed nor locked (bid >= ask). A crossed or locked state outside
+the trading session (after the calendar's close and before the next open: CME's pre-open, a
+halt) is skipped like a gap and counted (``crossed_outside_session``); inside the session it is a
+DataError unless ``allow_crossed`` (then skipped and counted as ``crossed_in_session``). ``R``
+(clear) resets the book reference; F_SNAPSHOT records are book replays, not activity: they set the
+reference but add no OFI, events or trades. Trades with an impossible price or size are skipped
+and counted (validate.py); ``BarBuilder.counts`` has every count.
 
 Order-flow imbalance per level m (Cont, Kukanov & Stoikov 2014, eq. 2; levels 1..10 as in
 Xu, Gould & Howison 2019, "Multi-level order-flow imbalance"), between consecutive usable
@@ -42,7 +56,10 @@ Per bar (BAR_DTYPE): trade date and session open, first/close timestamps, durati
 and microprice (Stoikov's size-weighted mid, (bid·qa + ask·qb)/(qb + qa)), best bid/ask/spread at
 close, volume, buy/sell volume, VWAP, trade count, book events, records, θ and the threshold in
 force, gap count, level sizes and order counts at close, OFI per level and mean depth per level
-((qb_m + qa_m)/2 averaged over the bar's usable states). Prices are float64 price units.
+((qb_m + qa_m)/2 averaged over the bar's usable states), and the tick size in force at the close
+(validate.py: the known tick, or the causal estimate from the records so far). Prices are float64
+price units: fixed-point int64 / 1e9, correctly rounded, so a price on the tick grid is the
+nearest double to its decimal value (4000.25 exactly, not 4000.2500000000005).
 
 The builder is a numba ``@njit`` loop over record chunks with its state in a one-row structured
 array, so bars can be built from a stream of chunks (a multi-GB day) and are identical however the
@@ -65,10 +82,25 @@ from numbarl.data.records import (
     F_MAYBE_BAD_BOOK,
     F_SNAPSHOT,
     N_LEVELS,
-    PRICE_SCALE,
+    PRICE_DIVISOR,
     SIDE_ASK,
     SIDE_BID,
     UNDEF_PRICE,
+)
+from numbarl.data.validate import (
+    BOOK_BAD,
+    BOOK_OK,
+    MAX_SIZE,
+    SKIP_NAMES,
+    TICK_SLOTS,
+    TickRef,
+    check_levels,
+    check_levels_ref,
+    level_grid,
+    level_grid_ref,
+    tick_update,
+    trade_price_ok,
+    trade_price_ok_ref,
 )
 
 MODE_TARGET = 0
@@ -93,7 +125,8 @@ P_MIN_TRADES = 5
 P_MAX_TRADES = 6
 P_FLOOR = 7
 P_ALLOW_CROSSED = 8
-N_PARAMS = 9
+P_TICK_FIXED = 9  # known tick in fixed point (0: estimate it causally)
+N_PARAMS = 10
 
 BAR_DTYPE = np.dtype(
     [
@@ -125,7 +158,8 @@ BAR_DTYPE = np.dtype(
         ("n_records", "<i8"),
         ("imbalance", "<f8"),  # θ at close
         ("threshold", "<f8"),
-        ("gaps", "<i8"),  # F_MAYBE_BAD_BOOK states (and skipped crossed states)
+        ("gaps", "<i8"),  # F_MAYBE_BAD_BOOK states and skipped (crossed, invalid, off-grid) states
+        ("tick", "<f8"),  # tick size in force at the close (known or causal estimate; 0 = not yet known)
         ("bid_sz", "<i8", (N_LEVELS,)),  # level sizes at close
         ("ask_sz", "<i8", (N_LEVELS,)),
         ("bid_ct", "<i8", (N_LEVELS,)),  # level order counts at close
@@ -150,10 +184,26 @@ STATE_DTYPE = np.dtype(
         ("last_sign", "<i8"),
         ("threshold", "<f8"),
         ("ewma_trades", "<f8"),
-        ("ewma_bv", "<f8"),
-        ("ewma_absv", "<f8"),
-        ("ewma_started", "<i8"),
+        ("ewma_bv", "<f8"),  # Σ w·b·v (bias-corrected EWMA: divided by ewma_w)
+        ("ewma_absv", "<f8"),  # Σ w·|v|
+        ("ewma_w", "<f8"),  # Σ w
+        ("bars_closed", "<i8"),
         ("session_trades", "<i8"),  # signed volumes of this session stored (target mode)
+        ("sessions_seen", "<i8"),
+        ("trade_sessions", "<i8"),  # sessions with at least one (valid) trade
+        ("session_traded", "<i8"),
+        ("tick_px", "<i8"),
+        ("tick_slots", "<i8", (TICK_SLOTS,)),
+        ("tick_counts", "<i8", (TICK_SLOTS,)),
+        ("ref_valid", "<i8"),  # the session's last good book: trade prices are checked against it
+        ("ref_lo", "<i8"),
+        ("ref_hi", "<i8"),
+        ("n_crossed_out", "<i8"),
+        ("n_crossed_in", "<i8"),
+        ("n_bad_book", "<i8"),
+        ("n_off_grid", "<i8"),
+        ("n_bad_trade_px", "<i8"),
+        ("n_bad_trade_sz", "<i8"),
         ("in_bar", "<i8"),  # records in the current bar
         ("has_book", "<i8"),
         ("pending", "<i8"),
@@ -189,7 +239,8 @@ class BarParams:
     imbalance_floor: float = 0.1
     """ewma mode: |E[b·v]| is floored at this fraction of E[|v|]."""
     allow_crossed: bool = False
-    """Skip crossed book states (CME pre-open) instead of stopping with an error."""
+    """Skip crossed or locked book states inside the trading session too, instead of stopping with
+    an error (outside the session, e.g. CME's pre-open, they are always skipped and counted)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -272,20 +323,27 @@ def calibrate_threshold_ref(signed_volumes, target_bars) -> float:
     return float(np.exp(lo))
 
 
-def bars_ref(records, params: BarParams, calendar: SessionCalendar = SessionCalendar()) -> np.ndarray:
-    """Pure-Python imbalance bars: the specification that :func:`build_bars` is tested against."""
+def bars_ref(
+    records, params: BarParams, calendar: SessionCalendar = SessionCalendar(), tick_size: float | None = None,
+    counts: dict | None = None,
+) -> np.ndarray:
+    """Pure-Python imbalance bars: the specification that :func:`build_bars` is tested against.
+    ``counts``: a dict that receives the skip counts (as ``BarBuilder.counts``)."""
     out = []
     if len(records) == 0:
         return np.zeros(0, BAR_DTYPE)
     ts_all = records["ts_recv"].astype(np.int64)
     table = calendar.sessions_between(int(ts_all[0]), int(ts_all[-1]))
     opens = [int(x) for x in table.open_ns]
-    scale = PRICE_SCALE
+    closes = [int(x) for x in table.close_ns]
+    div = PRICE_DIVISOR
     st = {
         "session": -1, "instrument": -1, "prev": None, "last_px": None, "last_sign": 0,
-        "threshold": 0.0, "ew_t": params.ewma_initial_trades, "ew_bv": 0.0, "ew_absv": 0.0,
-        "ew_started": False, "session_vols": [],
+        "threshold": 0.0, "ew_t": params.ewma_initial_trades, "ew_bv": 0.0, "ew_absv": 0.0, "ew_w": 0.0,
+        "bars_closed": 0, "session_vols": [], "ref": None,
     }  # fmt: skip
+    skipped = dict.fromkeys(SKIP_NAMES, 0)
+    ticks = TickRef(tick_fixed(tick_size))
     a_bar = 2.0 / (params.ewma_span_bars + 1.0)
     a_trade = 2.0 / (params.ewma_span_trades + 1.0)
 
@@ -296,8 +354,15 @@ def bars_ref(records, params: BarParams, calendar: SessionCalendar = SessionCale
                 "n_depth": 0, "mid": None, "micro": None}  # fmt: skip
 
     def ewma_threshold():
+        if st["ew_w"] <= 0.0:
+            return 0.0
         expected = min(max(st["ew_t"], params.ewma_min_trades), params.ewma_max_trades)
-        return expected * max(abs(st["ew_bv"]), params.imbalance_floor * st["ew_absv"])
+        return expected * max(abs(st["ew_bv"] / st["ew_w"]), params.imbalance_floor * (st["ew_absv"] / st["ew_w"]))
+
+    def skip_state(kind):
+        skipped[kind] += 1
+        bar["gaps"] += 1
+        st["prev"] = None
 
     bar = new_bar()
     for i in range(len(records)):
@@ -312,6 +377,8 @@ def bars_ref(records, params: BarParams, calendar: SessionCalendar = SessionCale
             st["session_vols"] = []
             st["session"] = sess
             st["prev"] = None
+            st["ref"] = None
+            st["last_px"], st["last_sign"] = None, 0
             bar = new_bar()
         inst = int(r["instrument_id"])
         if inst != st["instrument"]:
@@ -324,41 +391,46 @@ def bars_ref(records, params: BarParams, calendar: SessionCalendar = SessionCale
         snapshot = bool(flags & F_SNAPSHOT)
         if action == ACTION_CLEAR:
             st["prev"] = None
+            st["ref"] = None
             continue
         if action == ACTION_TRADE and not snapshot:
-            size, price = float(r["size"]), int(r["price"])
-            side = int(r["side"])
-            if side == SIDE_BID:
-                sign = 1
-            elif side == SIDE_ASK:
-                sign = -1
-            elif st["last_px"] is not None and price != UNDEF_PRICE and price != st["last_px"]:
-                sign = 1 if price > st["last_px"] else -1
+            size, price = int(r["size"]), int(r["price"])
+            if size > MAX_SIZE:
+                skipped["bad_trade_size"] += 1
+            elif not trade_price_ok_ref(price, st["ref"]):
+                skipped["bad_trade_price"] += 1
             else:
-                sign = st["last_sign"]
-            if price != UNDEF_PRICE:
-                st["last_px"] = price
-                bar["notional"] += price * scale * size
-            st["last_sign"] = sign
-            signed = sign * size
-            bar["volume"] += size
-            if sign > 0:
-                bar["buy"] += size
-            elif sign < 0:
-                bar["sell"] += size
-            bar["n_trades"] += 1
-            bar["theta"] += signed
-            if params.mode == "ewma":
-                if not st["ew_started"]:
-                    st["ew_bv"], st["ew_absv"], st["ew_started"] = signed, abs(signed), True
-                    st["threshold"] = ewma_threshold()
+                size = float(size)
+                side = int(r["side"])
+                if side == SIDE_BID:
+                    sign = 1
+                elif side == SIDE_ASK:
+                    sign = -1
+                elif st["last_px"] is not None and price != st["last_px"]:
+                    sign = 1 if price > st["last_px"] else -1
                 else:
+                    sign = st["last_sign"]
+                st["last_px"] = price
+                bar["notional"] += price / div * size
+                st["last_sign"] = sign
+                signed = sign * size
+                bar["volume"] += size
+                if sign > 0:
+                    bar["buy"] += size
+                elif sign < 0:
+                    bar["sell"] += size
+                bar["n_trades"] += 1
+                bar["theta"] += signed
+                if params.mode == "ewma":
                     st["ew_bv"] = a_trade * signed + (1.0 - a_trade) * st["ew_bv"]
-                    st["ew_absv"] = a_trade * abs(signed) + (1.0 - a_trade) * st["ew_absv"]
-            else:
-                st["session_vols"].append(signed)
-            if st["threshold"] > 0.0 and abs(bar["theta"]) >= st["threshold"]:
-                bar["pending"] = True
+                    st["ew_absv"] = a_trade * size + (1.0 - a_trade) * st["ew_absv"]
+                    st["ew_w"] = a_trade + (1.0 - a_trade) * st["ew_w"]
+                    if st["bars_closed"] == 0 or bar["n_trades"] >= params.ewma_max_trades:
+                        st["threshold"] = ewma_threshold()
+                else:
+                    st["session_vols"].append(signed)
+                if st["threshold"] > 0.0 and abs(bar["theta"]) >= st["threshold"]:
+                    bar["pending"] = True
         if not flags & F_LAST:
             continue
         lv = r["levels"]
@@ -370,16 +442,26 @@ def bars_ref(records, params: BarParams, calendar: SessionCalendar = SessionCale
             bar["gaps"] += 1
             st["prev"] = None
             continue
-        if bpx[0] == UNDEF_PRICE or apx[0] == UNDEF_PRICE:
+        check = check_levels_ref(bpx, apx, bsz, asz, [int(x) for x in lv["bid_ct"]], [int(x) for x in lv["ask_ct"]])
+        if check == BOOK_BAD:
+            skip_state("bad_book")
+            continue
+        if check != BOOK_OK:
             st["prev"] = None
             continue
-        if bpx[0] > apx[0]:
+        if bpx[0] >= apx[0]:
+            if ts >= closes[sess]:
+                skip_state("crossed_outside_session")
+                continue
             if not params.allow_crossed:
-                raise DataError(f"crossed book at record {i}: bid {bpx[0] * scale} > ask {apx[0] * scale}")
-            bar["gaps"] += 1
-            st["prev"] = None
+                raise DataError(f"crossed book at record {i + 1}: bid {bpx[0] / div} >= ask {apx[0] / div}")
+            skip_state("crossed_in_session")
             continue
-        bid, ask = bpx[0] * scale, apx[0] * scale
+        if not ticks.update(level_grid_ref(bpx, apx)):
+            skip_state("off_grid")
+            continue
+        st["ref"] = (min(p for p in bpx if p != UNDEF_PRICE), max(p for p in apx if p != UNDEF_PRICE))
+        bid, ask = bpx[0] / div, apx[0] / div
         mid = (bid + ask) * 0.5
         qsum = bsz[0] + asz[0]
         micro = (bid * asz[0] + ask * bsz[0]) / qsum if qsum > 0 else mid
@@ -422,16 +504,31 @@ def bars_ref(records, params: BarParams, calendar: SessionCalendar = SessionCale
         row["vwap"] = bar["notional"] / bar["volume"] if bar["volume"] > 0 else mid
         row["n_trades"], row["n_events"], row["n_records"] = bar["n_trades"], bar["n_events"], bar["records"]
         row["imbalance"], row["threshold"], row["gaps"] = bar["theta"], st["threshold"], bar["gaps"]
+        row["tick"] = ticks.tick / div
         row["bid_sz"], row["ask_sz"] = bsz, asz
         row["bid_ct"], row["ask_ct"] = [int(x) for x in lv["bid_ct"]], [int(x) for x in lv["ask_ct"]]
         row["ofi"] = bar["ofi"]
         row["depth_mean"] = [d / bar["n_depth"] for d in bar["depth"]]
         out.append(row)
+        st["bars_closed"] += 1
         if params.mode == "ewma":
-            st["ew_t"] = a_bar * bar["n_trades"] + (1.0 - a_bar) * st["ew_t"]
+            if st["bars_closed"] > 1:
+                st["ew_t"] = a_bar * bar["n_trades"] + (1.0 - a_bar) * st["ew_t"]
             st["threshold"] = ewma_threshold()
         bar = new_bar()
+    if counts is not None:
+        counts.update(skipped)
     return np.array(out, dtype=BAR_DTYPE) if out else np.zeros(0, BAR_DTYPE)
+
+
+def tick_fixed(tick_size: float | None) -> int:
+    """A tick size in price units as fixed point (0 for None: estimate it)."""
+    if tick_size is None:
+        return 0
+    fixed = int(round(float(tick_size) * PRICE_DIVISOR))
+    if not tick_size > 0 or fixed < 1:
+        raise DataError(f"tick_size must be a price step of at least 1e-9, got {tick_size}")
+    return fixed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,12 +611,20 @@ def _reset_bar(st):
 
 @njit(cache=True)
 def _ewma_threshold(st, p):
+    if st.ewma_w <= 0.0:
+        return 0.0
     expected = min(max(st.ewma_trades, p[P_MIN_TRADES]), p[P_MAX_TRADES])
-    return expected * max(abs(st.ewma_bv), p[P_FLOOR] * st.ewma_absv)
+    return expected * max(abs(st.ewma_bv / st.ewma_w), p[P_FLOOR] * (st.ewma_absv / st.ewma_w))
 
 
 @njit(cache=True)
-def _build_bars_chunk(recs, start, state, p, opens, dates, vols, out):
+def _skip_state(st, c):
+    c.gaps += 1
+    st.prev_valid = 0
+
+
+@njit(cache=True)
+def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
     """Advance the bar builder over recs[start:] writing completed bars to ``out``.
 
     Returns (next record to process, bars written, error code, error record index). It stops
@@ -530,6 +635,7 @@ def _build_bars_chunk(recs, start, state, p, opens, dates, vols, out):
     c = st.cur
     n_out = 0
     target = p[P_MODE] == MODE_TARGET
+    fixed_tick = p[P_TICK_FIXED] > 0.0
     n_open = opens.shape[0]
     for i in range(start, recs.shape[0]):
         if n_out == out.shape[0]:
@@ -547,7 +653,12 @@ def _build_bars_chunk(recs, start, state, p, opens, dates, vols, out):
                 st.threshold = calibrate_threshold(vols, st.session_trades, p[P_TARGET_BARS])
             st.session_trades = 0
             st.session = sess
+            st.sessions_seen += 1
+            st.session_traded = 0
             st.prev_valid = 0
+            st.ref_valid = 0
+            st.last_trade_px = UNDEF_PRICE  # the tick rule does not reach across sessions
+            st.last_sign = 0
             _reset_bar(st)
         inst = np.int64(r.instrument_id)
         if inst != st.instrument:
@@ -562,67 +673,97 @@ def _build_bars_chunk(recs, start, state, p, opens, dates, vols, out):
         snapshot = (flags & F_SNAPSHOT) != 0
         if action == ACTION_CLEAR:
             st.prev_valid = 0
+            st.ref_valid = 0
             continue
         # TRADES
         if action == ACTION_TRADE and not snapshot:
-            size = np.float64(r.size)
             price = r.price
-            side = r.side
-            if side == SIDE_BID:
-                sign = 1
-            elif side == SIDE_ASK:
-                sign = -1
-            elif st.last_trade_px != UNDEF_PRICE and price != UNDEF_PRICE and price != st.last_trade_px:
-                sign = 1 if price > st.last_trade_px else -1
+            if r.size > MAX_SIZE:
+                st.n_bad_trade_sz += 1
+            elif not trade_price_ok(price, st.ref_valid, st.ref_lo, st.ref_hi):
+                st.n_bad_trade_px += 1
             else:
-                sign = st.last_sign
-            if price != UNDEF_PRICE:
+                size = np.float64(r.size)
+                side = r.side
+                if side == SIDE_BID:
+                    sign = 1
+                elif side == SIDE_ASK:
+                    sign = -1
+                elif st.last_trade_px != UNDEF_PRICE and price != st.last_trade_px:
+                    sign = 1 if price > st.last_trade_px else -1
+                else:
+                    sign = st.last_sign
                 st.last_trade_px = price
-                st.notional += price * PRICE_SCALE * size
-            st.last_sign = sign
-            signed = sign * size
-            c.volume += size
-            if sign > 0:
-                c.buy_volume += size
-            elif sign < 0:
-                c.sell_volume += size
-            c.n_trades += 1
-            c.imbalance += signed
-            if target:
-                vols[st.session_trades] = signed
-                st.session_trades += 1
-            elif st.ewma_started == 0:
-                st.ewma_bv = signed
-                st.ewma_absv = abs(signed)
-                st.ewma_started = 1
-                st.threshold = _ewma_threshold(st, p)
-            else:
-                a = p[P_ALPHA_TRADE]
-                st.ewma_bv = a * signed + (1.0 - a) * st.ewma_bv
-                st.ewma_absv = a * abs(signed) + (1.0 - a) * st.ewma_absv
-            if st.threshold > 0.0 and abs(c.imbalance) >= st.threshold:
-                st.pending = 1
+                st.notional += price / PRICE_DIVISOR * size
+                st.last_sign = sign
+                signed = sign * size
+                c.volume += size
+                if sign > 0:
+                    c.buy_volume += size
+                elif sign < 0:
+                    c.sell_volume += size
+                c.n_trades += 1
+                c.imbalance += signed
+                if st.session_traded == 0:
+                    st.session_traded = 1
+                    st.trade_sessions += 1
+                if target:
+                    vols[st.session_trades] = signed
+                    st.session_trades += 1
+                else:
+                    a = p[P_ALPHA_TRADE]
+                    st.ewma_bv = a * signed + (1.0 - a) * st.ewma_bv
+                    st.ewma_absv = a * size + (1.0 - a) * st.ewma_absv
+                    st.ewma_w = a + (1.0 - a) * st.ewma_w
+                    if st.bars_closed == 0 or c.n_trades >= p[P_MAX_TRADES]:
+                        st.threshold = _ewma_threshold(st, p)
+                if st.threshold > 0.0 and abs(c.imbalance) >= st.threshold:
+                    st.pending = 1
         # BOOK STATE
         if (flags & F_LAST) == 0:
             continue
         lv = r.levels
         if (flags & F_MAYBE_BAD_BOOK) != 0:
-            c.gaps += 1
+            _skip_state(st, c)
+            continue
+        check = check_levels(lv)
+        if check == BOOK_BAD:
+            st.n_bad_book += 1
+            _skip_state(st, c)
+            continue
+        if check != BOOK_OK:
             st.prev_valid = 0
             continue
         bpx0 = lv[0].bid_px
         apx0 = lv[0].ask_px
-        if bpx0 == UNDEF_PRICE or apx0 == UNDEF_PRICE:
-            st.prev_valid = 0
-            continue
-        if bpx0 > apx0:
+        if bpx0 >= apx0:
+            if ts >= closes[sess]:
+                st.n_crossed_out += 1
+                _skip_state(st, c)
+                continue
             if p[P_ALLOW_CROSSED] == 0.0:
                 return i, n_out, ERR_CROSSED, gi
-            c.gaps += 1
-            st.prev_valid = 0
+            st.n_crossed_in += 1
+            _skip_state(st, c)
             continue
-        bid = bpx0 * PRICE_SCALE
-        ask = apx0 * PRICE_SCALE
+        ok, tick = tick_update(level_grid(lv), st.tick_px, fixed_tick, st.tick_slots, st.tick_counts)
+        st.tick_px = tick
+        if not ok:
+            st.n_off_grid += 1
+            _skip_state(st, c)
+            continue
+        lo = bpx0
+        hi = apx0
+        for m in range(N_LEVELS):
+            if lv[m].bid_px != UNDEF_PRICE:
+                lo = lv[m].bid_px
+            if lv[m].ask_px != UNDEF_PRICE:
+                hi = lv[m].ask_px
+        st.ref_valid = 1
+        st.ref_lo = lo
+        st.ref_hi = hi
+        bid = bpx0 / PRICE_DIVISOR
+        ask = apx0 / PRICE_DIVISOR
         mid = (bid + ask) * 0.5
         qb = np.float64(lv[0].bid_sz)
         qa = np.float64(lv[0].ask_sz)
@@ -696,6 +837,7 @@ def _build_bars_chunk(recs, start, state, p, opens, dates, vols, out):
         o.imbalance = c.imbalance
         o.threshold = st.threshold
         o.gaps = c.gaps
+        o.tick = st.tick_px / PRICE_DIVISOR
         for m in range(N_LEVELS):
             o.bid_sz[m] = lv[m].bid_sz
             o.ask_sz[m] = lv[m].ask_sz
@@ -704,9 +846,11 @@ def _build_bars_chunk(recs, start, state, p, opens, dates, vols, out):
             o.ofi[m] = c.ofi[m]
             o.depth_mean[m] = st.depth_sum[m] / st.n_depth
         n_out += 1
+        st.bars_closed += 1
         if not target:
-            a = p[P_ALPHA_BAR]
-            st.ewma_trades = a * c.n_trades + (1.0 - a) * st.ewma_trades
+            if st.bars_closed > 1:  # the first bar's threshold was warming up: its length is no E[T] sample
+                a = p[P_ALPHA_BAR]
+                st.ewma_trades = a * c.n_trades + (1.0 - a) * st.ewma_trades
             st.threshold = _ewma_threshold(st, p)
         _reset_bar(st)
     return recs.shape[0], n_out, ERR_NONE, 0
@@ -719,19 +863,25 @@ class BarBuilder:
     """Imbalance bars from a stream of MBP-10 record chunks (any chunking gives the same bars).
 
     ``push(chunk)`` returns the bars completed inside the chunk; a bar still open at the end of
-    the stream is not returned (it never closed).
+    the stream is not returned (it never closed). ``tick_size``: the instrument's known tick
+    (book states off its grid are skipped); None estimates it causally (validate.py).
     """
 
-    def __init__(self, params: BarParams = BarParams(), calendar: SessionCalendar = SessionCalendar()):
+    def __init__(
+        self, params: BarParams = BarParams(), calendar: SessionCalendar = SessionCalendar(),
+        tick_size: float | None = None,
+    ):  # fmt: skip
         self.params = params
         self.calendar = calendar
         self._p = params.vector()
+        self._p[P_TICK_FIXED] = tick_fixed(tick_size)
         self._state = np.zeros(1, STATE_DTYPE)
         st = self._state[0]
         st["session"] = -1
         st["instrument"] = -1
         st["last_trade_px"] = UNDEF_PRICE
         st["ewma_trades"] = params.ewma_initial_trades
+        st["tick_px"] = tick_fixed(tick_size)
         self._vols = np.zeros(1 << 16, np.float64)
         self._out = np.zeros(OUT_CAPACITY, BAR_DTYPE)
         self._table: SessionTable | None = None
@@ -748,6 +898,47 @@ class BarBuilder:
             if self._table.open_ns[0] > first_ts:
                 raise DataError("session table does not cover the first record")
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """Book states and trades skipped so far, by kind (validate.SKIP_NAMES)."""
+        st = self._state[0]
+        return {
+            "crossed_outside_session": int(st["n_crossed_out"]),
+            "crossed_in_session": int(st["n_crossed_in"]),
+            "bad_book": int(st["n_bad_book"]),
+            "off_grid": int(st["n_off_grid"]),
+            "bad_trade_price": int(st["n_bad_trade_px"]),
+            "bad_trade_size": int(st["n_bad_trade_sz"]),
+        }
+
+    @property
+    def sessions_seen(self) -> int:
+        return int(self._state[0]["sessions_seen"])
+
+    @property
+    def trade_sessions(self) -> int:
+        """Sessions with at least one (valid) trade so far."""
+        return int(self._state[0]["trade_sessions"])
+
+    @property
+    def tick_size(self) -> float:
+        """The tick in force now (known, or the causal estimate; 0.0 while unknown)."""
+        return int(self._state[0]["tick_px"]) / PRICE_DIVISOR
+
+    def no_bars_reason(self) -> str:
+        """Why a stream gave no bars, in the terms of the data (for the 'no bars' error)."""
+        seen, traded = self.sessions_seen, self.trade_sessions
+        where = f"{self.records_seen} records in {seen} session{'s' if seen != 1 else ''}"
+        if traded == 0:
+            return f"{where}, none with a valid trade: imbalance bars need trades"
+        if self.params.mode == "target":
+            return (
+                f"{where}, {traded} with trades: target mode calibrates each session's threshold on "
+                "the previous session with trades, so the first session with trades only calibrates "
+                "and at least two sessions with trades are needed; use --mode ewma or more data"
+            )
+        return f"{where}, {traded} with trades: no bar reached its threshold; lower the ewma clamps or use more data"
+
     def push(self, records: np.ndarray, locate=None) -> np.ndarray:
         """Feed the next chunk; returns the bars that closed in it (BAR_DTYPE)."""
         n = len(records)
@@ -762,18 +953,23 @@ class BarBuilder:
             self._vols = grown
         pieces = []
         start = 0
+        table = self._table
         while start < n:
             start, n_out, err, where = _build_bars_chunk(
-                records, start, self._state, self._p, self._table.open_ns, self._table.trade_date, self._vols, self._out
-            )
+                records, start, self._state, self._p, table.open_ns, table.close_ns, table.trade_date, self._vols,
+                self._out,
+            )  # fmt: skip
             if err == ERR_CROSSED:
                 local = start
                 lv = records[local]["levels"][0]
                 place = locate(int(where)) if locate is not None else f"record {int(where) + 1}"
+                bid, ask = int(lv["bid_px"]), int(lv["ask_px"])
+                what = "crossed book" if bid > ask else "locked book"
                 raise DataError(
-                    f"crossed book at {place} (ts_recv {int(records[local]['ts_recv'])}): best bid "
-                    f"{lv['bid_px'] * PRICE_SCALE:.9g} > best ask {lv['ask_px'] * PRICE_SCALE:.9g}; "
-                    "pass allow_crossed (--allow-crossed) to skip crossed states such as CME pre-open"
+                    f"{what} at {place} (ts_recv {int(records[local]['ts_recv'])}) inside the trading "
+                    f"session: best bid {bid / PRICE_DIVISOR:.9g} {'>' if bid > ask else '='} best ask "
+                    f"{ask / PRICE_DIVISOR:.9g}; pass allow_crossed (--allow-crossed) to skip crossed "
+                    "states inside sessions too (outside them they are always skipped)"
                 )
             if n_out:
                 pieces.append(self._out[:n_out].copy())
@@ -783,11 +979,14 @@ class BarBuilder:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
-def build_bars(chunks, params: BarParams = BarParams(), calendar: SessionCalendar = SessionCalendar()) -> np.ndarray:
+def build_bars(
+    chunks, params: BarParams = BarParams(), calendar: SessionCalendar = SessionCalendar(),
+    tick_size: float | None = None,
+) -> np.ndarray:  # fmt: skip
     """Bars from one record array or an iterable of record chunks."""
     if isinstance(chunks, np.ndarray):
         chunks = [chunks]
-    builder = BarBuilder(params, calendar)
+    builder = BarBuilder(params, calendar, tick_size)
     parts = [builder.push(chunk) for chunk in chunks]
     parts = [p for p in parts if len(p)]
     if not parts:
@@ -796,12 +995,17 @@ def build_bars(chunks, params: BarParams = BarParams(), calendar: SessionCalenda
 
 
 def estimate_tick_size(bars: np.ndarray) -> float:
-    """Price grid of the instrument: gcd of the fixed-point best bid/ask prices' differences."""
+    """The tick of a finished build: the causal estimate in force at the first bar's close (the
+    ``tick`` field; validate.py), so no later record decides it. Bars of an older build without
+    a usable ``tick`` fall back to the gcd of their best bid/ask differences."""
     if len(bars) == 0:
         raise DataError("cannot estimate the tick size: no bars")
+    known = bars["tick"][bars["tick"] > 0] if "tick" in bars.dtype.names else np.zeros(0)
+    if len(known):
+        return float(known[0])
     px = np.concatenate([bars["bid_px"], bars["ask_px"]]).astype(np.int64)
     diffs = np.abs(px - px[0])
     diffs = diffs[diffs > 0]
     if len(diffs) == 0:
         raise DataError("cannot estimate the tick size: the price never changes; pass tick_size (--tick-size)")
-    return float(np.gcd.reduce(diffs)) * PRICE_SCALE
+    return float(np.gcd.reduce(diffs)) / PRICE_DIVISOR

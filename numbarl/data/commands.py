@@ -1,13 +1,16 @@
 """``numbarl-data``: build, generate, inspect and export feature caches.
 
-    numbarl-data build INPUT... --out DIR [--symbol S] [--bars-per-day N | --mode ewma] [--features LIST]
+    numbarl-data build INPUT... --out DIR [--format F] [--symbol S] [--bars-per-day N | --mode ewma] [--features LIST]
     numbarl-data synth --out DIR --sessions N --seed S [--signal X | --null]
     numbarl-data inspect DIR [--json]
     numbarl-data export DIR --parquet FILE
 
-Bad input (unreadable, truncated or corrupt files, wrong schema, unsorted timestamps, crossed
-books, unknown features, too few sessions for the requested folds) ends with one line on stderr
-and exit code 2, and no cache folder is left behind.
+Inputs: Databento MBP-10 DBN/CSV files, LOBSTER message + order-book file pairs, Binance websocket
+captures (detected, or --format). Bad input (unreadable, truncated or corrupt files, wrong schema,
+unsorted or impossible timestamps, crossed books inside the session, unknown features, too few
+sessions for the requested folds) ends with one line on stderr and exit code 2, and no cache
+folder is left behind. What a build skips (crossed books outside the session, invalid book
+states or trades) is one warning line per kind on stderr.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import numpy as np
 from numbarl.data.errors import DataError
 from numbarl.data.splits import DEFAULT_SPLIT
 
-FOLD_OPTIONS = ("folds", "train_sessions", "val_sessions", "test_sessions", "embargo_bars")
 
 
 class DataCommandError(click.ClickException):
@@ -85,31 +87,52 @@ def data_group():
 @data_group.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Cache folder to create.")
-@click.option("--symbol", default=None, help="Raw symbol (from the DBN metadata or CSV) or instrument_id.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "dbn", "csv", "lobster", "binance"]), default="auto",
+              show_default=True, help="Input format (auto: detected from each file).")
+@click.option("--symbol", default=None, help="Raw symbol (DBN metadata, CSV, LOBSTER ticker, Binance symbol) or instrument_id.")
 @click.option("--bars-per-day", type=int, default=None, help="Target bars per session (target mode, default 7500).")
 @click.option("--mode", type=click.Choice(["target", "ewma"]), default=None, help="Bar threshold mode.")
+@click.option("--ewma-initial-trades", type=float, default=None, help="ewma mode: expected trades per bar at the start (default 100).")
+@click.option("--ewma-min-trades", type=float, default=None, help="ewma mode: lower clamp of the expected trades per bar (default 10).")
+@click.option("--ewma-max-trades", type=float, default=None, help="ewma mode: upper clamp of the expected trades per bar (default 1000).")
 @click.option("--features", "features", default=None, help="Comma list of feature names ('default' = the default set).")
-@click.option("--tick-size", type=float, default=None, help="Price increment; default: estimated from the data.")
-@click.option("--tz", default="America/Chicago", show_default=True, help="Exchange timezone (IANA).")
-@click.option("--session-open", default="17:00", show_default=True, help="Local session open (HH:MM).")
-@click.option("--session-close", default="16:00", show_default=True, help="Local session close (HH:MM).")
-@click.option("--allow-crossed", is_flag=True, help="Skip crossed book states instead of failing.")
+@click.option("--tick-size", type=float, default=None, help="The contract's tick; default: estimated causally from the book.")
+@click.option("--tz", default=None, help="Exchange timezone (IANA); default: the format's (CME America/Chicago, LOBSTER America/New_York, Binance UTC).")
+@click.option("--session-open", default=None, help="Local session open (HH:MM); default: the format's (CME 17:00).")
+@click.option("--session-close", default=None, help="Local session close (HH:MM, 24:00 = midnight); default: the format's (CME 16:00).")
+@click.option("--allow-crossed", is_flag=True, help="Skip crossed book states inside the session too (outside it they are always skipped).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @fold_options
-def build(inputs, out, symbol, bars_per_day, mode, features, tick_size, tz, session_open, session_close, allow_crossed, force, **folds):
-    """Databento MBP-10 files (.dbn, .dbn.zst, .csv) -> imbalance bars -> features -> cache."""
+def build(inputs, out, fmt, symbol, bars_per_day, mode, ewma_initial_trades, ewma_min_trades, ewma_max_trades,
+          features, tick_size, tz, session_open, session_close, allow_crossed, force, **folds):
+    """Market data (Databento .dbn/.dbn.zst/.csv, LOBSTER, Binance) -> imbalance bars -> features -> cache."""
     from numbarl.data.bars import BarParams
     from numbarl.data.calendar import SessionCalendar
     from numbarl.data.fxcache import build_cache
 
     if mode == "ewma" and bars_per_day is not None:
         raise click.UsageError("--bars-per-day sets the target mode; it cannot be combined with --mode ewma")
+    ewma = {k: v for k, v in (("ewma_initial_trades", ewma_initial_trades), ("ewma_min_trades", ewma_min_trades),
+                              ("ewma_max_trades", ewma_max_trades)) if v is not None}
+    if ewma and mode != "ewma":
+        raise click.UsageError("--ewma-* options set the ewma mode's clamps; pass --mode ewma")
+    if "ewma_initial_trades" not in ewma and ewma:
+        # keep the start inside the clamps that were given
+        lo, hi = ewma.get("ewma_min_trades", BarParams.ewma_min_trades), ewma.get("ewma_max_trades", BarParams.ewma_max_trades)
+        ewma["ewma_initial_trades"] = min(max(BarParams.ewma_initial_trades, lo), hi)
     params = BarParams(
         mode=mode or "target",
         bars_per_day=BarParams.bars_per_day if bars_per_day is None else bars_per_day,
         allow_crossed=allow_crossed,
+        **ewma,
     )
-    calendar = SessionCalendar(tz, session_open, session_close)
+    calendar = None
+    if tz is not None or session_open is not None or session_close is not None:
+        from numbarl.data.readers import default_calendar, resolve_inputs
+
+        base = default_calendar(resolve_inputs(inputs, fmt))  # what is not given stays the format's
+        calendar = SessionCalendar(tz or base.tz, session_open or base.open_time, session_close or base.close_time,
+                                   weekends=base.weekends)
     with _progress() as progress:
         task = progress.add_task("reading records", total=None)
 
@@ -119,9 +142,13 @@ def build(inputs, out, symbol, bars_per_day, mode, features, tick_size, tz, sess
             else:
                 progress.update(task, description="features", completed=done, total=total)
 
+        def warn(message):
+            progress.console.print(f"numbarl-data: warning: {message}", markup=False, highlight=False, soft_wrap=True) \
+                if progress.console.is_terminal else click.echo(f"numbarl-data: warning: {message}", err=True)
+
         path = build_cache(
             inputs, out, symbol=symbol, bar_params=params, feature_names=features, calendar=calendar,
-            tick_size=tick_size, folds=_fold_spec(folds), overwrite=force, progress=report,
+            tick_size=tick_size, folds=_fold_spec(folds), overwrite=force, progress=report, fmt=fmt, warn=warn,
         )  # fmt: skip
     _summary(path)
 

@@ -74,10 +74,12 @@ class FeatureParams:
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True)
 def lag_log_return(x, k):
-    """log(x_t / x_{t-k}); NaN for t < k."""
+    """log(x_t / x_{t-k}); NaN for t < k and where either value is not > 0 (a mid of 0 or below:
+    a spread instrument, or a price that should not be there) — never a division by zero."""
     out = np.full(x.shape[0], np.nan)
     for t in range(k, x.shape[0]):
-        out[t] = math.log(x[t] / x[t - k])
+        if x[t] > 0.0 and x[t - k] > 0.0:
+            out[t] = math.log(x[t] / x[t - k])
     return out
 
 
@@ -270,7 +272,7 @@ class FeatureInputs:
     """Bars plus the few constants features need; ``memo`` caches shared intermediates."""
 
     bars: np.ndarray
-    tick_size: float
+    tick_size: float | np.ndarray  # a number, or the tick in force at each bar's close
     calendar: SessionCalendar = SessionCalendar()
     memo: dict = field(default_factory=dict)
 
@@ -494,15 +496,24 @@ def resolve_features(names: str | Sequence[str] | None) -> list[str]:
 def compute_features(
     bars: np.ndarray,
     names: str | Sequence[str] | None = None,
-    tick_size: float = 0.25,
+    tick_size: float | None = 0.25,
     params: FeatureParams = FeatureParams(),
     calendar: SessionCalendar = SessionCalendar(),
 ) -> np.ndarray:
-    """float32 [T, F] normalized features for ``names`` (default: DEFAULT_FEATURES)."""
+    """float32 [T, F] normalized features for ``names`` (default: DEFAULT_FEATURES).
+
+    ``tick_size``: the instrument's tick, or None for the per-bar tick of the bars (``tick``)."""
     names = resolve_features(names)
-    if not tick_size > 0:
-        raise DataError(f"tick_size must be > 0, got {tick_size}")
-    inputs = FeatureInputs(bars, float(tick_size), calendar)
+    if tick_size is None:
+        # the tick in force at each bar's close (bars.py: known, or estimated from records up
+        # to that close); a bar closed before any tick was known gets 0 for tick features
+        ticks = np.asarray(bars["tick"], np.float64)
+        tick = np.where(ticks > 0, ticks, np.nan)
+    else:
+        if not (np.isfinite(tick_size) and tick_size > 0):
+            raise DataError(f"tick_size must be > 0, got {tick_size}")
+        tick = float(tick_size)
+    inputs = FeatureInputs(bars, tick, calendar)
     out = np.zeros((len(bars), len(names)), np.float32)
     if len(bars) == 0:
         return out

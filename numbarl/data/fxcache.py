@@ -4,7 +4,9 @@ One folder per dataset::
 
     meta.json        format_version, feature_names, n_bars, n_sessions, bars_per_day, bar_params,
                      feature_params, calendar, tick_size, symbol, session_dates, source_files
-                     (name, size, sha256), created_by (numbarl version), created_at, price_fields
+                     (name, size, sha256), created_by (numbarl version), created_at, price_fields;
+                     built from market data also tick_size_source, tick_size_changes, skipped
+                     (book states and trades left out, by kind: validate.py), formats
     features.npy     float32 [T, F]   causal, normalized (features.py), no NaN
     timestamps.npy   int64 [T]        bar close time, ts_recv in UTC nanoseconds
     session_id.npy   int32 [T]        0..n_sessions-1, chronological exchange sessions
@@ -15,7 +17,9 @@ One folder per dataset::
     bars.npy         BAR_DTYPE [T]    every bar field (bars.py), for analysis and export
     oracle.npy       float32 [T]      synthetic market only: planted signal at bar close
 
-All arrays are ``.npy`` files opened memory-mapped. Prices are in price units (not fixed point).
+All arrays are ``.npy`` files opened memory-mapped. Prices are in price units (not fixed point):
+the fixed-point int64 divided by 1e9, so a price on the tick grid is exactly the double nearest
+its decimal value (bid / tick is a whole number for binary ticks such as 0.25).
 ``bars_per_day`` = bars / exchange sessions with bars (calendar.py), never UTC dates.
 
 A cache is written to a temporary folder beside its destination and renamed into place at the
@@ -31,6 +35,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +50,9 @@ from numbarl.data.calendar import SessionCalendar, date_from_ordinal
 from numbarl.data.errors import DataError
 from numbarl.data.features import FeatureParams, compute_features, resolve_features
 from numbarl.data.readers import RecordStream, file_sha256
+from numbarl.data.validate import SKIP_NAMES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: bars carry the tick in force at their close; prices divided by 1e9
 META_FILE = "meta.json"
 PRICE_ARRAYS = ("mid", "bid", "ask", "high", "low")
 PRICE_FIELDS = {
@@ -247,6 +253,10 @@ def write_cache(
     return out_dir
 
 
+def _warn_stderr(message: str) -> None:
+    print(f"numbarl-data: warning: {message}", file=sys.stderr, flush=True)
+
+
 def build_cache(
     inputs: Sequence,
     out_dir,
@@ -255,20 +265,33 @@ def build_cache(
     bar_params: BarParams = BarParams(),
     feature_names: str | Sequence[str] | None = None,
     feature_params: FeatureParams = FeatureParams(),
-    calendar: SessionCalendar = SessionCalendar(),
+    calendar: SessionCalendar | None = None,
     tick_size: float | None = None,
     folds: dict | None = None,
     overwrite: bool = False,
     chunk_bytes: int | None = None,
     progress: ProgressFn | None = None,
+    fmt: str | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Path:
-    """Databento MBP-10 files -> imbalance bars -> features -> fxcache folder ``out_dir``."""
+    """Market-data files -> imbalance bars -> features -> fxcache folder ``out_dir``.
+
+    ``inputs``: Databento DBN/CSV, LOBSTER message + order-book files, or Binance captures; the
+    format is detected (``fmt`` forces one: readers.FORMATS). ``calendar``: None takes the
+    format's (CME Globex for Databento, US equities for LOBSTER, UTC days for Binance).
+    ``tick_size``: the instrument's known tick; None estimates it causally (validate.py): features
+    at each bar use the estimate in force at its close, and ``meta.tick_size`` is the one in force
+    at the first bar (no later record decides it). ``warn``: where one-line warnings go (skipped
+    book states and trades, a tick estimate that changed); default stderr.
+    """
+    warn = warn or _warn_stderr
     out_dir = check_destination(out_dir, overwrite)
     names = resolve_features(feature_names)
-    if tick_size is not None and not tick_size > 0:
+    if tick_size is not None and not (np.isfinite(tick_size) and tick_size > 0):
         raise DataError(f"tick_size must be > 0, got {tick_size}")
-    stream = RecordStream(list(inputs), symbol, chunk_bytes)
-    builder = BarBuilder(bar_params, calendar)
+    stream = RecordStream(list(inputs), symbol, chunk_bytes, fmt)
+    calendar = calendar if calendar is not None else stream.calendar
+    builder = BarBuilder(bar_params, calendar, tick_size)
     parts = []
     # the sha256 of the source files (cache provenance) on a second thread: hashlib releases the
     # GIL, so hashing overlaps decoding and bar building instead of following them
@@ -284,24 +307,51 @@ def build_cache(
         sources = stream.source_files(digests.result()) if parts else []
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+    skipped = builder.counts
+    for line in stream.warnings:
+        warn(line)
+    for kind, count in skipped.items():
+        if count:
+            warn(f"skipped {count} {SKIP_NAMES[kind]}")
     if not parts:
-        hint = (
-            "target mode calibrates on the first session and needs at least two sessions; "
-            "use --mode ewma or more data"
-            if bar_params.mode == "target"
-            else "lower the ewma clamps or use more data"
-        )
-        raise DataError(f"no bars from {builder.records_seen} records: {hint}")
+        bad = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in skipped.items() if n)
+        raise DataError(f"no bars from {builder.no_bars_reason()}" + (f" (skipped: {bad})" if bad else ""))
     bars = np.concatenate(parts)
-    tick = float(tick_size) if tick_size is not None else estimate_tick_size(bars)
+    if tick_size is not None:
+        tick, source = float(tick_size), "given"
+    else:
+        tick, source = estimate_tick_size(bars), "estimated causally: the tick in force at the first bar's close"
+    changes = _tick_changes(bars)
+    if tick_size is None and len(changes) > 1:
+        listed = ", ".join(f"{t:g} from bar {i}" for i, t in changes[:4])
+        warn(f"the tick size estimate changed during the data ({listed}); features use the estimate in force at "
+             f"each bar, the cache's tick_size is {tick:g}; pass --tick-size with the contract's tick")
     if progress is not None:
         progress("features", 0, len(names))
-    features = compute_features(bars, names, tick, feature_params, calendar)
+    features = compute_features(bars, names, None, feature_params, calendar)
+    extra = {
+        "tick_size_source": source,
+        "tick_size_changes": [[int(i), float(t)] for i, t in changes],
+        "skipped": skipped,
+        "formats": sorted({inp.kind for inp in stream.inputs}),
+    }
+    units = {info.size_unit for info in stream.infos if getattr(info, "size_unit", None)}
+    if units:
+        extra["size_unit"] = float(min(units))
     return write_cache(
         out_dir, bars, features, names,
         tick_size=tick, bar_params=bar_params, feature_params=feature_params, calendar=calendar,
-        source_files=sources, symbol=stream.symbol_name, folds=folds, overwrite=overwrite,
+        source_files=sources, symbol=stream.symbol_name, folds=folds, overwrite=overwrite, extra_meta=extra,
     )  # fmt: skip
+
+
+def _tick_changes(bars: np.ndarray) -> list[tuple[int, float]]:
+    """(bar index, tick) wherever the per-bar tick (known or estimated) takes a new value."""
+    ticks = np.asarray(bars["tick"], np.float64)
+    if len(ticks) == 0:
+        return []
+    at = np.flatnonzero(np.r_[True, ticks[1:] != ticks[:-1]])
+    return [(int(i), float(ticks[i])) for i in at if ticks[i] > 0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ One record is 368 bytes, byte for byte the DBN encoding (little-endian, no paddi
 
 so ``np.frombuffer(dbn_bytes, MBP10_DTYPE)`` is a zero-copy view of decoded records, and
 ``records.tobytes()`` is valid DBN record data. Prices are int64 fixed point with scale 1e-9
-(``PRICE_SCALE``); an empty price is ``UNDEF_PRICE`` (INT64_MAX). ``action`` and ``side`` hold
+(``PRICE_SCALE``); an empty price is ``UNDEF_PRICE`` (INT64_MAX). To price units they are divided
+by ``PRICE_DIVISOR`` (1e9), never multiplied by 1e-9: 1e-9 is not a double, and the product lands
+up to an ulp off (4000.25 became 4000.2500000000005); the quotient is correctly rounded, so a
+price on a decimal tick grid is the double nearest to its decimal value. ``action`` and ``side`` hold
 ASCII codes (``ACTION_TRADE == ord("T")``) so numba code compares integers.
 
 Flags (Databento): F_LAST (128) marks the last record of an event packet, the only records whose
@@ -26,7 +29,8 @@ import numpy as np
 N_LEVELS = 10
 RECORD_BYTES = 368
 RTYPE_MBP10 = 10
-PRICE_SCALE = 1e-9
+PRICE_SCALE = 1e-9  # the fixed-point scale, as a number (divide by PRICE_DIVISOR to convert)
+PRICE_DIVISOR = 1e9
 UNDEF_PRICE = np.iinfo(np.int64).max
 
 F_LAST = 128
@@ -123,7 +127,7 @@ def empty_records(n: int) -> np.ndarray:
 def to_price(fixed) -> np.ndarray:
     """Fixed-point int64 prices to float64 price units; ``UNDEF_PRICE`` becomes NaN."""
     fixed = np.asarray(fixed, dtype=np.int64)
-    out = fixed.astype(np.float64) * PRICE_SCALE
+    out = fixed.astype(np.float64) / PRICE_DIVISOR
     return np.where(fixed == UNDEF_PRICE, np.nan, out)
 
 

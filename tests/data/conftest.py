@@ -6,14 +6,17 @@ import pytest
 
 from numbarl.data import synth
 
-FIXTURES = Path(__file__).parents[2].parent / "shared" / "data" / "dbn"
+DATA = Path(__file__).parent / "fixtures"  # real samples, copied with their sources (SOURCES.md)
+FIXTURES = DATA / "dbn"
+LOBSTER_MESSAGE = DATA / "lobster" / "AAPL_2012-06-21_34200000_57600000_message_10.csv"
+LOBSTER_BOOK = DATA / "lobster" / "AAPL_2012-06-21_34200000_57600000_orderbook_10.csv"
+BINANCE = DATA / "binance" / "btcusdt_20240808_head6k.gz"
 
 
 @pytest.fixture(scope="session")
 def dbn_fixtures() -> list[Path]:
-    files = sorted(FIXTURES.glob("*.dbn*")) if FIXTURES.is_dir() else []
-    if not files:
-        pytest.skip(f"Databento test files not found in {FIXTURES} (shared/ must sit beside the clone)")
+    files = sorted(FIXTURES.glob("*.dbn*"))
+    assert files, f"Databento test files missing from {FIXTURES}"
     return files
 
 

@@ -128,7 +128,7 @@ def test_build_errors_leave_no_cache(small_market, tmp_path):
         build_cache([path], tmp_path / "c2", bar_params=BarParams(bars_per_day=40),
                     folds={"n_folds": 1, "train_sessions": 12, "val_sessions": 4, "test_sessions": 4})
     one_session = write_dbn(tmp_path / "one.dbn", records[: len(records) // 5])
-    with pytest.raises(DataError, match="no bars .*target mode calibrates on the first session"):
+    with pytest.raises(DataError, match="no bars .*1 with trades: target mode calibrates each session.s threshold on the previous session with trades"):
         build_cache([one_session], tmp_path / "c3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.dbn", "one.dbn"]
     # --out is checked before any input is read: --force replaces a cache or an empty folder only

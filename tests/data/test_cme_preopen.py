@@ -1,0 +1,97 @@
+"""A CME day as real files have it: a pre-open of crossed and locked books, a side-N opening
+print, then the session. Default flags build it in both bar modes, and a build of any prefix of
+the file gives bit for bit the bars (and features) of the full build before the cut."""
+
+import numpy as np
+import pytest
+
+from data_markets import cme_like_records
+from numbarl.data.bars import BarParams, bars_ref, build_bars
+from numbarl.data.calendar import SessionCalendar
+from numbarl.data.errors import DataError
+from numbarl.data.fxcache import build_cache, load_cache
+from numbarl.data.readers import write_dbn
+from numbarl.data.records import ACTION_TRADE, F_LAST, SIDE_NONE
+
+MODES = {"target": BarParams(), "ewma": BarParams(mode="ewma")}
+
+
+@pytest.fixture(scope="module")
+def cme_day(tmp_path_factory):
+    records = cme_like_records(sessions=3, seed=7, events_per_session=6000)
+    path = write_dbn(tmp_path_factory.mktemp("cme") / "glbx-es.mbp-10.dbn.zst", records, mappings={"ESH4": 1})
+    return path, records
+
+
+def test_the_market_has_what_real_files_have(cme_day):
+    _, records = cme_day
+    states = records[(records["flags"] & F_LAST) != 0]
+    lv = states["levels"][:, 0]
+    crossed = lv["bid_px"] > lv["ask_px"]
+    locked = lv["bid_px"] == lv["ask_px"]
+    assert crossed.sum() > 100 and locked.sum() > 20
+    table = SessionCalendar().sessions_between(int(records["ts_recv"][0]), int(records["ts_recv"][-1]))
+    ts = states["ts_recv"].astype(np.int64)
+    sess = table.index_of(ts)
+    outside = ts >= table.close_ns[sess]
+    assert np.all(outside[crossed | locked])  # every crossed state is in a pre-open
+    trades = records[records["action"] == ACTION_TRADE]
+    opening = trades[trades["side"] == SIDE_NONE]
+    assert len(opening) == 3 and np.all(opening["size"] == 2500)
+    # the first trade of the file is an opening print: no aggressor side and no earlier price
+    assert trades[0]["side"] == SIDE_NONE
+
+
+@pytest.mark.parametrize("mode", ["target", "ewma"])
+def test_builds_with_default_flags(cme_day, tmp_path, mode):
+    path, records = cme_day
+    warnings = []
+    out = build_cache([path], tmp_path / "c", bar_params=MODES[mode], warn=warnings.append)
+    cache = load_cache(out)
+    assert cache.n_bars > 10
+    assert cache.n_sessions == (2 if mode == "target" else 3)  # target: the first session calibrates
+    assert np.all(np.unique(cache.session_id, return_counts=True)[1] >= 3)  # every session has bars
+    assert cache.meta["skipped"]["crossed_outside_session"] > 100
+    assert any("crossed or locked book states outside the trading session" in w for w in warnings)
+    assert cache.tick_size == 0.25 and cache.meta["tick_size_source"].startswith("estimated")
+    assert np.all(cache.bid < cache.ask)
+    # inside a session a crossed book is still an error
+    bad = records.copy()
+    k = np.flatnonzero((bad["flags"] & F_LAST) != 0)[-50]
+    bad["levels"]["bid_px"][k, 0] = bad["levels"]["ask_px"][k, 0] + 250_000_000
+    bad_path = write_dbn(tmp_path / "bad.dbn", bad)
+    with pytest.raises(DataError, match=r"crossed book at .*bad\.dbn, selected record .*inside the trading session"):
+        build_cache([bad_path], tmp_path / "c2", bar_params=MODES[mode])
+    assert not (tmp_path / "c2").exists()
+
+
+@pytest.mark.parametrize("mode", ["target", "ewma"])
+def test_prefix_builds_are_bit_identical(cme_day, tmp_path, mode, rng):
+    path, records = cme_day
+    full = load_cache(build_cache([path], tmp_path / "full", bar_params=MODES[mode], warn=lambda m: None))
+    first_close = int(full.bars["close_index"][0]) + 1
+    cuts = sorted(set(rng.integers(first_close, len(records), size=3).tolist()) | {first_close})
+    for cut in cuts:
+        part = write_dbn(tmp_path / f"cut{cut}.dbn", records[:cut], mappings={"ESH4": 1})
+        cache = load_cache(build_cache([part], tmp_path / f"c{cut}", bar_params=MODES[mode], warn=lambda m: None))
+        n = cache.n_bars
+        assert 0 < n <= full.n_bars
+        assert np.all(full.bars["close_index"][n:] >= cut)
+        assert np.asarray(cache.bars).tobytes() == np.asarray(full.bars[:n]).tobytes()
+        assert np.asarray(cache.features).tobytes() == np.asarray(full.features[:n]).tobytes()
+        for name in ("mid", "bid", "ask", "high", "low", "timestamps"):
+            assert np.asarray(getattr(cache, name)).tobytes() == np.asarray(getattr(full, name)[:n]).tobytes()
+        assert cache.tick_size == full.tick_size
+
+
+@pytest.mark.parametrize("mode", ["target", "ewma"])
+def test_reference_agrees_on_the_preopen_day(cme_day, mode):
+    _, records = cme_day
+    part = records[: len(records) * 2 // 3]
+    counts = {}
+    want = bars_ref(part, MODES[mode], counts=counts)
+    got = build_bars(part, MODES[mode])
+    assert len(got) == len(want) > 0
+    for name in got.dtype.names:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-9, err_msg=name)
+    assert counts["crossed_outside_session"] > 0
