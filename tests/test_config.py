@@ -52,3 +52,100 @@ def test_config_files(tmp_path):
             config_mod.resolve("tiny", bad)
     with pytest.raises(ConfigError, match="does not exist"):
         config_mod.resolve("tiny", tmp_path / "missing.toml")
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12: configs a user can reuse
+# ---------------------------------------------------------------------------------------------
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_a_config_file_sets_the_preset_and_a_runs_config_json_is_reusable(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('preset = "tiny"\n[agent]\nlr = 1e-4\n')
+    cfg = config_mod.resolve(None, toml, default_preset="default")
+    assert cfg.preset == "tiny" and cfg.train.n_envs == config_mod.preset("tiny").train.n_envs
+    assert cfg.agent.lr == pytest.approx(1e-4)
+    assert config_mod.resolve("small", toml).preset == "small"  # --preset wins over the file
+    assert config_mod.resolve(None, None, default_preset="tiny").preset == "tiny"
+    # a run's config.json (every field, the preset, env.tick_size null) with --config: the same config
+    saved = config_mod.resolve("tiny", sets=["agent.lr=3e-4", "train.seed=5"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(saved.to_dict()))
+    assert config_mod.resolve(None, path) == saved
+    path.write_text(json.dumps({**saved.to_dict(), "preset": 3}))
+    with pytest.raises(ConfigError, match="preset = 3 must be a preset name"):
+        config_mod.resolve(None, path)
+
+
+def test_set_reaches_fields_whose_default_is_none():
+    cfg = config_mod.resolve("tiny", sets=["env.tick_size=0.25"])
+    assert cfg.env.tick_size == 0.25
+    assert config_mod.resolve("tiny", sets=["env.tick_size=0.25", "env.tick_size=none"]).env.tick_size is None
+    with pytest.raises(ConfigError, match="env.tick_size = 'abc' is not a valid float"):
+        config_mod.resolve("tiny", sets=["env.tick_size=abc"])
+
+
+@pytest.mark.parametrize("name, message", [("c.yaml", "YAML is not supported; write the config as TOML"),
+                                           ("c.yml", "YAML is not supported"),
+                                           ("c.ini", "unknown format '.ini'")])
+def test_other_config_formats_are_a_clear_error(tmp_path, name, message):
+    path = tmp_path / name
+    path.write_text("agent:\n  lr: 1e-4\n")
+    with pytest.raises(ConfigError, match=message):
+        config_mod.resolve("tiny", path)
+
+
+@pytest.mark.parametrize("name", sorted(config_mod.PRESETS))
+def test_toml_of_a_config_loads_back_to_it(tmp_path, name):
+    cfg = config_mod.resolve(name, sets=["env.tick_size=0.25", "data.source=a b\"c"] if name == "tiny" else ())
+    path = tmp_path / "printed.toml"
+    path.write_text(config_mod.to_toml(cfg))
+    assert config_mod.resolve(None, path) == cfg
+    assert "# Adam learning rate." in path.read_text()  # each field with its docstring
+
+
+def test_the_sample_config_in_the_repository_loads_and_runs_on_a_cpu():
+    sample = REPO / "examples" / "config.toml"
+    cfg = config_mod.resolve(None, sample, sets=["agent.lr=1e-4"])
+    assert cfg.preset == "tiny" and cfg.agent.lr == pytest.approx(1e-4)  # the simulator-sized preset
+    from numbarl.data.splits import sessions_needed
+
+    t = cfg.train
+    assert sessions_needed(t.folds, t.train_sessions, t.val_sessions, t.test_sessions) <= cfg.data.synth_sessions
+
+
+def test_print_config_prints_the_resolved_config_and_trains_nothing(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from numbarl.cli import train_cmd
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(train_cmd, ["--config", str(REPO / "examples" / "config.toml"), "--set", "agent.lr=1e-4",
+                                       "--epochs", "3", "--print-config"])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    import tomllib
+
+    printed = tomllib.loads(r.output[r.output.index("# numbarl config"):])
+    assert printed["preset"] == "tiny" and printed["agent"]["lr"] == 1e-4 and printed["train"]["epochs"] == 3
+    assert list(tmp_path.iterdir()) == []  # no runs/, no cache
+
+
+def test_readme_config_examples_resolve():
+    """Every `numbarl-train ... --config FILE` line of the README resolves (a sample file in the
+    repository, and settings a CPU can run)."""
+    import re
+    import shlex
+
+    lines = [line.split("#")[0] for line in (REPO / "README.md").read_text().splitlines()
+             if line.startswith("numbarl-train") and "--config" in line]
+    assert lines
+    for line in lines:
+        args = shlex.split(line)[1:]
+        if args[args.index("--config") + 1].startswith("runs/"):  # a run's config.json: tested above
+            continue
+        config_file = REPO / args[args.index("--config") + 1]
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        cfg = config_mod.resolve(None, config_file, sets=sets, default_preset="tiny")
+        assert cfg.preset == "tiny" or not re.search(r"n_envs=\d{4,}", line), line

@@ -12,15 +12,17 @@ def session_ids(rng, n_sessions):
 
 
 def test_folds_are_chronological_whole_sessions(rng):
-    sid = session_ids(rng, 23)
+    sid = session_ids(rng, 27)
     folds = walk_forward(sid, n_folds=3, embargo_bars=2, train_sessions=8, val_sessions=3, test_sessions=4)
     assert len(folds) == 3
-    starts = np.searchsorted(sid, np.arange(24))
+    starts = np.searchsorted(sid, np.arange(28))
+    # anchored on the newest data: 23 of the 27 sessions are used, the 4 oldest are left out
     for k, fold in enumerate(folds):
-        assert fold.train_sessions == (4 * k, 4 * k + 8)
-        assert fold.train[0] == starts[4 * k] and fold.train[1] == starts[4 * k + 8] - 2
-        assert fold.val == (starts[4 * k + 8], starts[4 * k + 11] - 2)
-        assert fold.test == (starts[4 * k + 11], starts[4 * k + 15])
+        first = 4 + 4 * k
+        assert fold.train_sessions == (first, first + 8)
+        assert fold.train[0] == starts[first] and fold.train[1] == starts[first + 8] - 2
+        assert fold.val == (starts[first + 8], starts[first + 11] - 2)
+        assert fold.test == (starts[first + 11], starts[first + 15])
         assert fold.train[1] < fold.val[0] and fold.val[1] < fold.test[0]
         # whole sessions: ranges start at a session start; the test range ends at one
         for start in (fold.train[0], fold.val[0], fold.test[0]):
@@ -28,6 +30,7 @@ def test_folds_are_chronological_whole_sessions(rng):
         assert fold.test[1] == len(sid) or sid[fold.test[1]] != sid[fold.test[1] - 1]
     tests = [f.test for f in folds]
     assert all(a[1] == b[0] for a, b in zip(tests, tests[1:]))  # adjacent, no overlap
+    assert folds[-1].test[1] == len(sid) and folds[-1].test_sessions[1] == 27  # ends at the newest bar
 
 
 def test_hand_computed_fold():

@@ -97,6 +97,46 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     assert len(resume_files) == 1 and resume_files[0].startswith("fold0-epoch0002.")
 
 
+def test_run_folder_a_user_can_read(full_run):
+    """Issue 12's glitches: the run's log file with timestamped progress over every phase, a wall-clock
+    column, checkpoints with their step, integer columns as integers, trade prices without float
+    noise, equity curves as CSV, and the same average hold in every table."""
+    import pandas as pd
+
+    log = (full_run / "train.log").read_text().splitlines()
+    assert log and all(line[:4].isdigit() and line[10] == "T" for line in log)
+    text = "\n".join(log)
+    for phase in ("collect+train step", "validation backtest", "checkpoint fold0-epoch0001",
+                  "test (out-of-sample) backtest", "report:"):
+        assert phase in text, phase
+    assert "ETA" in text and "%" in text
+    records = RunDir.open(full_run).read_metrics()
+    elapsed = [rec["elapsed_s"] for rec in records]
+    assert all(isinstance(rec["time"], str) for rec in records) and elapsed == sorted(elapsed) and elapsed[-1] > 0
+    latest = json.loads((full_run / "checkpoints" / "latest.json").read_text())
+    assert isinstance(latest["step"], int) and latest["step"] > 0
+    assert all(isinstance(c["step"], int) for c in RunDir.open(full_run).list_checkpoints())
+    # integer columns stay integers where some records lack them (were 3.0 in the CSV)
+    csv_lines = (full_run / "metrics.csv").read_text().splitlines()
+    header = csv_lines[0].split(",")
+    val_row = next(line.split(",") for line in csv_lines[1:] if line.startswith("val,"))
+    for column in ("step", "n_trades", "fold", "epoch"):
+        assert "." not in val_row[header.index(column)], (column, val_row[header.index(column)])
+    summary = json.loads((full_run / "summary.json").read_text())
+    assert isinstance(summary["folds"][0]["test"]["n_trades"], int)
+    for split in ("val", "test"):
+        trades = pd.read_csv(full_run / f"trades_{split}.csv")
+        raw = (full_run / f"trades_{split}.csv").read_text()
+        assert "0000000" not in raw and "9999999" not in raw, raw  # no float noise in prices
+        table = pd.read_csv(full_run / "equity" / f"{split}_fold0.csv")
+        saved = RunDir.open(full_run).read_equity(split)[(split, 0)]
+        assert np.allclose(table["equity"], saved["equity"]) and "time_utc" in table.columns
+        if len(trades):  # avg hold: the metric and the report's trade table agree
+            from numbarl.run.report import trade_stats
+
+            assert trade_stats(trades)["avg_hold"] == pytest.approx(summary["folds"][0][split]["avg_hold"])
+
+
 def test_backtest_rescores_the_saved_agent_like_the_run(full_run, cache_dir, monkeypatch):
     """numbarl-backtest on the best checkpoint reproduces the run's own out-of-sample metrics."""
     monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))

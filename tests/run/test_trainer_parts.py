@@ -143,3 +143,82 @@ def test_restore_reads_an_undefined_validation_sharpe_back_as_nan():
                                  "val_history": [None, 1.5]})
     assert math.isnan(ft.val_history[0]) and ft.val_history[1] == 1.5 and ft.best_sharpe == -math.inf
     assert selection_score(ft.val_history, 2) == -math.inf
+
+
+def test_numbarl_data_folds_check_the_split_numbarl_train_uses():
+    """One split definition: numbarl-data --folds defaulted to 12/4/4 sessions and embargo 0 while
+    numbarl-train used 14/3/3 and 50; both now take numbarl/data/splits.py's DEFAULT_SPLIT."""
+    import click
+
+    from numbarl.config import TrainConfig
+    from numbarl.data import commands
+    from numbarl.data.splits import DEFAULT_SPLIT
+
+    seen = {}
+
+    @click.command()
+    @commands.fold_options
+    def probe(**options):
+        seen.update(commands._fold_spec(options))
+
+    probe.main(["--folds", "3"], standalone_mode=False)
+    t = TrainConfig()
+    assert seen == {"n_folds": 3, "train_sessions": t.train_sessions, "val_sessions": t.val_sessions,
+                    "test_sessions": t.test_sessions, "embargo_bars": t.embargo_bars}
+    assert {k: v for k, v in seen.items() if k != "n_folds"} == DEFAULT_SPLIT
+
+
+def test_nonfinite_stop_does_not_claim_a_checkpoint_that_does_not_exist():
+    from types import SimpleNamespace
+
+    import pytest
+
+    def stopped(latest):
+        ft = SimpleNamespace(agent=SimpleNamespace(nonfinite_tensors=lambda: ["params:trunk.fc0.w"]),
+                             run=SimpleNamespace(latest_checkpoint=lambda: latest, path="runs/x"),
+                             fold=SimpleNamespace(index=0), epoch=0)
+        with pytest.raises(trainer.NonFiniteError) as info:
+            trainer.FoldTrainer.stop_nonfinite(ft, {"nonfinite_what": 1, "nonfinite_step": 2})
+        return str(info.value)
+
+    message = stopped(None)
+    assert "no checkpoint had been saved yet" in message and "last good checkpoint" not in message
+    message = stopped({"tag": "fold0-epoch0001", "step": 4})
+    assert "the last good checkpoint fold0-epoch0001 is kept" in message
+
+
+def test_trade_prices_without_float_noise():
+    import pandas as pd
+
+    trades = pd.DataFrame({"entry_price": [3937.0000000000005, 3933.7499999999995, 3937.32551627000001],
+                           "exit_price": [3940.25, 0.1 + 0.2, 3937.0]})
+    tidy = trainer._tidy_prices(trades, 0.25)
+    assert tidy["entry_price"].tolist() == [3937.0, 3933.75, 3937.32551627]
+    assert tidy["exit_price"].tolist()[0] == 3940.25 and tidy["exit_price"].tolist()[2] == 3937.0
+    assert tidy.to_csv(index=False).splitlines()[1].startswith("3937.0,3940.25")
+    assert trainer._tidy_prices(pd.DataFrame({"entry_price": [1.1 + 2.2]}), 0.1)["entry_price"][0] == 3.3
+
+
+def test_c51_head_on_a_non_finite_input_gives_nan_without_a_warning_on_stderr():
+    """A diverged trunk (inf) makes the head compute NaN; under the simulator that used to print
+    numpy's "RuntimeWarning: invalid value encountered in scalar add" to the user's terminal."""
+    import warnings
+
+    import numpy as np
+
+    from numbarl.cuda.runtime import cuda, stream
+    from numbarl.rl.nets.c51_head import BranchedDuelingC51Head, dueling_forward
+
+    _cuda = cuda()
+    sizes, n_atoms, batch = (3, 2), 5, 2
+    layout = BranchedDuelingC51Head("layout_only", 4, sizes, n_atoms, -1.0, 1.0).layout
+    value = np.zeros((batch, n_atoms), np.float32)
+    adv = np.zeros((batch, sum(sizes) * n_atoms), np.float32)
+    adv[0, 1] = np.inf
+    q = _cuda.device_array((batch, len(sizes), max(sizes)), np.float32)
+    lse = _cuda.device_array((batch, len(sizes), max(sizes)), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dueling_forward(_cuda.to_device(value), _cuda.to_device(adv), layout, stream(), lse=lse, q=q)
+    got = q.copy_to_host()
+    assert np.isnan(got[0, 0, :3]).any() and np.all(np.isfinite(got[1, :, :2]))

@@ -44,6 +44,7 @@ threads touch adjacent atoms (coalesced), each loops over the branches and their
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -565,12 +566,19 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     u4, u3 = layout["unused4"], layout["unused3"]
     grid = max(1, -(-batch // samples))
     block = (HEAD_TX, HEAD_TY) if block is None else tuple(int(x) for x in block)
-    dueling_head_kernel[grid, block, stream, shared_bytes](
-        value.reshape(value.size), adv.reshape(adv.size), np.int64(n_atoms), np.int64(adv.shape[1]), sizes,
-        layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
-        np.int64(max_actions), np.int64(samples), logits is not None, q is not None, probs is not None,
-        u4 if logits is None else logits, u3 if lse is None else lse, u3 if q is None else q,
-        u4 if probs is None else probs)
+    # A non-finite input (a diverged trunk) makes this launch compute inf - inf = NaN, as the GPU
+    # does silently; under the CUDA simulator each thread's float32 arithmetic is numpy scalar
+    # arithmetic, which also printed "RuntimeWarning: invalid value encountered in scalar add" on
+    # the user's terminal. The NaN is the signal: the trainer's non-finite guard stops the run and
+    # names the tensor. (numpy.errstate is per thread: it does not reach the simulated threads.)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dueling_head_kernel[grid, block, stream, shared_bytes](
+            value.reshape(value.size), adv.reshape(adv.size), np.int64(n_atoms), np.int64(adv.shape[1]), sizes,
+            layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
+            np.int64(max_actions), np.int64(samples), logits is not None, q is not None, probs is not None,
+            u4 if logits is None else logits, u3 if lse is None else lse, u3 if q is None else q,
+            u4 if probs is None else probs)
 
 
 def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:
