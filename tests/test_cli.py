@@ -187,3 +187,14 @@ def test_a_failed_cache_build_leaves_no_lock_file(tmp_path, monkeypatch):
     with pytest.raises(DataError):
         trainer.prepare_data(DataConfig(cache_dir=str(tmp_path), synth_scale="tiny"), log=lambda m: None)
     assert _files(tmp_path) == []
+
+
+def test_the_folders_the_readme_commands_write_are_git_ignored():
+    """`numbarl-data synth --out data/synth` and `numbarl-train --out runs/...` (README) must not show
+    up as untracked files in a clone."""
+    repo = Path(__file__).resolve().parents[1]
+    ignored = [line.strip() for line in (repo / ".gitignore").read_text().splitlines()]
+    assert "/data/" in ignored and "/runs/" in ignored
+    for path in ("data/synth/meta.json", "runs/first/config.json"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=repo)
+        assert r.returncode in (0, 128), path  # 0: ignored (128: not a git checkout, e.g. an sdist)
