@@ -34,8 +34,9 @@ def write_dbn(
     """
     path = Path(path)
     records = np.ascontiguousarray(records)
-    ts = records["ts_recv"].astype(np.int64) if len(records) else np.zeros(1, np.int64)
-    start, end = int(ts.min()), int(ts.max()) + 1
+    ts = records["ts_recv"] if len(records) else np.zeros(1, np.uint64)
+    # Python ints from uint64: a test file may hold sentinel times (2^64 - 1) the readers must refuse
+    start, end = int(ts.min()), min(int(ts.max()) + 1, 2**64 - 1)
     day0 = dt.date(1970, 1, 1) + dt.timedelta(days=start // 86_400_000_000_000)
     day1 = dt.date(1970, 1, 1) + dt.timedelta(days=end // 86_400_000_000_000 + 1)
 
