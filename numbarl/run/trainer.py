@@ -160,6 +160,15 @@ def _num(x, spec: str = ".3g") -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def metric_cell(name: str, value) -> str:
+    """A metric in a printed table: counts as integers (3, not 3.0000), 'n/a' where undefined."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if name in INT_METRICS:
+        return f"{int(value):,d}"
+    return f"{float(value):,.4f}"
+
+
 def metrics_dict(metrics, p: int = 0) -> dict:
     values, reasons = metrics.policy(p)
     out = {k: _finite(v) for k, v in values.items()}
@@ -839,9 +848,10 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     used = ", ".join(f"fold {f.index}: {tag}" for tag, f in tags)
     print(f"run {run.path} | checkpoint {checkpoint}" + ("" if every else f" ({used})"))
     if every:  # one line per checkpoint and split, the headline metrics
-        cols = ["sharpe", "total_return", "max_drawdown", "n_trades", "win_rate", "profit_factor", "avg_hold", "exposure"]
-        frame = pd.DataFrame(rows).set_index(["checkpoint", "split"])[cols].astype(float)
-        print(frame.to_string(float_format=lambda v: f"{v:,.4f}", na_rep="n/a"))
+        cols = ["daily_sharpe", "sharpe_adj", "sharpe", "total_return", "max_drawdown", "n_trades", "win_rate",
+                "profit_factor", "avg_hold", "exposure"]
+        frame = pd.DataFrame(rows).set_index(["checkpoint", "split"]).reindex(columns=cols)
+        print(frame.apply(lambda col: col.map(lambda v: metric_cell(col.name, v))).to_string())
         summary = run.read_summary() if (run.path / "summary.json").exists() else {"folds": []}
         for f in summary["folds"]:
             print(f"fold {f['fold']}: best by validation {f['best_checkpoint']} (the run's choice; picking by "
@@ -849,8 +859,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         return
     frame = pd.DataFrame(rows).drop(columns=["nan_reasons", "checkpoint", "epoch"], errors="ignore")
     frame = frame.set_index(["fold", "split"]).T
-    frame = frame.astype(float)  # None (a degenerate metric) -> NaN, shown as n/a
-    print(frame.to_string(float_format=lambda v: f"{v:,.4f}", na_rep="n/a"))
+    print(frame.apply(lambda row: row.map(lambda v: metric_cell(row.name, v)), axis=1).to_string())
     reasons = [f"  {metric} (fold {r['fold']} {r['split']}): {why}"
                for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
     if reasons:
