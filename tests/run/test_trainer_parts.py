@@ -222,3 +222,10 @@ def test_c51_head_on_a_non_finite_input_gives_nan_without_a_warning_on_stderr():
         dueling_forward(_cuda.to_device(value), _cuda.to_device(adv), layout, stream(), lse=lse, q=q)
     got = q.copy_to_host()
     assert np.isnan(got[0, 0, :3]).any() and np.all(np.isfinite(got[1, :, :2]))
+
+
+def test_metric_cells_of_printed_tables():
+    assert trainer.metric_cell("n_trades", 3) == "3" and trainer.metric_cell("n_trades", 1234.0) == "1,234"
+    assert trainer.metric_cell("sharpe", 1.23456) == "1.2346"
+    assert trainer.metric_cell("sharpe", None) == "n/a" and trainer.metric_cell("calmar", float("nan")) == "n/a"
+    assert trainer.metrics_dict(type("M", (), {"policy": lambda self, p: ({"n_trades": 3.0}, {})})())["n_trades"] == 3
