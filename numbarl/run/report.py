@@ -55,8 +55,9 @@ TRAIN_SERIES = (
 VAL_SCORE_KEYS = ("sharpe", "metrics.sharpe", "val.sharpe")  # first present is the val Sharpe
 TRADE_PNL_KEYS = ("pnl", "net_pnl", "trade_pnl")  # first present column is a trade's net P&L
 TRADE_HOLD_KEYS = ("bars_held", "hold_bars", "duration_bars")  # optional holding time in bars
-SPLIT_ORDER = ("train", "val", "test")
-SPLIT_LABELS = {"train": "train", "val": "validation", "test": "test (out-of-sample)"}
+SPLIT_ORDER = ("train", "val", "test", "oracle_test")
+SPLIT_LABELS = {"train": "train", "val": "validation", "test": "test (out-of-sample)",
+                "oracle_test": "oracle (test windows)"}
 # headline metrics, in order, when the summary has them: (key, label)
 HEADLINE_METRICS = (
     ("daily_sharpe", "Daily Sharpe (ann.)"),
