@@ -5,7 +5,9 @@ One `numbarl-train` run owns one folder (SPEC §6)::
     RUN_DIR/
       run.json                  run marker: format version, numbarl version, creation time, meta
       config.json               the resolved config (every value the run used)
-      metrics.jsonl             one JSON record per log step ("train"), validation ("val"), test ("test")
+      train.log                 the run's progress lines, timestamped (written by the trainer)
+      metrics.jsonl             one JSON record per log step ("train"), validation ("val"), test ("test"),
+                                each with its wall clock (time, elapsed_s)
       metrics.csv               the same records as a table (union of columns), rebuilt by write_csv()
       checkpoints/
         <tag>.npz               arrays (flat params, Adam moments, RNG counters, env cursors, ...)
@@ -18,7 +20,8 @@ One `numbarl-train` run owns one folder (SPEC §6)::
       trades_<split>.csv        trade list per split ("val", "test", ...), a `fold` column per row
       equity/<split>_fold<k>.npz  per-bar pnl, equity, position, session id (drawdown is derived) for
                                 the report and the pooled metrics; <split>_fold<k>.csv the same as a table
-      summary.json              per fold: val and test metrics, bars_per_day, seed, version, device
+      summary.json              per fold: val and test metrics, bars_per_day, seed, version, device;
+                                "pooled" and "headline": the folds' windows concatenated (run/pooled.py)
       report.html, report.png   written by numbarl.run.report.write_report
 
 Crash safety. Every file except metrics.jsonl is written to a temporary name in its own folder,

@@ -15,7 +15,8 @@ Read top to bottom it is the algorithm::
             val    = backtest(fold.val, greedy agent)       full metrics, logged
             checkpoint(epoch); best ← val Sharpe (mean of the last select_window epochs)
         test   = backtest(fold.test, best checkpoint)       scored once
-    summary.json, trades_<split>.csv, report.html/png
+    pooled = metrics(concatenated test windows of the folds) the headline (run/pooled.py)
+    summary.json, trades_<split>.csv, equity/, train.log, report.html/png
 
 Nothing from a fold's validation or test window reaches its training: the env draws episode
 starts and steps only inside ``fold.train`` (its cursor stops at the range's end), features are
