@@ -6,6 +6,9 @@ Checks before it times (STYLE): one batch's loss and gradients of numbarl and of
 * numbarl train step (graph replay), fp32 and TF32, with a per-phase breakdown (each phase captured
   as its own graph: sample, target passes, online pass, loss, backward, optimizer);
 * PyTorch peer train step, eager and CUDA-graphed (torch.cuda.graphs), fp32 and TF32;
+* JAX peer (numbarl.rl.jax_peer; optional, `pip install numbarl[jax]` or jax[cuda12/13]): checked
+  against numbarl on loss and gradients like the PyTorch peer, then its jitted train step and
+  acting step (forward + greedy, N = n_envs), fp32 and TF32; "jax: not installed" without it;
 * collect step (state gather → online forward → action select → env step → replay write) at
   N = n_envs: env-steps/s including inference.
 
@@ -151,6 +154,7 @@ def run(args) -> dict:
             results["check"] = _check_against_peer(agent, s)
             if results["check"].get("available"):
                 results["torch"] = _time_peer(agent, s)
+            results["jax"] = jax_peer_results(agent, s, args.n_envs)  # checked, then timed
         del agent, env
     return results
 
@@ -208,6 +212,126 @@ def _time_peer(agent, s) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the JAX peer (numbarl.rl.jax_peer): checked against numbarl, then its jitted steps timed
+# ---------------------------------------------------------------------------------------------
+JAX_LOSS_RTOL = 1e-5  # the GPU peer tests' bounds (tests/rl/test_gpu_c51.py): loss relative error,
+JAX_GRAD_RTOL = 1e-4  # and norm-relative error of every gradient
+
+
+def jax_peer_results(agent, s, n_envs: int) -> dict:
+    """The JAX peer's row of the benchmark: `_check_against_jax`, then (only if it agrees, and
+    only on a GPU backend) `_time_jax`. Without jax: {"available": False, "why": ...}."""
+    try:
+        from numbarl.rl.jax_peer import import_jax
+
+        jax = import_jax()
+    except ImportError:
+        return {"available": False, "why": "jax: not installed (pip install numbarl[jax]; on a CUDA host "
+                                           "pip install \"jax[cuda12]\" or \"jax[cuda13]\")"}
+    out = {"available": True, "version": jax.__version__, "backend": jax.default_backend(),
+           "jax_device": str(jax.devices()[0])}
+    out["check"] = _check_against_jax(agent, s)
+    if not out["check"]["agrees"]:
+        out["why"] = (f"jax: disagrees with numbarl (loss rel {out['check']['loss_relerr']:.1e} > {JAX_LOSS_RTOL:g} "
+                      f"or grad rel {out['check']['grad_relerr_max']:.1e} > {JAX_GRAD_RTOL:g}): not timed")
+    elif out["backend"] not in ("gpu", "cuda"):
+        out["why"] = (f"jax: backend {out['backend']!r}, not the GPU (jax installed without CUDA: pip install "
+                      f"\"jax[cuda12]\" or \"jax[cuda13]\"): checked, not timed")
+    else:
+        out.update(_time_jax(agent, s, n_envs))
+    return out
+
+
+def _jax_peer(agent, params, target):
+    from numbarl.rl.jax_peer import JaxPeer, PeerSpec
+
+    cfg = agent.cfg
+    periodic = getattr(cfg, "target_update", "periodic") == "periodic"
+    return JaxPeer(PeerSpec.from_numbarl(agent.trunk, agent.head, agent.store), params, target, lr=cfg.lr,
+                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                   max_grad_norm=cfg.max_grad_norm, target_tau=1.0 if periodic else cfg.tau,
+                   target_period=cfg.target_period if periodic else 1)
+
+
+def _check_against_jax(agent, s) -> dict:
+    """Loss and gradients of one fresh batch, numbarl vs the JAX peer (fp32), as `_check_against_peer`.
+    The double-DQN a* is numbarl's (first max of its next-obs Q over the available actions), so a
+    float32 near-tie cannot pick a different target row; how often the peer's own argmax agrees is
+    reported beside it."""
+    from numbarl.rl.jax_peer import batch_to_jax
+
+    phases = dict(agent.train_phases())
+    phases["sample"](s)
+    batch = _peer_batch(agent, s)
+    lock_aware = bool(getattr(agent.cfg, "lock_aware_target", False))
+    if lock_aware:  # the loss then maximises over the env's mask of next_obs
+        batch["next_mask"] = agent.replay.batch.next_mask.copy_to_host(stream=s)
+    params, target = agent.store.to_host("params"), agent.store.to_host("target")
+    for name in ("targets", "online", "loss", "backward"):
+        phases[name](s)
+    agent.store.end_step()
+    loss = float(agent.loss.loss.copy_to_host(stream=s)[0])
+    next_q = agent.head.outputs("next").q.copy_to_host(stream=s)
+    s.synchronize()
+    grads = agent.store.to_host("grads")
+    if lock_aware:
+        next_q = np.where(batch["next_mask"] != 0, next_q, -np.inf)
+    a_star = np.stack([np.argmax(next_q[:, k, :n], axis=1) for k, n in enumerate(agent.branch_sizes)], axis=1)
+
+    peer = _jax_peer(agent, params, target)
+    jb = batch_to_jax(batch)
+    p_loss, _, p_grads = peer.loss_and_grads(jb, next_actions=a_star)
+    own = np.asarray(peer.act(jb["next_obs"], jb.get("next_mask")))
+    errs = {name: _relerr(p_grads[name], grads[name]) for name in p_grads}
+    loss_relerr = abs(p_loss - loss) / max(abs(loss), 1e-30)
+    return {"loss_numbarl": loss, "loss_jax": p_loss, "loss_relerr": loss_relerr,
+            "grad_relerr_max": max(errs.values()), "grad_relerr": errs,
+            "argmax_agreement": float(np.mean(own == a_star)),
+            "agrees": bool(loss_relerr < JAX_LOSS_RTOL and max(errs.values()) < JAX_GRAD_RTOL)}
+
+
+def _time_jax(agent, s, n_envs: int) -> dict:
+    """ms per jitted train step (the last sampled batch, the agent's optimizer settings) and per
+    acting step (forward + greedy per branch on n_envs observations), fp32 and TF32."""
+    from numbarl.rl.jax_peer import batch_to_jax, import_jax, time_act, time_train_step
+
+    jax = import_jax()
+    batch = batch_to_jax(_peer_batch(agent, s))
+    params, target = agent.store.to_host("params"), agent.store.to_host("target")
+    obs = jax.device_put(np.random.default_rng(0).standard_normal((n_envs, agent.state_dim)).astype(np.float32))
+    out = {}
+    for tf32 in (False, True):
+        prec = "tf32" if tf32 else "fp32"
+        train = time_train_step(_jax_peer(agent, params, target), batch, tf32=tf32, iters=50)
+        act = time_act(_jax_peer(agent, params, target), obs, tf32=tf32, iters=50)
+        out[f"train_{prec}"], out[f"act_{prec}"] = train["ms_median"], act["ms_median"]
+        out[f"compile_s_train_{prec}"], out[f"compile_s_act_{prec}"] = train["compile_s"], act["compile_s"]
+    return out
+
+
+def jax_table_lines(results: dict) -> list:
+    """The JAX peer's lines of the table (or why it is absent)."""
+    j = results.get("jax") or {}
+    if not j.get("available") or "train_fp32" not in j:
+        chk = j.get("check")
+        lines = [f"JAX peer: {j.get('why', 'jax: not run')}"]
+        if chk:
+            lines.append(f"check vs JAX peer: loss {chk['loss_numbarl']:.6f} vs {chk['loss_jax']:.6f} "
+                         f"(rel {chk['loss_relerr']:.1e}), max grad rel err {chk['grad_relerr_max']:.1e}")
+        return lines
+    chk, nb = j["check"], results["numbarl"]
+    return [
+        (f"check vs JAX peer (jax {j['version']}, {j['jax_device']}): loss {chk['loss_numbarl']:.6f} vs "
+         f"{chk['loss_jax']:.6f} (rel {chk['loss_relerr']:.1e}), max grad rel err {chk['grad_relerr_max']:.1e}, "
+         f"own double-DQN argmax agrees on {100 * chk['argmax_agreement']:.2f}%"),
+        f"{'JAX peer, jit':<44}{j['train_fp32']:>10.3f}{j['train_tf32']:>10.3f}",
+        *(f"speed-up {prec}: {j[f'train_{prec}'] / nb[prec]['train_step_ms']:.2f}x vs JAX jit" for prec in ("fp32", "tf32")),
+        (f"{'JAX acting step (forward + greedy), N = ' + str(results['n_envs']):<44}{j['act_fp32']:>10.3f}"
+         f"{j['act_tf32']:>10.3f}"),
+    ]
+
+
 def table(results: dict) -> str:
     lines = [f"numbarl train-step benchmark on {results['device']}",
              f"model: {results['features']} features, trunk {results['trunk']}, branches {results['branches']}, "
@@ -226,6 +350,7 @@ def table(results: dict) -> str:
         for prec in ("fp32", "tf32"):
             lines.append(f"speed-up {prec}: {t[f'eager_{prec}'] / nb[prec]['train_step_ms']:.2f}x vs eager, "
                          f"{t[f'graphed_{prec}'] / nb[prec]['train_step_ms']:.2f}x vs graphed")
+    lines += jax_table_lines(results)
     for prec in ("fp32", "tf32"):
         lines.append(f"collect step ({prec}) {nb[prec]['collect_step_ms']:.3f} ms -> "
                      f"{nb[prec]['env_steps_per_s_with_inference']:.3e} env-steps/s incl. inference")
