@@ -4,8 +4,11 @@ One learning run is one draw: the same config with another seed can land far fro
 docs/RESULTS.md). `numbarl-compare runs/s0 runs/s1 runs/s2` reads each run's summary.json (no GPU,
 nothing re-scored) and prints one row per (run, fold) — seed, best epoch, validation and test
 Sharpe, the oracle's test Sharpe and the ratio on synthetic data, return, trades, drawdown — then
-the spread of the test numbers over all rows (mean, sample std, min, median, max) and which
+the spread of the test numbers over all fold rows (mean, sample std, min, median, max) and which
 config fields differ between the runs, so that a seed sweep is not mistaken for a config change.
+A run with several folds also gets a "pooled" row: its folds' windows concatenated into one
+track record (summary.json's "pooled", numbarl/run/pooled.py), shown but not counted in the
+spread (its folds already are).
 
     rows = compare_rows([RunDir.open(p) for p in paths])
     print(format_table(rows, summarize(rows), config_differences(runs)))
@@ -26,6 +29,7 @@ COLUMNS = (  # (key, header, format)
     ("best_epoch", "best ep", "{}"),
     ("val_sharpe", "val Sharpe", "{:.2f}"),
     ("test_sharpe", "test Sharpe", "{:.2f}"),
+    ("test_daily_sharpe", "test daily", "{:.2f}"),
     ("oracle_sharpe", "oracle", "{:.2f}"),
     ("test_over_oracle", "test/oracle", "{:.2f}"),
     ("test_return", "test return", "{:.3%}"),
@@ -62,14 +66,19 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
             raise RunError(f"{run.summary_path} is not a numbarl summary (no list of fold records)")
         if not folds:
             raise RunError(f"{run.summary_path} lists no finished fold")
-        for f in folds:
+        records = [(f, f.get("fold"), f.get("seed", summary.get("seed"))) for f in folds]
+        pooled = summary.get("pooled")
+        if len(folds) > 1 and isinstance(pooled, dict) and isinstance(pooled.get("test"), dict):
+            records.append((pooled, "pooled", summary.get("seed")))
+        for f, fold, seed in records:
             val, test, oracle_test = (f.get(k) if isinstance(f.get(k), dict) else {} for k in ("val", "test", "oracle_test"))
             oracle = _num(oracle_test.get("sharpe"))
             t_sharpe = _num(test.get("sharpe"))
             rows.append({
-                "run": run.path.name or str(run.path), "path": str(run.path), "seed": f.get("seed", summary.get("seed")),
-                "fold": f.get("fold"), "best_epoch": _epoch(f.get("best_checkpoint")),
-                "val_sharpe": _num(val.get("sharpe")), "test_sharpe": t_sharpe, "oracle_sharpe": oracle,
+                "run": run.path.name or str(run.path), "path": str(run.path), "seed": seed,
+                "fold": fold, "best_epoch": _epoch(f.get("best_checkpoint")), "pooled": fold == "pooled",
+                "val_sharpe": _num(val.get("sharpe")), "test_sharpe": t_sharpe,
+                "test_daily_sharpe": _num(test.get("daily_sharpe")), "oracle_sharpe": oracle,
                 "test_over_oracle": t_sharpe / oracle if t_sharpe is not None and oracle else None,
                 "test_return": _num(test.get("total_return")), "test_trades": _num(test.get("n_trades")),
                 "test_max_drawdown": _num(test.get("max_drawdown")),
@@ -78,7 +87,9 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Spread of each SPREAD column over the rows that have it: n, mean, std (sample), min, median, max."""
+    """Spread of each SPREAD column over the fold rows that have it (pooled rows are shown, not
+    counted: their folds already are): n, mean, std (sample), min, median, max."""
+    rows = [r for r in rows if not r.get("pooled")]
     out = {}
     for key in SPREAD:
         values = [r[key] for r in rows if r.get(key) is not None]

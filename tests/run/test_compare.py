@@ -74,3 +74,19 @@ def test_unfinished_run_and_non_run_are_clear_errors(tmp_path):
     done = _run(tmp_path, "d", 0, [1.0])
     result = CliRunner().invoke(compare_cmd, [str(done.path), str(tmp_path / "." / "d")])
     assert result.exit_code == 2 and "is listed twice" in result.output, result.output
+
+
+def test_a_multi_fold_run_gets_a_pooled_row_outside_the_spread(tmp_path):
+    run = _run(tmp_path, "three", 0, [10.0, 20.0, 30.0])
+    summary = run.read_summary()
+    summary["pooled"] = {"test": {"sharpe": 18.5, "daily_sharpe": 1.2, "total_return": 0.05, "n_trades": 300},
+                         "val": {"sharpe": 25.0}, "oracle_test": {"sharpe": 150.0}}
+    run.write_summary(summary)
+    rows = compare.compare_rows([run])
+    assert [r["fold"] for r in rows] == [0, 1, 2, "pooled"]
+    pooled = rows[-1]
+    assert pooled["test_sharpe"] == 18.5 and pooled["test_daily_sharpe"] == 1.2 and pooled["test_trades"] == 300
+    assert pooled["test_over_oracle"] == pytest.approx(18.5 / 150.0) and pooled["val_sharpe"] == 25.0
+    spread = compare.summarize(rows)
+    assert spread["test_sharpe"]["n"] == 3 and spread["test_sharpe"]["mean"] == pytest.approx(20.0)
+    assert "pooled" in compare.main([str(run.path)])
