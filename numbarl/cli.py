@@ -126,8 +126,10 @@ def train_cmd(data, preset, config_file, sets, print_config, seed, folds, epochs
         if isinstance(e, NonFiniteError):
             _fail(e, 3)
         if isinstance(e, Interrupted):
-            hint = (f"; the run folder keeps its last checkpoint: continue with `numbarl-train --resume {e.run_path}`"
-                    if e.run_path is not None else "; no run folder was made yet")
+            # --resume continues from the last checkpoint, or starts the run over in its folder when
+            # none was saved yet: either way it is the command to give
+            hint = (f"; continue with `numbarl-train --resume {e.run_path}`" if e.run_path is not None
+                    else "; no run folder was made yet")
             _interrupted("numbarl-train", e.cause, hint)
         raise
 
