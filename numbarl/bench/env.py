@@ -9,8 +9,9 @@ done, actions, obs for a few steps) and the device backtest against the CPU refe
 Then, on a GPU:
 
 * env-steps/s without inference at N = --n-envs (default 65,536): CUDA graphs of --graph-steps
-  steps, (a) the env step alone and (b) the whole collect step minus the network: gather obs ->
-  epsilon-greedy select from a fixed Q buffer -> step -> gather next obs -> RNG advance;
+  steps, (a) the env step alone and (b) the whole collect step minus the network: gather obs and
+  mask -> epsilon-greedy (numbarl.rl.policies) from a fixed Q buffer -> step -> gather next obs
+  and mask -> RNG advance;
 * backtest bar-steps/s for --bt-policies x --bt-bars (default 4,096 x 1,000,000): one thread per
   policy loops over a chunk of bars inside the kernel (--bt-chunk rows, per-bar P&L and position
   written time-major), plus the device metric scan of each chunk; actions are random plans held
@@ -49,6 +50,7 @@ from numbarl.env.device import DeviceEnv
 from numbarl.env.market import MarketData
 from numbarl.env.params import EnvParams
 from numbarl.env.reference import CpuEnv
+from numbarl.rl.policies import epsilon_greedy, epsilon_greedy_ref
 
 backend.select()
 
@@ -122,16 +124,21 @@ def check_env(n_envs: int, steps: int, seed: int = 1) -> tuple[bool, str]:
     dev.reset()
     r = np.random.default_rng(seed)
     worst = 0.0
+    s = default_stream()
+    q_dev = _cuda.device_array((n_envs, params.n_branches, params.max_actions), np.float32)
+    eps = _cuda.to_device(np.array([0.2], np.float32))
     for t in range(steps):
-        obs_ok = np.allclose(dev.gather().copy_to_host(), cpu.gather(), rtol=1e-5, atol=1e-5)
+        obs, mask = dev.gather(stream=s)
+        obs_ok = np.allclose(obs.copy_to_host(), cpu.gather(), rtol=1e-5, atol=1e-5)
+        mask_ok = np.array_equal(mask.copy_to_host(), cpu.mask)
         q = r.standard_normal((n_envs, params.n_branches, params.max_actions)).astype(np.float32)
-        dev.arena.load({"q": q, "epsilon": np.array([0.2], np.float32)})
-        dev.select()
-        actions, _ = cpu.select(q, 0.2)
-        if not obs_ok or not np.array_equal(dev.arena["actions"].copy_to_host(), actions):
-            return False, f"obs/actions differ at step {t}"
-        dev.step()
-        cpu.step(actions)
+        q_dev.copy_to_device(q, stream=s)
+        epsilon_greedy(q_dev, mask, eps, dev.seed_dev, dev.counter, dev.arena["actions"], dev.arena["preference"], s)
+        actions, preference = epsilon_greedy_ref(q, cpu.mask, 0.2, seed, cpu.counter[0])
+        if not obs_ok or not mask_ok or not np.array_equal(dev.arena["actions"].copy_to_host(), actions):
+            return False, f"obs/mask/actions differ at step {t}"
+        dev.step(stream=s)
+        cpu.step(actions, preference)
         state = dev.state_to_host()
         for name, _ in STATE_FIELDS:
             got, want = state[name], getattr(cpu.state, name)
@@ -186,10 +193,14 @@ def time_env(n_envs: int, graph_steps: int, n_features: int, n_bars: int, reps: 
     params = bench_params()
     env = DeviceEnv(data, params, n_envs, seed=3)
     env.reset()
-    env.set_epsilon(0.05)
-    q = np.random.default_rng(4).standard_normal((n_envs, params.n_branches, params.max_actions)).astype(np.float32)
-    env.arena.load({"q": q})
-    env.select()
+    q = _cuda.to_device(np.random.default_rng(4).standard_normal((n_envs, params.n_branches, params.max_actions)).astype(np.float32))
+    eps = _cuda.to_device(np.array([0.05], np.float32))
+
+    def select(s):  # the learner's epsilon-greedy on the env's mask, from a fixed Q buffer
+        epsilon_greedy(q, env.arena["mask"], eps, env.seed_dev, env.counter, env.arena["actions"], env.arena["preference"], s)
+
+    env.gather()
+    select(default_stream())
 
     def step_only(s):
         for _ in range(graph_steps):
@@ -198,10 +209,10 @@ def time_env(n_envs: int, graph_steps: int, n_features: int, n_bars: int, reps: 
 
     def collect_no_inference(s):
         for _ in range(graph_steps):
-            env.gather(env.transition.obs, s)
-            env.select(stream=s)
+            env.gather(env.transition.obs, env.transition.mask, s)
+            select(s)
             env.step(stream=s)
-            env.gather(env.transition.next_obs, s)
+            env.gather(env.transition.next_obs, env.transition.next_mask, s)
             env.advance(s)
 
     out = {}
@@ -318,12 +329,12 @@ def time_cpu(n_envs: int, steps: int, bt_policies: int, bt_bars: int) -> dict:
     env.reset()
     q = np.random.default_rng(6).standard_normal((n_envs, params.n_branches, params.max_actions)).astype(np.float32)
     obs = env.gather()
-    acts, _ = env.select(q, 0.05)
-    env.step(acts)  # compile
+    acts, pref = epsilon_greedy_ref(q, env.mask, 0.05, 6, env.counter[0])
+    env.step(acts, pref)  # compile
     t0 = time.perf_counter()
     for _ in range(steps):
-        acts, _ = env.select(q, 0.05)
-        env.step(acts)
+        acts, pref = epsilon_greedy_ref(q, env.mask, 0.05, 6, env.counter[0])
+        env.step(acts, pref)
         env.gather(obs)
         env.advance()
     collect = n_envs * steps / (time.perf_counter() - t0)

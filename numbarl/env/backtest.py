@@ -17,8 +17,8 @@ Two ways to choose actions:
            (the last bar's are unused). The kernel `actions_kernel` loops over a chunk of bars
            inside one thread per policy, reading packed int32 actions (time-major [rows, P]).
   q_fn     q_fn(obs [P, state_dim], q_out [P, 4, max_actions], stream) fills greedy Q for a batch
-           of observations; each bar runs q_fn -> `policy_bar_kernel` (greedy select, the step
-           `bar_row`, the next bar's obs), the first obs being gathered by `start`.
+           of observations; each bar runs q_fn -> `policy_bar_kernel` (greedy action over the env's
+           mask, the step `bar_row`, the next bar's obs and mask), the first ones gathered by `start`.
 
 Bars of a learned policy as CUDA graphs (graph=True, the default): eager, every bar costs several
 launches whose host-side argument preparation (~37 us each, numbarl/cuda/graph.py) dominated the
@@ -66,7 +66,7 @@ from numbarl.env.core import (
     step_core,
     store_row,
 )
-from numbarl.env.core import gather_row, select_row
+from numbarl.env.core import gather_row, greedy_action
 from numbarl.env.device import launch_dims, launch_gather
 from numbarl.env.market import DeviceMarket, MarketData, check_range
 from numbarl.env.params import EXIT_NONE, EXIT_REASONS, N_BRANCHES, EnvParams, pack_actions, validate_actions
@@ -204,7 +204,7 @@ def backtest_ref_loop(st, packed, grids, mk, k, start, last_bar, origin, pnl, po
 _start_row = device_function(start_row)
 _actions_row = device_function(actions_row)
 _bar_row = device_function(bar_row)
-_select_row = device_function(select_row)
+_greedy_action = device_function(greedy_action)
 _gather_row = device_function(gather_row)
 
 
@@ -225,26 +225,29 @@ def actions_kernel(st, packed, grids, mk, k, last_bar, origin, pnl, position, tr
 
 
 @_cuda.jit(cache=True)
-def policy_bar_kernel(q, branch_sizes, seed, counter, actions, q_gap, st, grids, mk, k, last_bar, origin, pnl, position, tr, obs):
-    """One bar of policy p = blockIdx.x after its Q: greedy select -> `bar_row` -> obs of the next bar.
+def policy_bar_kernel(q, mask, branch_sizes, actions, st, grids, mk, k, last_bar, origin, pnl, position, tr, obs):
+    """One bar of policy p = blockIdx.x after its Q: greedy action over the env's mask -> `bar_row`
+    -> obs and mask of the next bar.
 
     Fused (one launch per bar instead of select, step and gather): at one policy a bar is a chain
     of dependent launches, so each launch removed is latency removed (H200, default network, 3,063
-    bars: 9 -> 7 graph nodes per bar, 100.2 -> 88.2 ms per validation). Thread 0 runs the row functions the
-    separate kernels ran (greedy = epsilon 0: the same arithmetic, so the same actions); after the
-    barrier the block gathers obs row p at the new cursor, one element per thread, as gather_kernel.
+    bars: 9 -> 7 graph nodes per bar, 100.2 -> 88.2 ms per validation). Thread 0 picks each
+    branch's `greedy_action` (the greedy part of the training policy, numbarl.rl.policies: epsilon 0
+    gives the same actions) and steps; after the barrier the block gathers obs row p (and its mask)
+    at the new cursor, one element per thread, as gather_kernel.
     """
     p = _cuda.blockIdx.x
     if p >= st.cursor.shape[0]:
         return  # the whole block: the barrier below is reached by all threads of a live block or none
     if _cuda.threadIdx.x == 0:
-        _select_row(q, p, _ZERO32, seed[0], counter[0], st.position, k.direction_lock, branch_sizes, actions, q_gap)
+        for b in range(actions.shape[1]):
+            actions[p, b] = _greedy_action(q, mask, p, b)
         _bar_row(p, st, actions, grids, mk, k, last_bar, origin[0], pnl, position, tr)
     _cuda.syncthreads()  # the new state (global memory) is visible to the whole block
     dim = obs.shape[1]
     j = _cuda.threadIdx.x
     while j < dim:
-        _gather_row(obs, p * dim + j, st, mk, k)
+        _gather_row(obs, mask, p * dim + j, st, mk, k, branch_sizes)
         j += _cuda.blockDim.x
 
 
@@ -307,11 +310,9 @@ class DeviceBacktest:
         arena.add("origin", (1,), np.int64)
         arena.add("n_rows", (1,), np.int64)
         arena.add("obs", (P, self.state_dim), np.float32)
+        arena.add("mask", (P, params.n_branches, params.max_actions), np.uint8)
         arena.add("q", (P, params.n_branches, params.max_actions), np.float32)
         arena.add("actions", (P, params.n_branches), np.int32)
-        arena.add("q_gap", (P,), np.float32)
-        arena.add("counter", (1,), np.int64)
-        arena.add("seed", (1,), np.uint64)
         sizes, targets, stops = params.grids()
         arena.add("sizes", sizes.shape, np.float32)
         arena.add("targets", targets.shape, np.float32)
@@ -340,7 +341,7 @@ class DeviceBacktest:
         s = _s(stream)
         self.set_origin(self.start_bar, s)
         start_kernel[launch_dims(self.n_policies, BLOCK) + (s,)](self.state, np.int64(self.start_bar))
-        launch_gather(self.arena["obs"], self.state, self.mk, self.k, s)
+        launch_gather(self.arena["obs"], self.arena["mask"], self.state, self.mk, self.k, self.branch_sizes, s)
         _metrics.launch_init(self.arena["acc"], self.params.initial_capital, s)
         self.zero_rows(s)
 
@@ -362,13 +363,13 @@ class DeviceBacktest:
         )  # fmt: skip
 
     def bar_step(self, q_fn, stream=None) -> None:
-        """One bar for every policy: q_fn(obs) -> greedy actions -> step -> next obs (capturable;
-        `start` gathered the first obs)."""
+        """One bar for every policy: q_fn(obs) -> greedy actions over the mask -> step -> next obs
+        and mask (capturable; `start` gathered the first ones)."""
         s = _s(stream)
         obs, q = self.arena["obs"], self.arena["q"]
         q_fn(obs, q, s)
         policy_bar_kernel[self.n_policies, POLICY_BLOCK, s](
-            q, self.branch_sizes, self.arena["seed"], self.arena["counter"], self.arena["actions"], self.arena["q_gap"],
+            q, self.arena["mask"], self.branch_sizes, self.arena["actions"],
             self.state, self.grids, self.mk, self.k, self.last_bar, self.arena["origin"],
             self.arena["pnl_rows"], self.arena["position_rows"], self.trades, obs,
         )  # fmt: skip

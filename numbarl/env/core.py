@@ -29,6 +29,11 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
  7. DONE       position-gated: ep_len >= episode_length and flat with nothing pending; or forced.
                The env then soft-resets to a start drawn from the counter RNG (env_transition).
 
+The env's rules that constrain the agent are published as data, not applied to its scores:
+`mask_row` writes the action mask (branch sizes and the direction lock) beside the observation,
+and `greedy_action` is the greedy choice over it (the backtest's policy; the learner's
+epsilon-greedy in numbarl/rl/policies.py builds on it). There is no exploration here.
+
 Money in rewards is measured in ticks x contracts (net P&L / (tick_size * multiplier)) so the
 coefficients transfer across instruments.
 """
@@ -55,15 +60,13 @@ from numbarl.env.params import (
     EXIT_NONE,
     EXIT_STOP,
     EXIT_TARGET,
-    N_BRANCHES,
     NO_BAR,
 )
 
 cuda()  # the backend (GPU or simulator), selected once
 
-# RNG slots (numbarl/cuda/rng.py convention: one draw per (lane, counter, slot)), registered by name
-SLOT_EXPLORE = RNG_STREAMS.claim("explore.coin", 0, width=4)  # + branch: exploration coin of branch b
-SLOT_RANDOM = RNG_STREAMS.claim("explore.action", 4, width=4)  # + branch: random action of branch b
+# RNG slots (numbarl/cuda/rng.py convention: one draw per (lane, counter, slot)), registered by name;
+# exploration's slots 0-7 are claimed by numbarl/rl/policies.py
 SLOT_RESET = RNG_STREAMS.claim("env.reset", 16)  # soft-reset start after done
 SLOT_INIT = RNG_STREAMS.claim("env.init", 17)  # start of the first episode (reset())
 
@@ -491,11 +494,12 @@ def churn_penalty(entered, bars_since_last_entry, k):
 
 
 @njit(cache=True)
-def opportunity_cost(position_held, q_gap, k):
-    """While flat: scale x |q_gap| (q_gap = Q(long) - Q(short), the agent's own predicted edge)."""
+def opportunity_cost(position_held, preference, k):
+    """While flat: scale x |preference|, the agent's own predicted edge of one side over the other
+    (the env's per-env `preference` input; for C51 Q(long) - Q(short))."""
     if position_held != _F0:
         return _F0
-    return k.opp_scale * abs(np.float64(q_gap))
+    return k.opp_scale * abs(np.float64(preference))
 
 
 @njit(cache=True)
@@ -561,11 +565,11 @@ def _no_order():
 
 
 @njit(cache=True)
-def step_core(s, direction, size, target_mult, stop_mult, bars, q_gap, k, last_bar):
+def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, last_bar):
     """One env step from the close of bar s.cursor to the close of the next bar.
 
     s: Portfolio; (direction, size, target_mult, stop_mult): the decoded decision; bars: Bars;
-    q_gap: float (opportunity cost); k: StepConsts; last_bar: last bar of the range (forced exit).
+    preference: float (opportunity cost); k: StepConsts; last_bar: last bar of the range (forced exit).
     Returns (Portfolio, StepOut, first closed Trade, second closed Trade).
     """
     c = s.cursor
@@ -688,7 +692,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, q_gap, k, last_b
         + micro_reward(position_held, bars.mid_c, bars.mid_n, k)
         - holding_cost(position_held, k)
         - churn_penalty(entered, since_entry, k)
-        - opportunity_cost(position_held, q_gap, k)
+        - opportunity_cost(position_held, preference, k)
         + k.dsr_scale * d_sum
     ) * conviction_factor(plan_size, k)
 
@@ -712,9 +716,9 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, q_gap, k, last_b
 
 
 @njit(cache=True)
-def env_transition(s, direction, size, target_mult, stop_mult, bars, q_gap, k, lo, hi, seed, lane, counter):
+def env_transition(s, direction, size, target_mult, stop_mult, bars, preference, k, lo, hi, seed, lane, counter):
     """Training step: step_core, then a soft reset to an RNG-drawn start when done."""
-    s2, out, t1, t2 = step_core(s, direction, size, target_mult, stop_mult, bars, q_gap, k, hi - 1)
+    s2, out, t1, t2 = step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, hi - 1)
     if out.done != 0:
         start = reset_start(seed, lane, counter, SLOT_RESET, lo, hi, k.episode_length)
         s2 = soft_reset(s2, start)
@@ -780,7 +784,7 @@ def reset_row(st, i, lo, hi, k, seed, counter):
 
 
 @row_jit
-def env_step_row(st, i, actions, grids, mk, q_gap, k, lo, hi, seed, counter, out):
+def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
     """Training env step of env i: decode actions[i], step, soft reset on done, write outputs."""
     s = load_row(st, i)
     c = s.cursor
@@ -789,7 +793,7 @@ def env_step_row(st, i, actions, grids, mk, q_gap, k, lo, hi, seed, counter, out
     target_mult = grids.targets[actions[i, 2]]
     stop_mult = grids.stops[actions[i, 3]]
     bars = load_bars(mk, c)
-    s2, o, t1, t2 = env_transition(s, direction, size, target_mult, stop_mult, bars, q_gap[i], k, lo, hi, seed, i, counter)
+    s2, o, t1, t2 = env_transition(s, direction, size, target_mult, stop_mult, bars, preference[i], k, lo, hi, seed, i, counter)
     store_row(st, i, s2)
     out.reward[i] = o.reward
     out.done[i] = o.done
@@ -847,9 +851,10 @@ def portfolio_feature(st, i, which, mid, vol, k):
 
 
 @row_jit
-def gather_row(obs, e, st, mk, k):
+def gather_row(obs, mask, e, st, mk, k, branch_sizes):
     """obs element e of the flattened [N, state_dim] observation: features[cursor, j] for j < F,
-    then the portfolio features."""
+    then the portfolio features; the same thread also writes env i's mask elements j, j +
+    state_dim, ... (`mask_row`), so one launch publishes both."""
     state_dim = obs.shape[1]
     i = e // state_dim
     j = e - i * state_dim
@@ -859,8 +864,15 @@ def gather_row(obs, e, st, mk, k):
         obs[i, j] = mk.features[c, j]
     else:
         obs[i, j] = np.float32(portfolio_feature(st, i, j - n_feat, mk.mid[c], mk.vol[c], k))
+    m = j
+    while m < mask.shape[1] * mask.shape[2]:
+        mask_row(mask, i, m, st.position[i], k.direction_lock, branch_sizes)
+        m += state_dim
 
 
+# ---------------------------------------------------------------------------------------------
+# action masks: the env's rules, published as data (numbarl/env/__init__.py has the contract)
+# ---------------------------------------------------------------------------------------------
 @njit(cache=True)
 def direction_allowed(direction, position, direction_lock):
     """Direction lock: mid-plan the opposite direction is not an action (hold or close only)."""
@@ -872,40 +884,33 @@ def direction_allowed(direction, position, direction_lock):
 
 
 @row_jit
-def select_row(q, i, epsilon, seed, counter, position, direction_lock, branch_sizes, actions, q_gap):
-    """Epsilon-greedy action of env i, independently per branch, and q_gap.
+def mask_row(mask, i, m, position, direction_lock, branch_sizes):
+    """mask[i, b, a] (flattened m = b * max_actions + a) = 1 when action a of branch b is available
+    to env i holding `position`: a inside the branch, and for the direction branch allowed by the
+    lock. The one place the rule is applied: policies and learners read the mask."""
+    n_act = mask.shape[2]
+    b = m // n_act
+    a = m - b * n_act
+    ok = a < branch_sizes[b]
+    if ok and b == BR_DIRECTION:
+        ok = direction_allowed(a, position, direction_lock)
+    mask[i, b, a] = np.uint8(1) if ok else np.uint8(0)
 
-    q: [N, N_BRANCHES, max_actions]; entries beyond a branch's size are ignored. Greedy: the first
-    maximum over allowed actions (NaN never wins). Exploration: with probability epsilon (coin
-    slot SLOT_EXPLORE + b) a uniform draw (slot SLOT_RANDOM + b) among the ALLOWED actions, so the
-    direction lock also binds exploration. q_gap = Q[direction=long] - Q[direction=short].
-    """
-    pos = position[i]
-    for b in range(N_BRANCHES):
-        n_act = branch_sizes[b]
-        n_valid = 0
-        best = _NEG_INF32
-        best_a = -1
-        for a in range(n_act):
-            if b == BR_DIRECTION and not direction_allowed(a, pos, direction_lock):
-                continue
-            n_valid += 1
-            v = q[i, b, a]
-            if best_a < 0:
-                best_a = a
-            if v > best:
-                best = v
-                best_a = a
-        chosen = best_a
-        if rng.uniform(seed, i, counter, SLOT_EXPLORE + b) < epsilon:
-            r = rng.randint(seed, i, counter, SLOT_RANDOM + b, n_valid)
-            seen = 0
-            for a in range(n_act):
-                if b == BR_DIRECTION and not direction_allowed(a, pos, direction_lock):
-                    continue
-                if seen == r:
-                    chosen = a
-                    break
-                seen += 1
-        actions[i, b] = chosen
-    q_gap[i] = q[i, BR_DIRECTION, DIR_LONG] - q[i, BR_DIRECTION, DIR_SHORT]
+
+@row_jit
+def greedy_action(q, mask, i, b):
+    """The first maximum of q[i, b, :] over the actions mask[i, b, :] allows (NaN never wins; if
+    every allowed Q is NaN, the first allowed action; -1 when none is allowed). The backtest's
+    choice, and the greedy part of numbarl.rl.policies.epsilon_greedy: written once."""
+    best = _NEG_INF32
+    best_a = -1
+    for a in range(mask.shape[2]):
+        if mask[i, b, a] == 0:
+            continue
+        v = q[i, b, a]
+        if best_a < 0:
+            best_a = a
+        if v > best:
+            best = v
+            best_a = a
+    return best_a

@@ -4,20 +4,23 @@ Kernels (each runs the row function of numbarl/env/core.py that the CPU referenc
 
     reset_kernel    env i -> fresh portfolio at an RNG-drawn start        grid over N
     gather_kernel   obs[i, j] = features[cursor_i, j] | portfolio feature  grid over N * state_dim
-    select_kernel   epsilon-greedy per branch, direction lock, q_gap      grid over N
+                    and the action mask [N, n_branches, max_actions]
     step_kernel     fills, exits, P&L, reward, done, soft reset            grid over N
 
+Actions are chosen outside the env (numbarl/rl/policies.py) from the published mask; the step
+reads the actions and the per-env `preference` (the contract: numbarl/env/__init__.py).
 Every launcher only launches: no allocation, host copy or synchronization, and per-step scalars
-(epsilon, RNG counter, seed) are read from device memory, so a collect step can be captured into
-a CUDA graph and replayed (the RNG counter is advanced by a kernel, numbarl/cuda/rng.advance).
+(RNG counter, seed) are read from device memory, so a collect step can be captured into a CUDA
+graph and replayed (the RNG counter is advanced by a kernel, numbarl/cuda/rng.advance).
 
 Memory per env step: ~130 B of state read and written (float64 only where P&L precision needs it,
 see numbarl/env/market.py), 16 B of actions, ~30 B of outputs, ~70 B of bar quotes.
 
 Replay hook: after `step`, `env.transition` holds device views with fixed addresses:
-obs (before the step) [N, state_dim], actions [N, 4], reward [N] f32, done [N] u8, next_obs [N,
-state_dim] (gathered after the step; after a done it is the first obs of the next episode, which
-a learner masks with done), bar / next_bar [N] i32 (the obs indices: cursor before / after).
+obs (before the step) [N, state_dim], mask (of obs) [N, 4, max_actions] u8, actions [N, 4],
+reward [N] f32, done [N] u8, next_obs [N, state_dim] and next_mask (gathered after the step;
+after a done they are the first of the next episode, which a learner masks with done), bar /
+next_bar [N] i32 (the obs indices: cursor before / after).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from numbarl.env.core import (
     env_step_row,
     gather_row,
     reset_row,
-    select_row,
 )
 from numbarl.env.market import DeviceMarket, MarketData, check_range
 from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams
@@ -53,7 +55,6 @@ BLOCK = 128  # threads per block (one env per thread; the gather maps one obs el
 # ---------------------------------------------------------------------------------------------
 _reset_row = device_function(reset_row)
 _gather_row = device_function(gather_row)
-_select_row = device_function(select_row)
 _env_step_row = device_function(env_step_row)
 
 
@@ -69,28 +70,19 @@ def reset_kernel(st, lo, hi, k, seed, counter):
 
 
 @_cuda.jit(cache=True)
-def gather_kernel(obs, st, mk, k):
+def gather_kernel(obs, mask, st, mk, k, branch_sizes):
     e = _cuda.grid(1)
     if e >= obs.shape[0] * obs.shape[1]:
         return
-    _gather_row(obs, e, st, mk, k)
+    _gather_row(obs, mask, e, st, mk, k, branch_sizes)
 
 
 @_cuda.jit(cache=True)
-def select_kernel(q, epsilon, seed, counter, position, direction_lock, branch_sizes, actions, q_gap):
-    i = _cuda.grid(1)
-    if i >= q.shape[0]:
-        return
-    eps = epsilon[i] if epsilon.shape[0] > 1 else epsilon[0]
-    _select_row(q, i, eps, seed[0], counter[0], position, direction_lock, branch_sizes, actions, q_gap)
-
-
-@_cuda.jit(cache=True)
-def step_kernel(st, actions, grids, mk, q_gap, k, lo, hi, seed, counter, out):
+def step_kernel(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
     i = _cuda.grid(1)
     if i >= st.cursor.shape[0]:
         return
-    _env_step_row(st, i, actions, grids, mk, q_gap, k, lo, hi, seed[0], counter[0], out)
+    _env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed[0], counter[0], out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,16 +108,12 @@ def launch_reset(st, lo, hi, k, seed, counter, stream):
     reset_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, np.int64(lo), np.int64(hi), k, seed, counter)
 
 
-def launch_gather(obs, st, mk, k, stream):
-    gather_kernel[launch_dims(obs.shape[0] * obs.shape[1]) + (stream,)](obs, st, mk, k)
+def launch_gather(obs, mask, st, mk, k, branch_sizes, stream):
+    gather_kernel[launch_dims(obs.shape[0] * obs.shape[1]) + (stream,)](obs, mask, st, mk, k, branch_sizes)
 
 
-def launch_select(q, epsilon, seed, counter, position, direction_lock, branch_sizes, actions, q_gap, stream):
-    select_kernel[launch_dims(q.shape[0]) + (stream,)](q, epsilon, seed, counter, position, direction_lock, branch_sizes, actions, q_gap)
-
-
-def launch_step(st, actions, grids, mk, q_gap, k, lo, hi, seed, counter, out, stream):
-    step_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, actions, grids, mk, q_gap, k, np.int64(lo), np.int64(hi), seed, counter, out)
+def launch_step(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, stream):
+    step_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, actions, grids, mk, preference, k, np.int64(lo), np.int64(hi), seed, counter, out)
 
 
 class Transition(NamedTuple):
@@ -139,6 +127,8 @@ class Transition(NamedTuple):
     bar: object  # int32 [N]: cursor of obs
     next_bar: object  # int32 [N]: cursor of next_obs
     bar_pnl: object  # float64 [N]: P&L of the step (currency)
+    mask: object  # uint8 [N, 4, max_actions]: actions available at obs
+    next_mask: object  # uint8 [N, 4, max_actions]: actions available at next_obs
 
 
 class DeviceEnv:
@@ -146,14 +136,15 @@ class DeviceEnv:
 
     Methods launch kernels on `stream` (default: the process compute stream) and nothing else:
       reset(seed)                 first episodes (host writes seed/counter; call before capture)
-      gather(obs=None)            obs [N, state_dim] at the current cursors (default: view "obs")
-      select(q=None, epsilon=None, actions=None, q_gap=None)
-                                  epsilon-greedy actions from Q [N, 4, max_actions]
-      step(actions=None)          one env step; outputs in the views of `transition`/`outputs`
+      gather(obs=None, mask=None) obs [N, state_dim] and mask [N, 4, max_actions] at the cursors
+      step(actions=None, preference=None)
+                                  one env step; outputs in the views of `transition`/`outputs`
       advance()                   RNG counter += 1 (device)
-      collect(q_fn)               gather -> q_fn(obs, q, stream) -> select -> step -> gather(next_obs) -> advance
-    Defaults are the arena's own views ("obs", "q", "actions", "q_gap", "epsilon"), so the
-    simplest graph body is `env.collect(q_fn, stream)`.
+      collect(policy)             gather -> policy(obs, mask, actions, preference, stream) -> step
+                                  -> gather(next_obs, next_mask) -> advance
+    Defaults are the arena's own views ("obs", "mask", "actions", "preference"), so the simplest
+    graph body is `env.collect(policy, stream)`. The policy (learner side) may key its own random
+    draws with the env's `seed_dev` and `counter` (one counter per env step).
     """
 
     def __init__(self, data, params: EnvParams, n_envs: int, bar_range=None, seed: int = 0):
@@ -179,9 +170,10 @@ class DeviceEnv:
             arena.add(name, (n,), dtype)
         arena.add("obs", (n, self.state_dim), np.float32)
         arena.add("next_obs", (n, self.state_dim), np.float32)
-        arena.add("q", (n, params.n_branches, params.max_actions), np.float32)
+        arena.add("mask", (n, params.n_branches, params.max_actions), np.uint8)
+        arena.add("next_mask", (n, params.n_branches, params.max_actions), np.uint8)
         arena.add("actions", (n, params.n_branches), np.int32)
-        arena.add("q_gap", (n,), np.float32)
+        arena.add("preference", (n,), np.float32)
         arena.add("reward", (n,), np.float32)
         arena.add("done", (n,), np.uint8)
         arena.add("bar_pnl", (n,), np.float64)
@@ -189,7 +181,6 @@ class DeviceEnv:
         arena.add("exit_reason", (n,), np.int32)
         arena.add("bar", (n,), np.int32)
         arena.add("next_bar", (n,), np.int32)
-        arena.add("epsilon", (1,), np.float32)
         arena.add("counter", (1,), np.int64)
         arena.add("seed", (1,), np.uint64)
         sizes, targets, stops = params.grids()
@@ -205,10 +196,10 @@ class DeviceEnv:
         self.mk = MarketArrays(*(market[name] for name in ("features", "mid", "bid", "ask", "high", "low", "vol")))
         self.outputs = StepArrays(*(arena[name] for name in StepArrays._fields))
         self.transition = Transition(
-            arena["obs"], arena["actions"], arena["reward"], arena["done"], arena["next_obs"], arena["bar"], arena["next_bar"], arena["bar_pnl"]
+            arena["obs"], arena["actions"], arena["reward"], arena["done"], arena["next_obs"], arena["bar"], arena["next_bar"],
+            arena["bar_pnl"], arena["mask"], arena["next_mask"],
         )
         self.counter = arena["counter"]
-        self.epsilon = arena["epsilon"]
         self.seed_dev = arena["seed"]
 
     # -- host-side setup (not for capture) ------------------------------------------------------
@@ -219,10 +210,6 @@ class DeviceEnv:
         self.arena.load({"seed": np.array([self._seed], np.uint64), "counter": np.zeros(1, np.int64)})
         launch_reset(self.state, self.lo, self.hi, self.k, self.seed_dev, self.counter, _s(stream))
 
-    def set_epsilon(self, value: float) -> None:
-        """Host write of the exploration rate (between replays; a learner may write the view itself)."""
-        self.arena.load({"epsilon": np.array([value], np.float32)})
-
     def state_to_host(self) -> dict[str, np.ndarray]:
         """Every state field as numpy (synchronizes; tests and checkpoints)."""
         s = default_stream()
@@ -231,53 +218,44 @@ class DeviceEnv:
         return out
 
     # -- launches (capturable) ------------------------------------------------------------------
-    def gather(self, obs=None, stream=None):
+    def gather(self, obs=None, mask=None, stream=None):
+        """obs [N, state_dim] and the action mask [N, n_branches, max_actions] (uint8, 1 = allowed)
+        at the current cursors; returns (obs, mask)."""
         obs = self.arena["obs"] if obs is None else obs
+        mask = self.arena["mask"] if mask is None else mask
         _check("obs", obs, (self.n_envs, self.state_dim), np.float32)
-        launch_gather(obs, self.state, self.mk, self.k, _s(stream))
-        return obs
+        _check("mask", mask, (self.n_envs, self.params.n_branches, self.params.max_actions), np.uint8)
+        launch_gather(obs, mask, self.state, self.mk, self.k, self.branch_sizes, _s(stream))
+        return obs, mask
 
-    def select(self, q=None, epsilon=None, actions=None, q_gap=None, counter=None, stream=None):
-        q = self.arena["q"] if q is None else q
-        epsilon = self.epsilon if epsilon is None else epsilon
+    def step(self, actions=None, preference=None, counter=None, stream=None):
+        """One step of every env with actions [N, n_branches] int32 and preference [N] float32."""
         actions = self.arena["actions"] if actions is None else actions
-        q_gap = self.arena["q_gap"] if q_gap is None else q_gap
-        counter = self.counter if counter is None else counter
-        _check("q", q, (self.n_envs, self.params.n_branches, self.params.max_actions), np.float32)
-        _check("actions", actions, (self.n_envs, self.params.n_branches), np.int32)
-        _check("q_gap", q_gap, (self.n_envs,), np.float32)
-        if np.dtype(epsilon.dtype) != np.float32 or epsilon.shape[0] not in (1, self.n_envs):
-            raise ValueError(f"epsilon must be float32 [1] or [{self.n_envs}], got {epsilon.dtype} {list(epsilon.shape)}")
-        launch_select(
-            q, epsilon, self.seed_dev, counter, self.state.position, self.k.direction_lock, self.branch_sizes, actions, q_gap, _s(stream)
-        )
-        return actions, q_gap
-
-    def step(self, actions=None, q_gap=None, counter=None, stream=None):
-        actions = self.arena["actions"] if actions is None else actions
-        q_gap = self.arena["q_gap"] if q_gap is None else q_gap
+        preference = self.arena["preference"] if preference is None else preference
         counter = self.counter if counter is None else counter
         _check("actions", actions, (self.n_envs, self.params.n_branches), np.int32)
-        _check("q_gap", q_gap, (self.n_envs,), np.float32)
+        _check("preference", preference, (self.n_envs,), np.float32)
         launch_step(
-            self.state, actions, self.grids, self.mk, q_gap, self.k, self.lo, self.hi, self.seed_dev, counter, self.outputs, _s(stream)
-        )
+            self.state, actions, self.grids, self.mk, preference, self.k, self.lo, self.hi, self.seed_dev, counter, self.outputs,
+            _s(stream),
+        )  # fmt: skip
         return self.outputs
 
     def advance(self, stream=None) -> None:
         rng.advance(self.counter, _s(stream))
 
-    def collect(self, q_fn, stream=None) -> Transition:
-        """One collect step: obs -> Q (q_fn(obs, q, stream) writes the arena's "q") -> actions -> step."""
+    def collect(self, policy, stream=None) -> Transition:
+        """One collect step: obs, mask -> policy(obs, mask, actions, preference, stream) writes the
+        arena's "actions" and "preference" -> step -> next obs and mask -> RNG counter += 1."""
         stream = _s(stream)
+        t = self.transition
         # COLLECT
-        self.gather(self.transition.obs, stream)
-        q_fn(self.transition.obs, self.arena["q"], stream)
-        self.select(stream=stream)
+        self.gather(t.obs, t.mask, stream)
+        policy(t.obs, t.mask, t.actions, self.arena["preference"], stream)
         self.step(stream=stream)
-        self.gather(self.transition.next_obs, stream)
+        self.gather(t.next_obs, t.next_mask, stream)
         self.advance(stream)
-        return self.transition
+        return t
 
 
 def upload(data: MarketData, params: EnvParams) -> DeviceMarket:

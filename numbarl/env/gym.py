@@ -10,8 +10,10 @@ Spaces: observation Box(float32, [F + PORTFOLIO_DIM]); action MultiDiscrete(para
 = (direction 3 {short, flat, long}, size, target, stop). `terminated` is the position-gated end of
 an episode; `truncated` is a forced end (last bar of the range, or the max_episode_bars hard cap;
 the position is closed first). After either, call reset(): it draws a new start uniformly from the
-range (gymnasium's np_random) with a fresh portfolio. The opportunity-cost term needs the agent's
-q_gap (Q(long) - Q(short)); set it with `set_q_gap` before `step` (default 0: no cost).
+range (gymnasium's np_random) with a fresh portfolio. The opportunity-cost term reads the agent's
+preference (e.g. Q(long) - Q(short)); set it with `set_preference` before `step` (default 0: no
+cost). `info["mask"]` is the action mask of the returned observation ([4, max_actions] uint8, 1 =
+allowed: the direction lock as data; numbarl/env/__init__.py has the contract).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ class TradingEnv(gymnasium.Env):
         dim = self._env.state_dim
         self.observation_space = spaces.Box(low=-np.inf, high=np.inf, shape=(dim,), dtype=np.float32)
         self.action_space = spaces.MultiDiscrete(np.array(self.params.branch_sizes, dtype=np.int64))
-        self._q_gap = np.zeros(1, np.float32)
+        self._preference = np.zeros(1, np.float32)
         self._started = False
 
-    def set_q_gap(self, q_gap: float) -> None:
-        """The agent's Q(long) - Q(short) for the opportunity cost of the next step."""
-        self._q_gap[0] = np.float32(q_gap)
+    def set_preference(self, preference: float) -> None:
+        """The agent's preference of long over short (e.g. Q(long) - Q(short)) for the opportunity
+        cost of the next step."""
+        self._preference[0] = np.float32(preference)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -56,14 +59,15 @@ class TradingEnv(gymnasium.Env):
                 raise ValueError(f"options['start'] = {start} is outside [{self.lo}, {self.hi - 2}]")
         store_row(self._env.state, 0, initial_portfolio(start))
         self._started = True
-        return self._env.gather()[0].copy(), {"bar": start}
+        obs = self._env.gather()[0].copy()
+        return obs, {"bar": start, "mask": self._env.mask[0].copy()}
 
     def step(self, action):
         if not self._started:
             raise RuntimeError("call reset() before step()")
         a = validate_actions(np.asarray(action).reshape(1, -1), self.params)
         e = self._env
-        step_no_reset_ref(e.state, a, e.grids, e.market, self._q_gap, e.k, self.hi, e.out)
+        step_no_reset_ref(e.state, a, e.grids, e.market, self._preference, e.k, self.hi, e.out)
         obs = e.gather()[0].copy()
         done = bool(e.out.done[0])
         cursor = int(e.state.cursor[0])
@@ -76,5 +80,6 @@ class TradingEnv(gymnasium.Env):
             "trade_pnl": float(e.out.trade_pnl[0]),
             "exit_reason": EXIT_REASONS[int(e.out.exit_reason[0])],
             "position": float(e.state.position[0]),
+            "mask": e.mask[0].copy(),
         }
         return obs, float(e.out.reward[0]), done and not forced, done and forced, info

@@ -162,7 +162,7 @@ class EnvParams:
     churn_penalty_scale: float = 0.01
     """Churn penalty at zero bars since the previous entry (decays linearly to 0 at the threshold)."""
     opportunity_cost_scale: float = 0.001
-    """Opportunity cost while flat: scale * |q_gap| (always 0 in the backtest)."""
+    """Opportunity cost while flat: scale * |preference| (the agent's per-env input; always 0 in the backtest)."""
     conviction_weight: float = 0.0
     """Plan-conviction scaling weight w: reward *= 1 + w * (plan size / max size - 1); 0 = off."""
     dsr_eta: float = 0.01

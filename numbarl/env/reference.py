@@ -5,9 +5,9 @@ structure-of-arrays state, so the device env can be checked step by step against
 env can be used without a GPU (numbarl/env/gym.py wraps one env of it as a gymnasium.Env).
 
     env = CpuEnv(data, params, n_envs=8, bar_range=(0, 5000), seed=1)
-    obs = env.reset()                         # [N, state_dim] float32
-    actions, q_gap = env.select(q, epsilon)   # q [N, 4, max_actions]
-    reward, done = env.step(actions, q_gap)   # then obs = env.gather()
+    obs = env.reset()                           # [N, state_dim] float32; env.mask [N, 4, max_actions]
+    actions = ...                               # [N, 4] int32, e.g. numbarl.rl.policies.epsilon_greedy_ref
+    reward, done = env.step(actions, preference)  # then obs = env.gather()
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from numbarl.env.core import (
     load_row,
     reset_row,
     row_jit,
-    select_row,
     step_core,
     store_row,
 )
@@ -70,23 +69,15 @@ def reset_ref(st, lo, hi, k, seed, counter):
 
 
 @row_jit
-def gather_ref(obs, st, mk, k):
+def gather_ref(obs, mask, st, mk, k, branch_sizes):
     for e in range(obs.size):
-        gather_row(obs, e, st, mk, k)
+        gather_row(obs, mask, e, st, mk, k, branch_sizes)
 
 
 @row_jit
-def select_ref(q, epsilon, seed, counter, position, direction_lock, branch_sizes, actions, q_gap):
-    n_eps = epsilon.shape[0]
-    for i in range(q.shape[0]):
-        eps = epsilon[i] if n_eps > 1 else epsilon[0]
-        select_row(q, i, eps, seed, counter, position, direction_lock, branch_sizes, actions, q_gap)
-
-
-@row_jit
-def step_ref(st, actions, grids, mk, q_gap, k, lo, hi, seed, counter, out):
+def step_ref(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
     for i in range(st.cursor.shape[0]):
-        env_step_row(st, i, actions, grids, mk, q_gap, k, lo, hi, seed, counter, out)
+        env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +102,8 @@ class CpuEnv:
         self.counter = np.zeros(1, np.int64)
         self.state = new_state(self.n_envs)
         self.out = new_step_arrays(self.n_envs)
-        self.q_gap = np.zeros(self.n_envs, np.float32)
+        self.mask = np.zeros((self.n_envs, params.n_branches, params.max_actions), np.uint8)  # of the last gather
+        self.preference = np.zeros(self.n_envs, np.float32)
 
     def reset(self, seed: int | None = None) -> np.ndarray:
         """New episodes at RNG-drawn starts (Kelly/DSR cleared, counter set to 0); returns obs."""
@@ -122,28 +114,20 @@ class CpuEnv:
         return self.gather()
 
     def gather(self, obs: np.ndarray | None = None) -> np.ndarray:
+        """obs [N, state_dim] at the cursors; the action mask goes to self.mask (1 = allowed)."""
         if obs is None:
             obs = np.empty((self.n_envs, self.state_dim), np.float32)
-        gather_ref(obs, self.state, self.market, self.k)
+        gather_ref(obs, self.mask, self.state, self.market, self.k, self.branch_sizes)
         return obs
 
-    def select(self, q: np.ndarray, epsilon) -> tuple[np.ndarray, np.ndarray]:
-        """Epsilon-greedy actions [N, 4] int32 and q_gap [N] float32 (also kept for step)."""
-        q = np.ascontiguousarray(q, np.float32)
-        if q.shape != (self.n_envs, self.params.n_branches, self.params.max_actions):
-            raise ValueError(f"q must be [{self.n_envs}, {self.params.n_branches}, {self.params.max_actions}], got {q.shape}")
-        eps = np.atleast_1d(np.asarray(epsilon, np.float32))
-        actions = np.empty((self.n_envs, self.params.n_branches), np.int32)
-        select_ref(q, eps, self.seed, self.counter[0], self.state.position, self.k.direction_lock, self.branch_sizes, actions, self.q_gap)
-        return actions, self.q_gap.copy()
-
-    def step(self, actions: np.ndarray, q_gap: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Apply actions [N, 4]; returns (reward float32 [N], done uint8 [N]) (copies).
-        The other outputs (bar_pnl, trade_pnl, exit_reason, bar, next_bar) are in self.out."""
+    def step(self, actions: np.ndarray, preference: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Apply actions [N, 4] with preference [N] (None: the last one given, initially 0); returns
+        (reward float32 [N], done uint8 [N]) (copies). The other outputs (bar_pnl, trade_pnl,
+        exit_reason, bar, next_bar) are in self.out."""
         actions = validate_actions(actions, self.params).reshape(self.n_envs, self.params.n_branches)
-        if q_gap is not None:
-            self.q_gap[:] = q_gap
-        step_ref(self.state, actions, self.grids, self.market, self.q_gap, self.k, self.lo, self.hi, self.seed, self.counter[0], self.out)
+        if preference is not None:
+            self.preference[:] = preference
+        step_ref(self.state, actions, self.grids, self.market, self.preference, self.k, self.lo, self.hi, self.seed, self.counter[0], self.out)
         return self.out.reward.copy(), self.out.done.copy()
 
     def advance(self, k: int = 1) -> None:
@@ -155,7 +139,7 @@ class CpuEnv:
 
 
 @row_jit
-def step_no_reset_ref(st, actions, grids, mk, q_gap, k, hi, out):
+def step_no_reset_ref(st, actions, grids, mk, preference, k, hi, out):
     """Like step_ref but without the soft reset: for callers that reset episodes themselves
     (the gymnasium wrapper). Same step function (core.step_core)."""
     for i in range(st.cursor.shape[0]):
@@ -163,7 +147,7 @@ def step_no_reset_ref(st, actions, grids, mk, q_gap, k, hi, out):
         c = s.cursor
         bars = load_bars(mk, c)
         s2, o, t1, t2 = step_core(
-            s, actions[i, 0], grids.sizes[actions[i, 1]], grids.targets[actions[i, 2]], grids.stops[actions[i, 3]], bars, q_gap[i], k, hi - 1
+            s, actions[i, 0], grids.sizes[actions[i, 1]], grids.targets[actions[i, 2]], grids.stops[actions[i, 3]], bars, preference[i], k, hi - 1
         )
         store_row(st, i, s2)
         out.reward[i] = o.reward

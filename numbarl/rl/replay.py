@@ -11,6 +11,11 @@ slots with env e's history in column e (``[n_slots, N, ...]``)::
     done    uint8   [n_slots, N]               1 when the episode ended with this step
     weight  float32 [n_slots, N]               per-transition weight: 1.0, or given at write time when
                                                built with weights=True (prioritization, boosts)
+    mask    uint8   [n_slots, N, n_branches, max_actions]
+                                               the env's action mask of obs_t (built with max_actions;
+                                               numbarl/env/__init__.py): the sampled batch carries the
+                                               mask of next_obs, so a target over the actions available
+                                               there reads the env's rule instead of re-deriving it
     count   int64   [1]                        steps written so far (device); head slot = count % n_slots
 
 **Only obs_t is stored, not next_obs.** The next observation of a non-terminal step is obs_{t+1} of
@@ -34,6 +39,7 @@ n-step transition (Sutton & Barto 2018, §7.1, Eq. 7.1) for time τ of env e, wi
     done_n   = 1 if the episode ended inside the window, else 0
     discount = γ^m                                                bootstrap discount
     next_obs = obs[τ+m]                                           (unused by the target when done_n)
+    next_mask = mask[τ+m]                                         (the actions available at next_obs)
 
 and the learner's target is ``R_n + (1 − done_n) · discount · Z(next_obs)``. Hand-computed example
 (also a test): γ = 0.5, n = 3, env rewards 1, 2, 4 with done on the second step →
@@ -99,12 +105,17 @@ class ReplayRef:
         self.reward = np.zeros((n_slots, n_envs), np.float32)
         self.done = np.zeros((n_slots, n_envs), np.uint8)
         self.weight = np.ones((n_slots, n_envs), np.float32)
+        self.mask = None  # [n_slots, N, n_branches, max_actions] uint8 once written with masks
         self.count = 0
 
-    def write(self, obs, action, reward, done, weight=None):
+    def write(self, obs, action, reward, done, weight=None, mask=None):
         s = self.count % self.n_slots
         self.obs[s], self.action[s], self.reward[s], self.done[s] = obs, action, reward, done
         self.weight[s] = 1.0 if weight is None else weight
+        if mask is not None:
+            if self.mask is None:
+                self.mask = np.zeros((self.n_slots,) + np.shape(mask), np.uint8)
+            self.mask[s] = mask
         self.count += 1
 
     def sample(self, batch_size: int, counter: int) -> dict:
@@ -117,6 +128,8 @@ class ReplayRef:
             "done": np.ones(batch_size), "discount": np.zeros(batch_size), "weight": np.zeros(batch_size),
             "index": np.full(batch_size, -1, np.int64), "next_index": np.full(batch_size, -1, np.int64),
         }
+        if self.mask is not None:
+            out["next_mask"] = np.zeros((batch_size,) + self.mask.shape[2:], np.uint8)
         if valid <= 0:
             return out
         for b in range(batch_size):
@@ -130,6 +143,8 @@ class ReplayRef:
             out["reward"][b], out["done"][b], out["discount"][b] = ret, done_n, disc
             out["weight"][b] = self.weight[s, e]
             out["index"][b], out["next_index"][b] = s * N + e, s_next * N + e
+            if self.mask is not None:
+                out["next_mask"][b] = self.mask[s_next, e]
         return out
 
 
@@ -140,9 +155,10 @@ _cuda = cuda()
 
 
 @_cuda.jit(cache=True)
-def write_kernel(obs_store, action_store, reward_store, done_store, weight_store, count,
-                 obs, action, reward, done, weight, use_weight):
-    """Row count % n_slots ← this step's transitions. One thread per (env, feature)."""
+def write_kernel(obs_store, action_store, reward_store, done_store, weight_store, mask_store, count,
+                 obs, action, reward, done, weight, use_weight, mask, use_mask):
+    """Row count % n_slots ← this step's transitions. One thread per (env, feature); feature d
+    also copies mask elements d, d + dim, ... of its env."""
     i = _cuda.grid(1)
     n_envs = obs.shape[0]
     dim = obs.shape[1]
@@ -152,6 +168,12 @@ def write_kernel(obs_store, action_store, reward_store, done_store, weight_store
     d = i - e * dim
     s = count[0] % obs_store.shape[0]
     obs_store[s, e, d] = obs[e, d]
+    if use_mask:
+        n_act = mask.shape[2]
+        m = d
+        while m < mask.shape[1] * n_act:
+            mask_store[s, e, m // n_act, m % n_act] = mask[e, m // n_act, m % n_act]
+            m += dim
     if d == 0:
         for j in range(action.shape[1]):
             action_store[s, e, j] = action[e, j]
@@ -226,8 +248,9 @@ def sample_index_kernel(reward_store, done_store, action_store, weight_store, co
 
 
 @_cuda.jit(cache=True)
-def gather_obs_kernel(obs_store, index, next_index, out_obs, out_next_obs):
-    """out_obs[b] = obs_store.flat_rows[index[b]], same for next; one thread per (row, feature)."""
+def gather_obs_kernel(obs_store, mask_store, index, next_index, out_obs, out_next_obs, out_next_mask, use_mask):
+    """out_obs[b] = obs_store.flat_rows[index[b]], same for next (and next_index's mask); one
+    thread per (row, feature), feature d also copying mask elements d, d + dim, ..."""
     i = _cuda.grid(1)
     batch = out_obs.shape[0]
     dim = out_obs.shape[1]
@@ -237,13 +260,23 @@ def gather_obs_kernel(obs_store, index, next_index, out_obs, out_next_obs):
     d = i - b * dim
     n_envs = obs_store.shape[1]
     k = index[b]
+    n_act = out_next_mask.shape[2]
+    n_mask = out_next_mask.shape[1] * n_act if use_mask else 0
     if k < 0:
         out_obs[b, d] = _ZERO
         out_next_obs[b, d] = _ZERO
+        m = d
+        while m < n_mask:
+            out_next_mask[b, m // n_act, m % n_act] = 0  # an empty sample has no available action
+            m += dim
         return
     out_obs[b, d] = obs_store[k // n_envs, k % n_envs, d]
     k = next_index[b]
     out_next_obs[b, d] = obs_store[k // n_envs, k % n_envs, d]
+    m = d
+    while m < n_mask:
+        out_next_mask[b, m // n_act, m % n_act] = mask_store[k // n_envs, k % n_envs, m // n_act, m % n_act]
+        m += dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +299,8 @@ class ReplayBatch:
     weight: object      # float32 [B]   stored per-transition weight (1.0 unless written); 0 when empty
     index: object       # int64   [B]   slot * n_envs + env of the sampled transition (−1 when empty)
     next_index: object  # int64   [B]   slot * n_envs + env of next_obs
+    next_mask: object = None  # uint8 [B, n_branches, max_actions]: the env's mask of next_obs
+                              # (None unless built with max_actions; all 0 when empty)
 
 
 class Replay:
@@ -276,12 +311,14 @@ class Replay:
     initial value ``gamma``) read by every sample, so a schedule or the feedback loop changes it
     between graph replays without re-capture (``set_gamma``); seed and rng_slot key the sampler.
     weights=True lets write() take a per-transition float32 weight (stored; 1.0 otherwise); the
-    sampled weight comes back in ReplayBatch.weight either way.
+    sampled weight comes back in ReplayBatch.weight either way. max_actions: store the env's action
+    mask [N, n_branches, max_actions] with every write (write(..., mask=)); each sample then
+    carries next_obs's mask in ReplayBatch.next_mask.
     """
 
     def __init__(self, capacity: int, n_envs: int, state_dim: int, n_branches: int, batch_size: int,
                  n_step: int = 1, gamma: float = 0.99, seed: int = 0, weights: bool = False,
-                 rng_slot: int = SAMPLE_RNG_SLOT):
+                 rng_slot: int = SAMPLE_RNG_SLOT, max_actions: int | None = None):
         n_slots = int(capacity) // int(n_envs) if n_envs > 0 else 0
         if n_envs < 1 or state_dim < 1 or n_branches < 1 or batch_size < 1:
             raise ValueError(
@@ -299,6 +336,11 @@ class Replay:
         self.n_slots, self.n_envs, self.state_dim, self.n_branches = n_slots, int(n_envs), int(state_dim), int(n_branches)
         self.batch_size, self.n_step, self.gamma = int(batch_size), int(n_step), float(gamma)
         self.seed, self.rng_slot, self.weights = int(seed), int(rng_slot), bool(weights)
+        if max_actions is not None and int(max_actions) < 1:
+            raise ValueError(f"Replay: max_actions must be >= 1 (or None: no masks), got {max_actions}")
+        self.max_actions = None if max_actions is None else int(max_actions)
+        # without masks the kernels still take (never read) uint8 arrays of the right rank
+        mask_row = (n_branches, self.max_actions) if self.max_actions else (1, 1)
 
         self.store = Arena("replay")
         self.store.add("obs", (n_slots, n_envs, state_dim), np.float32)
@@ -306,6 +348,7 @@ class Replay:
         self.store.add("reward", (n_slots, n_envs), np.float32)
         self.store.add("done", (n_slots, n_envs), np.uint8)
         self.store.add("weight", (n_slots, n_envs), np.float32)
+        self.store.add("mask", ((n_slots, n_envs) if self.max_actions else (1, 1)) + mask_row, np.uint8)
         self.store.add("count", (1,), np.int64)
         self.store.add("gamma", (1,), np.float32)
         self.batch_arena = Arena("replay.batch")
@@ -319,6 +362,7 @@ class Replay:
         self.batch_arena.add("weight", (B,), np.float32)
         self.batch_arena.add("index", (B,), np.int64)
         self.batch_arena.add("next_index", (B,), np.int64)
+        self.batch_arena.add("next_mask", ((B,) if self.max_actions else (1,)) + mask_row, np.uint8)
         self.batch: ReplayBatch | None = None
 
     @property
@@ -353,13 +397,15 @@ class Replay:
         self.batch_arena.allocate()
         a = self.batch_arena
         self.batch = ReplayBatch(a["obs"], a["action"], a["reward"], a["done"], a["discount"],
-                                 a["next_obs"], a["weight"], a["index"], a["next_index"])
+                                 a["next_obs"], a["weight"], a["index"], a["next_index"],
+                                 a["next_mask"] if self.max_actions else None)
         return self
 
     # -- capturable launchers ---------------------------------------------------------------------
-    def write(self, obs, action, reward, done, stream, weight=None) -> None:
+    def write(self, obs, action, reward, done, stream, weight=None, mask=None) -> None:
         """Append one transition per env: obs [N, state_dim] f32 (obs_t), action [N, n_branches] i32,
-        reward [N] f32, done [N] (any integer/bool/float dtype, nonzero = done), weight [N] f32 or None.
+        reward [N] f32, done [N] (any integer/bool/float dtype, nonzero = done), weight [N] f32 or None,
+        mask [N, n_branches, max_actions] u8 (the env's mask of obs_t; required iff built with max_actions).
         """
         N, D = self.n_envs, self.state_dim
         if obs.shape != (N, D) or action.shape != (N, self.n_branches) or reward.shape != (N,) or done.shape != (N,):
@@ -374,9 +420,16 @@ class Replay:
         use_weight = weight is not None
         w = weight if use_weight else reward  # any float32 [N] placeholder; unread when use_weight is False
         s = self.store
+        if (mask is not None) != bool(self.max_actions):
+            raise ValueError("Replay.write: pass the env's mask exactly when the buffer was built with max_actions "
+                             f"(max_actions = {self.max_actions}, mask {'given' if mask is not None else 'missing'})")
+        if mask is not None and (tuple(mask.shape) != (N, self.n_branches, self.max_actions) or mask.dtype != np.uint8):
+            raise ValueError(f"Replay.write expects mask uint8 {(N, self.n_branches, self.max_actions)}, got "
+                             f"{mask.dtype} {tuple(mask.shape)}")
+        m = mask if mask is not None else self.batch_arena["next_mask"]  # placeholder, unread
         write_kernel[_grid(N * D), BLOCK, stream](
-            s["obs"], s["action"], s["reward"], s["done"], s["weight"], s["count"],
-            obs, action, reward, done, w, use_weight)
+            s["obs"], s["action"], s["reward"], s["done"], s["weight"], s["mask"], s["count"],
+            obs, action, reward, done, w, use_weight, m, mask is not None)
         advance_kernel[1, 1, stream](s["count"])
 
     def sample(self, counter, stream) -> ReplayBatch:
@@ -390,7 +443,8 @@ class Replay:
             np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), s["gamma"],
             out.action, out.reward, out.done, out.discount, out.weight, out.index, out.next_index)
         gather_obs_kernel[_grid(self.batch_size * self.state_dim), BLOCK, stream](
-            s["obs"], out.index, out.next_index, out.obs, out.next_obs)
+            s["obs"], s["mask"], out.index, out.next_index, out.obs, out.next_obs,
+            self.batch_arena["next_mask"], bool(self.max_actions))
         return out
 
     def reset(self, stream) -> None:

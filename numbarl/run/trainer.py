@@ -204,8 +204,7 @@ class FoldTrainer:
         self.stream = stream()
         self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
         self.agent = make_agent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
-                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps),
-                              lock_column=self.env.position_column if cfg.env.direction_lock else None)
+                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps))
         self.env.reset(self.seed, self.stream)
         self.steps = self.agent.step_functions(self.env)  # the agent's step functions, by graph name
         self.graphs = {}  # each captured on its first use (the capture's warm-up run is that step)

@@ -93,7 +93,7 @@ def test_backtest_pnl_equals_env_pnl_for_the_same_actions(rng, make_market):
     env = DeviceEnv(data, params, n_pol, bar_range=(start, end))
     env.reset()
     assert (env.state_to_host()["cursor"] == start).all()
-    env.arena.load({"q_gap": rng.standard_normal(n_pol).astype(np.float32)})  # must not move P&L
+    env.arena.load({"preference": rng.standard_normal(n_pol).astype(np.float32)})  # must not move P&L
     equity = np.zeros(n_pol)
     for j in range(n_bars - 1):
         env.arena.load({"actions": np.ascontiguousarray(actions[:, j])})
@@ -143,9 +143,16 @@ def test_q_fn_backtest_equals_actions_backtest(rng, make_market):
     np.testing.assert_array_equal(via_q.pnl, via_a.pnl)
     np.testing.assert_array_equal(via_q.position, via_a.position)
     assert via_q.trades.equals(via_a.trades)
-    # the graphed path (here the simulator re-calls the captured bars: 13-bar graphs, the surplus
-    # steps of the last replay masked) is the same backtest
-    via_g = backtest(data, (start, end), params, q_fn=q_fn, n_policies=n_pol, chunk_bars=13, graph=True)
+    # the graphed path's chunking (13-bar graphs, the surplus steps of the last replay masked) is
+    # the same backtest; this q_fn copies to the host, so its "graph" re-calls the bars (as the
+    # simulator always does, and --no-graph on a GPU)
+    from numbarl.cuda import graph as cuda_graph
+
+    cuda_graph.set_eager(True)
+    try:
+        via_g = backtest(data, (start, end), params, q_fn=q_fn, n_policies=n_pol, chunk_bars=13, graph=True)
+    finally:
+        cuda_graph.set_eager(False)
     np.testing.assert_array_equal(via_g.pnl, via_a.pnl)
     np.testing.assert_array_equal(via_g.position, via_a.position)
     assert via_g.trades.equals(via_a.trades)
@@ -215,15 +222,17 @@ def test_graphed_policy_backtest_equals_eager_bitwise(rng, make_market, monkeypa
 
 
 def _greedy_actions(result, data, params, policies, window):
-    """The greedy actions of `policies` at each window bar, recomputed on the host from the
-    backtest's positions (obs = features | portfolio features, via the CPU env's gather)."""
+    """The greedy actions of `policies` at each window bar, recomputed on the host (obs = features
+    | portfolio features and the mask, by the CPU env's gather; greedy = the learner's policy at
+    epsilon 0)."""
+    from numbarl.env.core import initial_portfolio, store_row
     from numbarl.env.reference import CpuEnv
+    from numbarl.rl.policies import epsilon_greedy_ref
 
     start, end = window
     w = policies.w.copy_to_host()
     n_pol = w.shape[0]
     env = CpuEnv(data, params, n_pol)
-    from numbarl.env.core import initial_portfolio, store_row
 
     for p in range(n_pol):
         store_row(env.state, p, initial_portfolio(start))
@@ -231,7 +240,7 @@ def _greedy_actions(result, data, params, policies, window):
     for j in range(end - start - 1):
         obs = env.gather()
         q = np.einsum("pj,pjo->po", obs, w, dtype=np.float32).reshape(n_pol, params.n_branches, params.max_actions)
-        actions, _ = env.select(q.astype(np.float32), 0.0)
+        actions, _ = epsilon_greedy_ref(q.astype(np.float32), env.mask, 0.0, 0, 0)
         out[:, j] = actions
         env.step(actions)
     return out

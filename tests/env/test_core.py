@@ -47,8 +47,8 @@ def bars(mid_c=100.0, spread_c=0.25, vol_c=0.5, mid_n=100.5, spread_n=0.25, high
     return core.make_bars(mid_c, mid_c - spread_c / 2, mid_c + spread_c / 2, vol_c, mid_n, mid_n - spread_n / 2, mid_n + spread_n / 2, high_n, low_n)
 
 
-def step(s, direction, size=1.0, target=0.0, stop=0.0, b=None, q_gap=0.0, k=None, last_bar=1000):
-    return core.step_core(s, direction, size, target, stop, bars() if b is None else b, np.float32(q_gap), k or consts(), last_bar)
+def step(s, direction, size=1.0, target=0.0, stop=0.0, b=None, preference=0.0, k=None, last_bar=1000):
+    return core.step_core(s, direction, size, target, stop, bars() if b is None else b, np.float32(preference), k or consts(), last_bar)
 
 
 def long_position(cursor=10, size=2.0, entry=100.125, plan_target=0.0, plan_stop=0.0, target_level=0.0, stop_level=0.0, last_entry=10):
@@ -170,13 +170,13 @@ def test_opportunity_cost_when_flat_and_not_in_backtest():
     k = params.step_consts(0.25)
     assert core.opportunity_cost(0.0, -3.0, k) == pytest.approx(1.5)
     assert core.opportunity_cost(1.0, -3.0, k) == 0.0
-    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, q_gap=2.0, k=k)
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, preference=2.0, k=k)
     assert out.reward == pytest.approx(-1.0)
-    _, out, _, _ = step(core.initial_portfolio(10), DIR_LONG, q_gap=2.0, k=k)
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_LONG, preference=2.0, k=k)
     assert out.reward == 0.0  # in a position: no opportunity cost
     kb = params.step_consts(0.25, backtest=True)
     assert kb.opp_scale == 0.0 and kb.episode_length == 0 and kb.hard_cap == 0
-    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, q_gap=2.0, k=kb)
+    _, out, _, _ = step(core.initial_portfolio(10), DIR_FLAT, preference=2.0, k=kb)
     assert out.reward == 0.0
 
 

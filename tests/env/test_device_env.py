@@ -1,15 +1,18 @@
 """Device env (simulator here, GPU in test_gpu_env.py) vs the CPU reference env, and the gather
-and select kernels vs independent numpy implementations."""
+kernel (obs and the published action mask) vs independent numpy implementations. The policies
+that turn the mask into actions are the learner's: tests/rl/test_policies.py."""
 
 import numpy as np
 import pytest
 
-from numbarl.cuda import rng as crng
-from numbarl.env import core
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.env.core import STATE_FIELDS
 from numbarl.env.device import DeviceEnv
-from numbarl.env.params import DIR_FLAT, DIR_LONG, DIR_SHORT, PORTFOLIO_DIM, EnvParams
+from numbarl.env.params import DIR_LONG, DIR_SHORT, PORTFOLIO_DIM, EnvParams
 from numbarl.env.reference import CpuEnv
+from numbarl.rl.policies import epsilon_greedy, epsilon_greedy_ref
+
+_cuda = cuda()
 
 # Tolerances of the device/reference comparison. Under the simulator both sides run the same
 # compiled CPU code, so they agree bit for bit; on a GPU, FMA contraction may change the last
@@ -55,18 +58,21 @@ def test_parity_device_vs_reference_every_field_every_step(rng, make_market):
     dev.reset()
     shape = (n_envs, params.n_branches, params.max_actions)
     n_done = n_trades = 0
+    q_dev, eps_dev = _cuda.device_array(shape, np.float32), _cuda.device_array(1, np.float32)
     for t in range(n_steps):
-        obs_d = dev.gather().copy_to_host()
-        assert_close(f"obs step {t}", obs_d, cpu.gather())
+        obs_d, mask_d = dev.gather()
+        assert_close(f"obs step {t}", obs_d.copy_to_host(), cpu.gather())
+        assert_close(f"mask step {t}", mask_d.copy_to_host(), cpu.mask)
         q = rng.standard_normal(shape).astype(np.float32)
         eps = np.float32(rng.choice([0.0, 0.3, 1.0]))
-        dev.arena.load({"q": q, "epsilon": np.array([eps], np.float32)})
-        dev.select()
-        actions_c, gap_c = cpu.select(q, eps)
+        q_dev.copy_to_device(q)
+        eps_dev.copy_to_device(np.array([eps], np.float32))
+        epsilon_greedy(q_dev, mask_d, eps_dev, dev.seed_dev, dev.counter, dev.arena["actions"], dev.arena["preference"], stream())
+        actions_c, pref_c = epsilon_greedy_ref(q, cpu.mask, eps, seed, cpu.counter[0])
         assert_close(f"actions step {t}", dev.arena["actions"].copy_to_host(), actions_c)
-        assert_close(f"q_gap step {t}", dev.arena["q_gap"].copy_to_host(), gap_c)
+        assert_close(f"preference step {t}", dev.arena["preference"].copy_to_host(), pref_c)
         dev.step()
-        reward_c, done_c = cpu.step(actions_c)
+        reward_c, done_c = cpu.step(actions_c, pref_c)
         out = {name: dev.outputs._asdict()[name].copy_to_host() for name in dev.outputs._fields}
         for name in ("reward", "done", "bar_pnl", "trade_pnl", "exit_reason", "bar", "next_bar"):
             assert_close(f"{name} step {t}", out[name], getattr(cpu.out, name))
@@ -92,7 +98,7 @@ def test_gather_matches_numpy(rng, make_market):
         env.advance()
     dev = DeviceEnv(data, params, 7)
     dev.arena.load(env.state_dict())
-    obs = dev.gather().copy_to_host()
+    obs = dev.gather()[0].copy_to_host()
     s = env.state_dict()
     vol = data.volatility(params.vol_span, params.vol_horizon_bars)
     c = s["cursor"]
@@ -121,95 +127,37 @@ def test_gather_matches_numpy(rng, make_market):
     assert (s["position"] != 0).any() and obs.shape == (7, data.n_features + PORTFOLIO_DIM)
 
 
-def _select_numpy(q, position, branch_sizes, lock):
-    """Greedy reference: first maximum over allowed actions, NaN never wins."""
-    n = q.shape[0]
-    out = np.zeros((n, 4), np.int32)
-    for i in range(n):
-        for b, size in enumerate(branch_sizes):
-            allowed = np.ones(size, bool)
-            if b == 0 and lock and position[i] != 0:
-                allowed[DIR_SHORT if position[i] > 0 else DIR_LONG] = False
-            vals = np.where(allowed & ~np.isnan(q[i, b, :size]), q[i, b, :size], -np.inf)
-            out[i, b] = int(np.argmax(vals)) if np.isfinite(vals).any() else int(np.flatnonzero(allowed)[0])
-    return out
+def _mask_numpy(position, branch_sizes, max_actions, lock):
+    """The direction-lock rule and the branch sizes, as a mask [N, 4, max_actions] (1 = allowed)."""
+    mask = np.zeros((len(position), len(branch_sizes), max_actions), np.uint8)
+    for b, size in enumerate(branch_sizes):
+        mask[:, b, :size] = 1
+    if lock:
+        mask[position > 0, 0, DIR_SHORT] = 0
+        mask[position < 0, 0, DIR_LONG] = 0
+    return mask
 
 
-def test_select_greedy_matches_numpy_with_lock_ties_and_padding(rng, make_market):
-    data = make_market(rng, n_bars=30)
-    params = EnvParams(sizes=(1.0, 2.0), targets=(0.0, 1.0, 2.0, 3.0, 4.0), stops=(0.0, 2.0, 4.0))
-    n = 9
-    dev = DeviceEnv(data, params, n)
-    position = np.array([0, 1, -1, 0.5, -0.5, 0, 1, -1, 0], np.float32)
+@pytest.mark.parametrize("lock", [True, False])
+def test_gather_publishes_the_direction_lock_and_branch_sizes_as_a_mask(rng, make_market, lock):
+    # odd branch sizes (padding in three branches) and an obs narrower than the mask (3 + 8 obs
+    # columns < 4 x 5 mask entries: each gather thread writes two mask entries)
+    data = make_market(rng, n_bars=30, n_features=3)
+    params = EnvParams(sizes=(1, 2), targets=(0.0, 1.0, 2.0, 3.0, 4.0), stops=(0.0, 2.0, 4.0), direction_lock=lock)
+    position = np.array([0, 1, -1, 2, -2, 0, 1], np.float32)
+    dev = DeviceEnv(data, params, len(position))
+    dev.reset()
     dev.arena.load({"position": position})
-    q = rng.standard_normal((n, 4, params.max_actions)).astype(np.float32)
-    q[:, 1, 2:] = 1e9  # padding beyond the size branch must be ignored
-    q[:, 3, 3:] = 1e9
-    q[0, 2, :] = 0.25  # ties: first maximum
-    q[1, 0, DIR_SHORT] = 100.0  # locked out for a long position
-    q[2, 0, :] = np.nan  # no valid maximum: first allowed action
-    q[3, 1, :2] = np.nan
-    dev.arena.load({"q": q})
-    dev.select()
-    got = dev.arena["actions"].copy_to_host()
-    np.testing.assert_array_equal(got, _select_numpy(q, position, params.branch_sizes, True))
-    assert got[0, 2] == 0 and got[1, 0] != DIR_SHORT and got[2, 0] == DIR_SHORT
-    gap = dev.arena["q_gap"].copy_to_host()
-    np.testing.assert_array_equal(gap[3:], (q[3:, 0, DIR_LONG] - q[3:, 0, DIR_SHORT]).astype(np.float32))
-
-
-def test_exploration_respects_direction_lock_and_is_uniform(rng, make_market):
-    data = make_market(rng, n_bars=30)
-    params = EnvParams()
-    # device: every exploratory draw reproduced from the counter RNG
-    n, seed, counter = 6, int(rng.integers(1 << 31)), 7
-    dev = DeviceEnv(data, params, n, seed=seed)
-    dev.reset()
-    position = np.array([1, -1, 0, 0.25, -1, 1], np.float32)
-    dev.arena.load({"position": position, "counter": np.array([counter], np.int64), "epsilon": np.ones(1, np.float32)})
-    dev.select()
-    got = dev.arena["actions"].copy_to_host()
-    for i in range(n):
-        for b, size in enumerate(params.branch_sizes):
-            allowed = list(range(size))
-            if b == 0 and position[i] != 0:
-                allowed.remove(DIR_SHORT if position[i] > 0 else DIR_LONG)
-            r = crng.randint(np.uint64(seed), i, counter, core.SLOT_RANDOM + b, len(allowed))
-            assert got[i, b] == allowed[r]
-    # more envs than one block (guard of the partial last block), mixed epsilon per env
-    m = 131
-    dev = DeviceEnv(data, params, m, seed=seed)
-    cpu = CpuEnv(data, params, m, seed=seed)
-    dev.reset()
-    cpu.reset()
-    pos = rng.choice(np.array([-1.0, 0.0, 0.5], np.float32), m)
-    cpu.state.position[:] = pos
-    eps = rng.uniform(0, 1, m).astype(np.float32)
-    q = rng.standard_normal((m, 4, params.max_actions)).astype(np.float32)
-    dev.arena.load({"position": pos, "q": q})
-    eps_dev = dev.arena["q_gap"]  # any float32 [N] device array works as per-env epsilon
-    eps_dev.copy_to_device(eps)
-    dev.select(epsilon=eps_dev, q_gap=dev.arena["reward"])
-    want, _ = cpu.select(q, eps)
-    np.testing.assert_array_equal(dev.arena["actions"].copy_to_host(), want)
-    # CPU reference at scale: with epsilon 1 a long never explores short and draws are uniform
-    m = 6000
-    env = CpuEnv(data, params, m, seed=seed)
-    env.reset()
-    env.state.position[:] = np.where(np.arange(m) % 2 == 0, 1.0, -1.0)
-    q = np.zeros((m, 4, params.max_actions), np.float32)
-    acts, _ = env.select(q, 1.0)
-    longs, shorts = acts[0::2, 0], acts[1::2, 0]
-    assert not (longs == DIR_SHORT).any() and not (shorts == DIR_LONG).any()
-    frac = np.mean(longs == DIR_FLAT)
-    assert abs(frac - 0.5) < 0.05
-    counts = np.bincount(acts[:, 2], minlength=4) / m
-    np.testing.assert_allclose(counts, 0.25, atol=0.03)
-    # epsilon 0.3: about 30% of branch decisions are coins that came up (greedy is action 0 here)
-    q[:, :, 0] = 1.0
-    acts, _ = env.select(q, 0.3)
-    explored = np.mean(acts[:, 3] != 0)  # a random draw that differs from greedy: 0.3 * 3/4
-    assert abs(explored - 0.3 * 0.75) < 0.03
+    want = _mask_numpy(position, params.branch_sizes, params.max_actions, lock)
+    _, mask = dev.gather()
+    np.testing.assert_array_equal(mask.copy_to_host(), want)
+    assert want.shape[1] * want.shape[2] > dev.state_dim
+    cpu = CpuEnv(data, params, len(position))
+    cpu.state.position[:] = position
+    cpu.gather()
+    np.testing.assert_array_equal(cpu.mask, want)
+    if lock:  # hold and close stay allowed mid-plan; only the opposite side is barred
+        assert want[1, 0].tolist()[:3] == [0, 1, 1] and want[2, 0].tolist()[:3] == [1, 1, 0]
 
 
 def test_collect_hook_fixed_views_and_indices(rng, make_market):
@@ -219,10 +167,14 @@ def test_collect_hook_fixed_views_and_indices(rng, make_market):
     env.reset()
     views = tuple(id(v) for v in env.transition)
 
-    def q_fn(obs, q, stream):  # a fixed "network": prefer long when the first feature is positive
+    q_dev, greedy = _cuda.device_array((4, params.n_branches, params.max_actions), np.float32), _cuda.to_device(np.zeros(1, np.float32))
+
+    def policy(obs, mask, actions, preference, stream):
+        """A fixed "network" (prefer long when the first feature is positive), acted on greedily."""
         o = obs.copy_to_host(stream=stream)
         stream.synchronize()
-        q.copy_to_device(q_of(o), stream=stream)
+        q_dev.copy_to_device(q_of(o), stream=stream)
+        epsilon_greedy(q_dev, mask, greedy, env.seed_dev, env.counter, actions, preference, stream)
 
     def q_of(o):
         qh = np.zeros((o.shape[0], params.n_branches, params.max_actions), np.float32)
@@ -230,11 +182,10 @@ def test_collect_hook_fixed_views_and_indices(rng, make_market):
         qh[:, 0, DIR_SHORT] = -o[:, 0]
         return qh
 
-    env.set_epsilon(0.0)
     saw_done = False
     for t in range(12):
         before = env.state_to_host()
-        tr = env.collect(q_fn)
+        tr = env.collect(policy)
         assert tuple(id(v) for v in tr) == views
         obs, nobs = tr.obs.copy_to_host(), tr.next_obs.copy_to_host()
         bar, nbar, done = tr.bar.copy_to_host(), tr.next_bar.copy_to_host(), tr.done.copy_to_host()
@@ -243,16 +194,25 @@ def test_collect_hook_fixed_views_and_indices(rng, make_market):
         np.testing.assert_array_equal(nbar, env.state_to_host()["cursor"])
         np.testing.assert_array_equal(nobs[:, :3], data.features[nbar])
         np.testing.assert_array_equal(nbar[done == 0], bar[done == 0] + 1)
-        expected = _select_numpy(q_of(obs), before["position"], params.branch_sizes, params.direction_lock)
+        lock = params.direction_lock
+        np.testing.assert_array_equal(tr.mask.copy_to_host(), _mask_numpy(before["position"], params.branch_sizes, params.max_actions, lock))
+        after = env.state_to_host()["position"]
+        np.testing.assert_array_equal(tr.next_mask.copy_to_host(), _mask_numpy(after, params.branch_sizes, params.max_actions, lock))
+        expected, _ = epsilon_greedy_ref(q_of(obs), tr.mask.copy_to_host(), 0.0, 0, 0)
         np.testing.assert_array_equal(tr.actions.copy_to_host(), expected)
+        if lock:
+            barred = np.where(before["position"] > 0, DIR_SHORT, np.where(before["position"] < 0, DIR_LONG, -1))
+            assert not (tr.actions.copy_to_host()[:, 0] == barred).any()
         saw_done |= bool(done.any())
     assert env.counter.copy_to_host()[0] == 12 and saw_done
 
 
 def test_launcher_shape_errors(rng, make_market):
     env = DeviceEnv(make_market(rng, n_bars=20), EnvParams(), 3)
-    with pytest.raises(ValueError, match="q must be float32"):
-        env.select(q=env.arena["obs"])
+    with pytest.raises(ValueError, match="mask must be uint8"):
+        env.gather(mask=env.arena["actions"])
+    with pytest.raises(ValueError, match="preference must be float32"):
+        env.step(preference=env.arena["bar"])
     with pytest.raises(ValueError, match="bar_range"):
         DeviceEnv(make_market(rng, n_bars=20), EnvParams(), 3, bar_range=(5, 6))
     with pytest.raises(ValueError, match="n_envs"):

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from numbarl.cuda.runtime import cuda
+from numbarl.cuda.runtime import stream as dev_stream
 from numbarl.env.backtest import backtest, backtest_reference
 from numbarl.env.core import STATE_FIELDS
 from numbarl.env.device import DeviceEnv
 from numbarl.env.params import EnvParams
 from numbarl.env.reference import CpuEnv
+from numbarl.rl.policies import epsilon_greedy, epsilon_greedy_ref
 
 pytestmark = pytest.mark.gpu
 _cuda = cuda()
@@ -54,17 +56,19 @@ def test_gpu_env_matches_reference_at_scale(rng, make_market):
     dev.reset()
     shape = (n, params.n_branches, params.max_actions)
     n_done = 0
+    q_dev, eps_dev = _cuda.device_array(shape, np.float32), _cuda.to_device(np.array([0.2], np.float32))
     for t in range(steps):
-        _close(f"obs {t}", dev.gather().copy_to_host(), cpu.gather())
+        obs, mask = dev.gather()
+        _close(f"obs {t}", obs.copy_to_host(), cpu.gather())
+        _close(f"mask {t}", mask.copy_to_host(), cpu.mask)
         q = rng.standard_normal(shape).astype(np.float32)
-        eps = np.float32(0.2)
-        dev.arena.load({"q": q, "epsilon": np.array([eps], np.float32)})
-        dev.select()
-        actions, gap = cpu.select(q, eps)
+        q_dev.copy_to_device(q)
+        epsilon_greedy(q_dev, mask, eps_dev, dev.seed_dev, dev.counter, dev.arena["actions"], dev.arena["preference"], dev_stream())
+        actions, preference = epsilon_greedy_ref(q, cpu.mask, np.float32(0.2), 7, cpu.counter[0])
         _close(f"actions {t}", dev.arena["actions"].copy_to_host(), actions)
-        _close(f"q_gap {t}", dev.arena["q_gap"].copy_to_host(), gap)
+        _close(f"preference {t}", dev.arena["preference"].copy_to_host(), preference)
         dev.step()
-        cpu.step(actions)
+        cpu.step(actions, preference)
         for name in dev.outputs._fields:
             _close(f"{name} {t}", getattr(dev.outputs, name).copy_to_host(), getattr(cpu.out, name))
         state = dev.state_to_host()
@@ -111,12 +115,17 @@ def linear_q_kernel(obs, w, q):
     q[i, o // na, o - (o // na) * na] = acc
 
 
-def _linear_q_fn(weights):
-    def q_fn(obs, q, stream):
+def _linear_policy(weights, n_envs, params, epsilon, env):
+    """A capturable policy: the linear 'network', then epsilon-greedy over the env's mask."""
+    q = _cuda.device_array((n_envs, params.n_branches, params.max_actions), np.float32)
+    eps = _cuda.to_device(np.array([epsilon], np.float32))
+
+    def policy(obs, mask, actions, preference, stream):
         total = q.shape[0] * q.shape[1] * q.shape[2]
         linear_q_kernel[(total + 127) // 128, 128, stream](obs, weights, q)
+        epsilon_greedy(q, mask, eps, env.seed_dev, env.counter, actions, preference, stream)
 
-    return q_fn
+    return policy
 
 
 def test_gpu_collect_graph_replay_equals_eager_and_is_deterministic(rng, make_market):
@@ -127,25 +136,24 @@ def test_gpu_collect_graph_replay_equals_eager_and_is_deterministic(rng, make_ma
     data = make_market(rng, n_bars=n_bars, n_features=32, bars_per_session=5000, start=5000.0)
     params = _params(episode_length=100, max_episode_bars=300)
     w = c.to_device(rng.standard_normal((32 + 8, params.n_branches * params.max_actions)).astype(np.float32) * 0.1)
-    q_fn = _linear_q_fn(w)
     envs = [DeviceEnv(data, params, n, bar_range=(0, n_bars - 1000), seed=3) for _ in range(3)]
+    policies = [_linear_policy(w, n, params, 0.1, env) for env in envs]
     for env in envs:
         env.reset()
-        env.set_epsilon(0.1)
-    g = graph.capture(lambda s: envs[0].collect(q_fn, s))  # the warm-up run is step 1
+    g = graph.capture(lambda s: envs[0].collect(policies[0], s))  # the warm-up run is step 1
     assert g.captured or graph.simulator()
     for _ in range(steps - 1):
         g.replay()
-    for env in envs[1:]:  # eager, twice: bitwise equal to the graph and to each other
+    for env, policy in zip(envs[1:], policies[1:]):  # eager, twice: bitwise equal to the graph and to each other
         for _ in range(steps):
-            env.collect(q_fn)
+            env.collect(policy)
     c.synchronize()
     ref = envs[0].state_to_host()
     for env in envs[1:]:
         other = env.state_to_host()
         for name, _ in STATE_FIELDS:
             np.testing.assert_array_equal(other[name], ref[name], err_msg=name)
-        for name in ("reward", "done", "bar_pnl", "next_obs"):
+        for name in ("reward", "done", "bar_pnl", "next_obs", "next_mask", "actions", "preference"):
             np.testing.assert_array_equal(env.arena[name].copy_to_host(), envs[0].arena[name].copy_to_host(), err_msg=name)
     assert envs[0].counter.copy_to_host()[0] == steps
     assert ref["kelly_wins"].sum() + ref["kelly_losses"].sum() > 0

@@ -22,7 +22,12 @@ def test_gymnasium_api(rng, make_market):
     o1, i1 = env.reset(seed=123)
     o2, i2 = env.reset(seed=123)
     np.testing.assert_array_equal(o1, o2)
-    assert i1 == i2 and env.observation_space.contains(o1)
+    assert i1["bar"] == i2["bar"] and env.observation_space.contains(o1)
+    # the action mask of the observation: flat at a reset, so every action inside its branch
+    want = np.zeros((4, EnvParams().max_actions), np.uint8)
+    for branch, size in enumerate(EnvParams().branch_sizes):
+        want[branch, :size] = 1
+    np.testing.assert_array_equal(i1["mask"], want)
     with pytest.raises(ValueError, match="index"):
         env.step(np.array([3, 0, 0, 0]))
 

@@ -219,21 +219,33 @@ def test_loss_kernel_matches_reference(rng, use_weights):
     assert np.all(got[~taken] == 0.0)  # other actions and padding: exactly zero
 
 
-def test_blocked_direction_is_skipped_by_the_double_dqn_argmax(rng):
-    """With use_blocked, branch 0's a* is the argmax over the actions left available (the
-    direction lock's bar); the other branches and unblocked rows are unchanged."""
+def _full_mask(batch):
+    """The env's mask when nothing is locked: 1 inside each branch, 0 in the padding."""
+    mask = np.zeros((batch, len(SIZES), max(SIZES)), np.uint8)
+    for k, n in enumerate(SIZES):
+        mask[:, k, :n] = 1
+    return mask
+
+
+def test_next_state_mask_restricts_the_double_dqn_argmax(rng):
+    """With next_mask (the env's mask of next_obs, e.g. the direction a lock forbids), a* is the
+    argmax over the actions available there; rows and branches the mask leaves whole are unchanged."""
     q = np.array([[[3.0, 1.0, 2.0]], [[3.0, 1.0, 2.0]], [[1.0, 1.0, 5.0]]])
-    np.testing.assert_array_equal(c51.double_dqn_actions_ref(q, (3,), blocked=[0, -1, 2]), [[2], [0], [0]])
+    barred = np.ones((3, 1, 3), np.uint8)
+    barred[0, 0, 0] = barred[2, 0, 2] = 0
+    np.testing.assert_array_equal(c51.double_dqn_actions_ref(q, (3,), next_mask=barred), [[2], [0], [0]])
     batch = 6
     inputs, _ = _loss_inputs(rng, batch)
-    blocked = np.array([0, 2, -1, 0, 2, -1], np.int32)
-    inputs["next_q"][:, 0, 0] = 50.0  # the blocked short would win every row it is not blocked in
+    next_mask = _full_mask(batch)
+    for row, short_or_long in enumerate([0, 2, -1, 0, 2, -1]):  # the direction the lock bars (-1: none)
+        if short_or_long >= 0:
+            next_mask[row, 0, short_or_long] = 0
+    inputs["next_q"][:, 0, 0] = 50.0  # the barred short would win every row it is not barred in
     inputs["dones"][:] = 0.0  # (a done row's target is the reward alone, whatever a* is)
     loss_fn = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX)
-    loss_fn.blocked.copy_to_device(blocked)
-    loss_fn(stream=stream(), use_blocked=True, **{k: _dev(v) for k, v in inputs.items()})
-    loss, _, d_logits, target = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES, blocked=blocked,
-                                                 **inputs)
+    loss_fn(stream=stream(), next_mask=_dev(next_mask), **{k: _dev(v) for k, v in inputs.items()})
+    loss, _, d_logits, target = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES,
+                                                 next_mask=next_mask, **inputs)
     _close(_host(loss_fn.target_dist), target, atol=2e-6, rtol=1e-5, what="target_dist")
     _close(_host(loss_fn.loss)[0], loss, what="loss")
     _close(_host(loss_fn.d_logits), d_logits, atol=1e-6, rtol=1e-4, what="d_logits")
@@ -241,6 +253,13 @@ def test_blocked_direction_is_skipped_by_the_double_dqn_argmax(rng):
     differs = np.any(np.abs(plain[:, 0] - target[:, 0]) > 1e-9, axis=1)
     assert list(differs) == [True, False, False, True, False, False]  # only where short was barred
     np.testing.assert_array_equal(plain[:, 1:], target[:, 1:])  # other branches: untouched
+    # a whole mask is no restriction: the device gives the unmasked target exactly
+    loss_fn(stream=stream(), next_mask=_dev(_full_mask(batch)), **{k: _dev(v) for k, v in inputs.items()})
+    whole = _host(loss_fn.target_dist)
+    loss_fn(stream=stream(), **{k: _dev(v) for k, v in inputs.items()})
+    np.testing.assert_array_equal(whole, _host(loss_fn.target_dist))
+    with pytest.raises(TypeError, match="next_mask"):
+        loss_fn(stream=stream(), next_mask=_dev(_full_mask(batch).astype(np.int32)), **{k: _dev(v) for k, v in inputs.items()})
 
 
 def test_loss_kernel_hand_computed():

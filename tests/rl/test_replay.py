@@ -17,6 +17,8 @@ def _batch_host(batch) -> dict:
     s = stream()
     out = {k: getattr(batch, k).copy_to_host(stream=s) for k in
            ("obs", "action", "reward", "done", "discount", "next_obs", "weight", "index", "next_index")}
+    if batch.next_mask is not None:
+        out["next_mask"] = batch.next_mask.copy_to_host(stream=s)
     s.synchronize()
     return out
 
@@ -28,6 +30,9 @@ def _compare(dev: dict, ref: dict):
         np.testing.assert_array_equal(dev[k], ref[k].astype(np.float32), err_msg=k)
     for k in ("reward", "discount"):
         np.testing.assert_allclose(dev[k], ref[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    assert ("next_mask" in dev) == ("next_mask" in ref)
+    if "next_mask" in ref:
+        np.testing.assert_array_equal(dev["next_mask"], ref["next_mask"], err_msg="next_mask")
 
 
 def _write_both(buf, ref, rng, weights):
@@ -37,9 +42,11 @@ def _write_both(buf, ref, rng, weights):
     reward = rng.standard_normal(N).astype(np.float32)
     done = (rng.random(N) < 0.25).astype(np.uint8)
     w = rng.random(N).astype(np.float32) if weights else None
+    # a random env mask (the replay stores whatever the env published)
+    mask = (rng.random((N, nb, buf.max_actions)) < 0.7).astype(np.uint8) if buf.max_actions else None
     buf.write(_to_dev(obs), _to_dev(action), _to_dev(reward), _to_dev(done), stream(),
-              weight=None if w is None else _to_dev(w))
-    ref.write(obs, action, reward, done, w)
+              weight=None if w is None else _to_dev(w), mask=None if mask is None else _to_dev(mask))
+    ref.write(obs, action, reward, done, w, mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,11 +129,11 @@ def test_empty_until_min_writes(rng):
 # ---------------------------------------------------------------------------------------------
 # device == host model over many wraps
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n_step,weights", [(3, True), (1, False)])
-def test_device_matches_reference_over_wraps(rng, n_step, weights):
-    N, D, nb, B = 3, 5, 2, 7
+@pytest.mark.parametrize("n_step,weights,max_actions", [(3, True, 3), (1, False, None)])
+def test_device_matches_reference_over_wraps(rng, n_step, weights, max_actions):
+    N, D, nb, B = 3, 5, 2, 7  # with masks: 2 x 3 mask entries per row > D, the kernels loop
     buf = Replay(capacity=17, n_envs=N, state_dim=D, n_branches=nb, batch_size=B, n_step=n_step,
-                 gamma=0.93, seed=int(rng.integers(1 << 31)), weights=weights).allocate()
+                 gamma=0.93, seed=int(rng.integers(1 << 31)), weights=weights, max_actions=max_actions).allocate()
     assert buf.n_slots == 5 and buf.capacity == 15
     ref = ReplayRef(buf.n_slots, N, D, nb, n_step, 0.93, buf.seed)
     ctr_host = int(rng.integers(0, 1000))
@@ -144,6 +151,9 @@ def test_device_matches_reference_over_wraps(rng, n_step, weights):
     np.testing.assert_array_equal(host["reward"], ref.reward)
     np.testing.assert_array_equal(host["done"], ref.done)
     np.testing.assert_array_equal(host["weight"], ref.weight)
+    if max_actions:
+        np.testing.assert_array_equal(host["mask"], ref.mask)
+        assert (ref.mask == 0).any() and (ref.mask == 1).any()
 
 
 def test_sampling_is_uniform_over_valid_range_and_counter_keyed():
@@ -177,6 +187,10 @@ def test_reset_and_bad_arguments(rng):
     with pytest.raises(ValueError, match="expects obs"):
         buf.write(_to_dev(np.zeros((2, 2), np.float32)), _to_dev(np.zeros((3, 1), np.int32)),
                   _to_dev(np.zeros(3, np.float32)), _to_dev(np.zeros(3, np.uint8)), stream())
+    with pytest.raises(ValueError, match="mask exactly when"):
+        buf.write(_to_dev(np.zeros((3, 2), np.float32)), _to_dev(np.zeros((3, 1), np.int32)),
+                  _to_dev(np.zeros(3, np.float32)), _to_dev(np.zeros(3, np.uint8)), stream(),
+                  mask=_to_dev(np.ones((3, 1, 2), np.uint8)))
     with pytest.raises(ValueError, match="weights=False"):
         buf.write(_to_dev(np.zeros((3, 2), np.float32)), _to_dev(np.zeros((3, 1), np.int32)),
                   _to_dev(np.zeros(3, np.float32)), _to_dev(np.zeros(3, np.uint8)), stream(),

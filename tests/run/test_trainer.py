@@ -369,29 +369,30 @@ def test_resume_refuses_other_settings(run_cli, full_run):
 
 
 def test_lock_aware_target_is_wired_into_training(run_cli, full_run, tmp_path):
-    """agent.lock_aware_target: the blocked direction comes from next_obs's position column and
-    changes the learning (same seed, same data as the default run otherwise)."""
-    from numbarl.cuda.runtime import cuda, stream
-    from numbarl.rl.agents.dqn import blocked_direction_kernel
+    """agent.lock_aware_target: the double-DQN argmax reads the env's mask of each sampled
+    next_obs (stored by the replay with the observation: the learner does not re-derive the lock)
+    and it changes the learning (same seed, same data as the default run otherwise)."""
+    from numbarl.rl.losses.c51 import C51Loss
 
-    next_obs = np.zeros((4, 3), np.float32)
-    next_obs[:, 2] = [0.5, -1.0, 0.0, 2.0]  # signed position in column 2
-    blocked = cuda().device_array(4, np.int32)
-    blocked_direction_kernel[1, 32, stream()](cuda().to_device(next_obs), np.int64(2), blocked)
-    assert blocked.copy_to_host().tolist() == [0, 2, -1, 0]  # long: short barred; short: long barred
-
-    built = []
+    built, masks = [], []
     original = trainer.FoldTrainer.__init__
+    original_loss = C51Loss.__call__
 
     def record(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        built.append((self.agent.lock_column, self.env.position_column))
+        built.append((self.agent.replay.max_actions, self.cfg.env.max_actions))
+
+    def loss_spy(self, *args, next_mask=None, **kwargs):
+        masks.append(next_mask)
+        return original_loss(self, *args, next_mask=next_mask, **kwargs)
 
     out = tmp_path / "lock"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer.FoldTrainer, "__init__", record)
+        mp.setattr(C51Loss, "__call__", loss_spy)
         r = run_cli(*FAST, "--set", "agent.lock_aware_target=true", "--out", str(out))
-    assert built and all(lock == column for lock, column in built)  # the position column (env test)
+    assert built and all(stored == width for stored, width in built)  # the replay keeps the env's masks
+    assert masks and all(m is not None and m.shape[1:] == (4, built[0][1]) for m in masks)
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert json.loads((out / "config.json").read_text())["agent"]["lock_aware_target"] is True
     a, _ = _final_params(full_run)

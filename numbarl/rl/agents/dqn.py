@@ -7,7 +7,7 @@ optimizer. Two step functions, each captured once as a CUDA graph and replayed (
 
     # COLLECT   obs = state_gather(env)                      [N, state_dim]
     #           Q   = online net(obs)                         [N, n_branches, max_actions]
-    #           a   = epsilon-greedy per branch (env RNG; direction lock respected)
+    #           a   = epsilon-greedy per branch over the env's mask (numbarl.rl.policies)
     #           r, done = env_step(a)                         fills, P&L, reward terms, soft reset
     #           replay.write(obs, a, r, done)                 next obs = the env's next row
     #           epsilon, counters advanced on the device
@@ -16,7 +16,7 @@ optimizer. Two step functions, each captured once as a CUDA graph and replayed (
 
     # SAMPLE    batch = replay.sample(counter)                uniform, n-step returns
     # TARGETS   a* = argmax_a E[Z_online(next_obs)]           double DQN (van Hasselt et al. 2016);
-    #                over A(next_obs) with agent.lock_aware_target (the direction lock's bar)
+    #                over A(next_obs) with agent.lock_aware_target (the env's mask of next_obs)
     #           p  = Z_target(next_obs)[a*]
     # LOSS      m  = Φ(R_n + (1-done) γ^m z, p)               dense projection, Bellemare et al. 2017 Eq. 7
     #           L  = mean_b mean_branch −Σ m log softmax(logits_online(obs)[a])
@@ -37,18 +37,16 @@ import numpy as np
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import launch
-from numbarl.cuda.launch import device_function
 from numbarl.cuda.mapped import MappedBuffer
 from numbarl.cuda.registry import StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
-from numbarl.env.core import direction_allowed
-from numbarl.env.params import DIR_LONG, DIR_SHORT
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import STAT_CLIP_SCALE, STAT_GRAD_NORM, STAT_LR, STAT_SKIPPED, STAT_STEP, Adam, AdamConfig, TargetConfig
+from numbarl.rl.policies import epsilon_greedy
 from numbarl.rl.replay import Replay
 
 _cuda = cuda()
@@ -152,24 +150,6 @@ def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats)
                 stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
 
 
-_direction_allowed = device_function(direction_allowed)
-
-
-@_cuda.jit(cache=True)
-def blocked_direction_kernel(next_obs, column, blocked):
-    """blocked[b] = the direction the lock forbids at next_obs[b] (signed position in `column`),
-    -1 when none: the env's own rule (`direction_allowed`, which select_row applies)."""
-    b = _cuda.grid(1)
-    if b >= blocked.shape[0]:
-        return
-    side = next_obs[b, column]
-    blocked[b] = -1
-    if not _direction_allowed(DIR_SHORT, side, 1):
-        blocked[b] = DIR_SHORT
-    elif not _direction_allowed(DIR_LONG, side, 1):
-        blocked[b] = DIR_LONG
-
-
 # ---------------------------------------------------------------------------------------------
 # the agent
 # ---------------------------------------------------------------------------------------------
@@ -183,13 +163,8 @@ class DQNAgent(Agent):
     """
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
-                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), lock_column: int | None = None):
+                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000)):
         self.cfg = cfg
-        # the obs column of the signed position when the env's direction lock is on (None: no lock);
-        # with cfg.lock_aware_target the double-DQN argmax skips the direction it forbids
-        self.lock_column = None if lock_column is None else int(lock_column)
-        if self.lock_column is not None and not 0 <= self.lock_column < int(state_dim):
-            raise ValueError(f"lock_column = {lock_column} is outside the observation (state_dim {state_dim})")
         self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
         self.branch_sizes = tuple(int(b) for b in branch_sizes)
         self.n_branches = len(self.branch_sizes)
@@ -224,7 +199,8 @@ class DQNAgent(Agent):
                                                  weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm),
                           target).allocate()
         self.replay = Replay(cfg.replay_capacity, self.n_envs, self.state_dim, self.n_branches, B,
-                             n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed).allocate()
+                             n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed,
+                             max_actions=self.max_actions).allocate()  # + the env's masks (lock-aware target)
 
         # device scalars (counters, the epsilon schedule) and the mapped stats read at log intervals
         self.scalars = Arena("agent.scalars")
@@ -232,6 +208,7 @@ class DQNAgent(Agent):
         self.scalars.add("train_step", (1,), np.int64)
         self.scalars.add("epsilon_schedule", (2,), np.float32)
         self.scalars.add("epsilon_decay_steps", (1,), np.int64)
+        self.scalars.add("epsilon", (1,), np.float32)  # this collect step's exploration rate
         self.scalars.allocate()
         self.set_epsilon_schedule(eps_start, eps_end, eps_decay)
         self.stats = MappedBuffer(N_STATS, np.float32)
@@ -277,12 +254,14 @@ class DQNAgent(Agent):
     def collect_step(self, env, stream):
         # COLLECT
         epsilon_kernel[1, 1, stream](self.scalars["collect_step"], self.scalars["epsilon_schedule"],
-                                     self.scalars["epsilon_decay_steps"], env.epsilon, self.stats.device)
-        obs = env.gather(env.transition.obs, stream)                  # [N, state_dim]
+                                     self.scalars["epsilon_decay_steps"], self.scalars["epsilon"], self.stats.device)
+        t = env.transition
+        obs, mask = env.gather(t.obs, t.mask, stream)                  # [N, state_dim], the env's action mask
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
-        actions, q_gap = env.select(q=q, stream=stream)                 # epsilon-greedy, direction lock
-        out = env.step(actions, q_gap, stream=stream)                   # fills, reward, done, reset
-        self.replay.write(obs, actions, out.reward, out.done, stream)
+        preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
+        epsilon_greedy(q, mask, self.scalars["epsilon"], env.seed_dev, env.counter, t.actions, preference, stream)
+        out = env.step(t.actions, preference, stream=stream)           # fills, reward, done, reset
+        self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask)
         env.advance(stream)
 
     def train_phases(self) -> list:
@@ -311,14 +290,10 @@ class DQNAgent(Agent):
     # LOSS
     def _loss(self, stream):
         batch, cfg = self.replay.batch, self.cfg
-        lock_aware = cfg.lock_aware_target and self.lock_column is not None
-        if lock_aware:
-            blocked_direction_kernel[_blocks(cfg.batch_size), 256, stream](
-                batch.next_obs, np.int64(self.lock_column), self.loss.blocked)
         inputs = {"logits": self.head.outputs("online").logits, "actions": batch.action,
                   "next_q": self.head.outputs("next").q, "target_probs": self.head.outputs("target").probs,
                   "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
-                  "use_blocked": lock_aware}
+                  "next_mask": batch.next_mask if cfg.lock_aware_target else None}  # the env's mask of next_obs
         self.store.begin_step()  # the gradient rule: this step's first writes overwrite
         self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
 

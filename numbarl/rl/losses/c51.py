@@ -123,14 +123,15 @@ def project_distribution_ref(rewards, dones, discounts, next_probs, support):
     return np.einsum("bij,bj->bi", hat, p)
 
 
-def double_dqn_actions_ref(next_q, branch_sizes, blocked=None):
+def double_dqn_actions_ref(next_q, branch_sizes, next_mask=None):
     """Online-net argmax per branch over the valid actions (first maximum on ties).
 
     Args:
       next_q: [B, n_branches, max_actions] E[Z] of the online net on next_obs.
       branch_sizes: [n_branches] number of valid actions of each branch.
-      blocked: None, or [B] int: an action of branch 0 not available at next_obs (-1: none), e.g.
-        the direction a lock forbids; the max is then over A(next_obs), as the behaviour policy's.
+      next_mask: None, or [B, n_branches, max_actions] the env's action mask of next_obs (0 = not
+        available there, e.g. the direction a lock forbids): the max is then over A(next_obs), as
+        the behaviour policy's (none available: action 0).
 
     Returns:
       [B, n_branches] int64 greedy actions a*.
@@ -139,14 +140,13 @@ def double_dqn_actions_ref(next_q, branch_sizes, blocked=None):
     out = np.zeros(next_q.shape[:2], np.int64)
     for k, n in enumerate(branch_sizes):
         q = next_q[:, k, :n].copy()
-        if k == 0 and blocked is not None:
-            rows = np.flatnonzero(np.asarray(blocked) >= 0)
-            q[rows, np.asarray(blocked)[rows]] = -np.inf
+        if next_mask is not None:
+            q[np.asarray(next_mask)[:, k, :n] == 0] = -np.inf
         out[:, k] = np.argmax(q, axis=1)
     return out
 
 
-def target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes, blocked=None):
+def target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes, next_mask=None):
     """Double-DQN C51 target per branch: project the target net's distribution at a*.
 
     Args:
@@ -155,12 +155,12 @@ def target_distribution_ref(next_q, target_probs, rewards, dones, discounts, sup
       rewards, dones, discounts: [B] n-step return, done flag, γ^m.
       support: [Z].
       branch_sizes: [n_branches].
-      blocked: see `double_dqn_actions_ref`.
+      next_mask: see `double_dqn_actions_ref`.
 
     Returns:
       [B, n_branches, Z] projected target distributions m (float64).
     """
-    a_star = double_dqn_actions_ref(next_q, branch_sizes, blocked)  # [B, n_branches]
+    a_star = double_dqn_actions_ref(next_q, branch_sizes, next_mask)  # [B, n_branches]
     target_probs = np.asarray(target_probs, np.float64)
     batch, n_branches = a_star.shape
     out = np.empty((batch, n_branches, target_probs.shape[-1]))
@@ -211,14 +211,14 @@ def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None):
 
 
 def c51_loss_ref(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
-                 branch_sizes, weights=None, blocked=None):
+                 branch_sizes, weights=None, next_mask=None):
     """The whole distributional double-DQN loss: target (double DQN + Eq. 7) then cross-entropy.
 
     Returns (loss, per_sample [B], d_logits [B, n_branches, max_actions, Z], target_dist
     [B, n_branches, Z]); see `target_distribution_ref` and `cross_entropy_loss_ref` for shapes.
     """
     target_dist = target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes,
-                                          blocked)
+                                          next_mask)
     loss, per_sample, d_logits = cross_entropy_loss_ref(online_logits, actions, target_dist, weights)
     return loss, per_sample, d_logits, target_dist
 
@@ -300,11 +300,12 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
 
 @_cuda.jit(cache=True)
 def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
-                      branch_sizes, blocked, use_blocked, v_min, v_max, inv_delta_z, target_dist, lse, ce):
+                      branch_sizes, next_mask, use_mask, v_min, v_max, inv_delta_z, target_dist, lse, ce):
     """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
     Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
     into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
-    an out-of-bounds read. With use_blocked, branch 0's argmax skips action blocked[b] (-1: none).
+    an out-of-bounds read. With use_mask, the argmax skips the actions next_mask[b, k, :] (the env's
+    mask of next_obs) marks unavailable.
     """
     b = _cuda.blockIdx.x * BLOCK + _cuda.threadIdx.x
     k = _cuda.blockIdx.y
@@ -320,13 +321,10 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
 
     # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins) over the
     # actions available there
-    skip = -1
-    if use_blocked != 0 and k == 0:
-        skip = blocked[b]
     best = -1
     best_q = next_q[b, k, 0]
     for a in range(n_actions):
-        if a == skip:
+        if use_mask != 0 and next_mask[b, k, a] == 0:
             continue
         q = next_q[b, k, a]
         if best < 0 or q > best_q:
@@ -508,7 +506,7 @@ class C51Loss(Loss):
         arena.add("loss", (1,), np.float32)
         arena.add("support", (self.n_atoms,), np.float32)
         arena.add("branch_sizes", (self.n_branches,), np.int32)
-        arena.add("blocked", (self.batch,), np.int32)
+        arena.add("no_mask", (1, 1, 1), np.uint8)  # the kernel's next_mask when none is given (unread)
         arena.allocate()
         arena.load({"support": self.support_host, "branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self.arena = arena
@@ -519,7 +517,7 @@ class C51Loss(Loss):
 
     def compute(self, x: dict, stream) -> None:
         self(x["logits"], x["actions"], x["next_q"], x["target_probs"], x["rewards"], x["dones"], x["discounts"],
-             stream, weights=x.get("weights"), use_blocked=bool(x.get("use_blocked", False)))
+             stream, weights=x.get("weights"), next_mask=x.get("next_mask"))
 
     def grad(self, name: str):
         return self.d_logits
@@ -556,16 +554,11 @@ class C51Loss(Loss):
     def support(self):
         return self.arena["support"]
 
-    @property
-    def blocked(self):
-        """int32 [B]: branch 0's action unavailable at each sample's next_obs (-1: none); read when
-        the call passes use_blocked=True (the caller fills it before, on the same stream)."""
-        return self.arena["blocked"]
-
     def __call__(self, online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
-                 weights=None, use_blocked: bool = False) -> None:
+                 weights=None, next_mask=None) -> None:
         """Enqueue loss + d_logits (three launches; no allocation, copy or sync: capturable).
-        `use_blocked`: the double-DQN argmax of branch 0 skips `self.blocked[b]`."""
+        `next_mask`: uint8 [B, n_branches, max_actions], the env's action mask of each next_obs (e.g.
+        ReplayBatch.next_mask): the double-DQN argmax is then over the actions it allows."""
         b, nb, na, nz = self.batch, self.n_branches, self.max_actions, self.n_atoms
         _check("online_logits", online_logits, (b, nb, na, nz), _F32)
         _check("target_probs", target_probs, (b, nb, na, nz), _F32)
@@ -574,6 +567,8 @@ class C51Loss(Loss):
         _check("rewards", rewards, (b,), _F32)
         _check("discounts", discounts, (b,), _F32)
         _check("dones", dones, (b,), _DONE)
+        if next_mask is not None:
+            _check("next_mask", next_mask, (b, nb, na), (np.dtype(np.uint8),))
         use_weights = np.int32(weights is not None)
         if weights is None:
             weights = self.per_sample  # any float32 [B]; never read when use_weights == 0
@@ -582,7 +577,8 @@ class C51Loss(Loss):
         lse, target_dist = self.arena["lse"], self.target_dist
         c51_target_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
             online_logits, actions, next_q, target_probs, rewards, dones, discounts, self.support,
-            self.arena["branch_sizes"], self.blocked, np.int32(bool(use_blocked)), self.v_min, self.v_max,
+            self.arena["branch_sizes"], self.arena["no_mask"] if next_mask is None else next_mask,
+            np.int32(next_mask is not None), self.v_min, self.v_max,
             self.inv_delta_z, target_dist, lse, self.ce)
         c51_grad_kernel[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,

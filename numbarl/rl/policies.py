@@ -1,0 +1,132 @@
+"""Exploration policies: the learner's side of the env boundary (SPEC §2.0, numbarl/env/__init__.py).
+
+The env publishes, per env i, the observation and the action mask ``mask[i, b, a]`` (uint8, 1 =
+action a of branch b is available: the direction lock, the branch sizes) and takes back the
+actions ``actions[i, b]`` and a ``preference[i]`` for its opportunity cost. A policy turns the
+agent's action scores into those two; the env never sees the scores.
+
+Epsilon-greedy per branch (``epsilon_greedy``), independently for each branch b of env i::
+
+    greedy_b   = first argmax_a q[i, b, a] over {a : mask[i, b, a] = 1}   (NaN never wins;
+                 numbarl.env.core.greedy_action, which the backtest runs too)
+    explore_b  = uniform(seed, lane=i, counter, SLOT_EXPLORE + b) < epsilon_i
+    actions[i, b] = explore_b ? the r-th allowed action, r = randint(seed, i, counter,
+                                SLOT_RANDOM + b, #allowed) : greedy_b
+    preference[i] = q[i, direction, long] - q[i, direction, short]       (C51: the gap of the
+                                                                           expected returns)
+
+so exploration respects the mask as the greedy choice does. Greedy is epsilon 0 (the coin is
+drawn and never wins). RNG keys: the env's seed and step counter (numbarl/cuda/rng.py), lane =
+env; the slots keep the numbers they had when this code lived in the env (0-3 and 4-7), so
+recorded runs reproduce bit for bit.
+
+Thread mapping: one thread per env (4 branches x max_actions Q reads and mask reads each).
+The CPU reference (``epsilon_greedy_ref``) loops the same row function over envs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from numbarl.cuda import rng
+from numbarl.cuda.launch import blocks, device_function
+from numbarl.cuda.registry import RNG_STREAMS
+from numbarl.cuda.runtime import cuda
+from numbarl.env.core import greedy_action, row_jit
+from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
+
+_cuda = cuda()
+
+BLOCK = 128  # one env per thread
+
+# RNG slots (registered by name; the numbers are fixed so recorded results reproduce)
+SLOT_EXPLORE = RNG_STREAMS.claim("explore.coin", 0, width=4)  # + branch: exploration coin of branch b
+SLOT_RANDOM = RNG_STREAMS.claim("explore.action", 4, width=4)  # + branch: random action of branch b
+
+
+# ---------------------------------------------------------------------------------------------
+# the row function (CPU reference loop and kernel)
+# ---------------------------------------------------------------------------------------------
+@row_jit
+def epsilon_greedy_row(q, mask, i, epsilon, seed, counter, actions, preference):
+    """actions[i, :] and preference[i] of env i (see the module docstring)."""
+    for b in range(actions.shape[1]):
+        chosen = greedy_action(q, mask, i, b)
+        if rng.uniform(seed, i, counter, SLOT_EXPLORE + b) < epsilon:
+            n_valid = 0
+            for a in range(mask.shape[2]):
+                if mask[i, b, a] != 0:
+                    n_valid += 1
+            r = rng.randint(seed, i, counter, SLOT_RANDOM + b, n_valid)
+            seen = 0
+            for a in range(mask.shape[2]):
+                if mask[i, b, a] == 0:
+                    continue
+                if seen == r:
+                    chosen = a
+                    break
+                seen += 1
+        actions[i, b] = chosen
+    preference[i] = q[i, BR_DIRECTION, DIR_LONG] - q[i, BR_DIRECTION, DIR_SHORT]
+
+
+# ---------------------------------------------------------------------------------------------
+# reference: the same row function in a CPU loop
+# ---------------------------------------------------------------------------------------------
+@row_jit
+def _epsilon_greedy_loop(q, mask, epsilon, seed, counter, actions, preference):
+    n_eps = epsilon.shape[0]
+    for i in range(q.shape[0]):
+        eps = epsilon[i] if n_eps > 1 else epsilon[0]
+        epsilon_greedy_row(q, mask, i, eps, seed, counter, actions, preference)
+
+
+def epsilon_greedy_ref(q, mask, epsilon, seed, counter) -> tuple[np.ndarray, np.ndarray]:
+    """(actions [N, n_branches] int32, preference [N] float32) on the CPU; epsilon: a scalar or [N]."""
+    q = np.ascontiguousarray(q, np.float32)
+    mask = np.ascontiguousarray(mask, np.uint8)
+    _check_shapes(q, mask)
+    eps = np.atleast_1d(np.asarray(epsilon, np.float32))
+    actions = np.empty(q.shape[:2], np.int32)
+    preference = np.empty(q.shape[0], np.float32)
+    _epsilon_greedy_loop(q, mask, eps, np.uint64(seed), np.int64(counter), actions, preference)
+    return actions, preference
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel and launcher
+# ---------------------------------------------------------------------------------------------
+_epsilon_greedy_row = device_function(epsilon_greedy_row)
+
+
+@_cuda.jit(cache=True)
+def epsilon_greedy_kernel(q, mask, epsilon, seed, counter, actions, preference):
+    i = _cuda.grid(1)
+    if i >= q.shape[0]:
+        return
+    eps = epsilon[i] if epsilon.shape[0] > 1 else epsilon[0]
+    _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
+
+
+def _check_shapes(q, mask) -> None:
+    if q.ndim != 3 or tuple(mask.shape) != tuple(q.shape):
+        raise ValueError(f"q [N, n_branches, max_actions] and the env's mask must have one shape, "
+                         f"got q {list(q.shape)} and mask {list(mask.shape)}")
+
+
+def epsilon_greedy(q, mask, epsilon, seed, counter, actions, preference, stream) -> None:
+    """Enqueue epsilon-greedy actions from q [N, n_branches, max_actions] float32 over the env's
+    mask (uint8, same shape) into actions [N, n_branches] int32 and preference [N] float32.
+    epsilon: device float32 [1] or [N]; seed: device uint64 [1]; counter: device int64 [1] (the
+    env's `seed_dev` and `counter`). Only launches: capturable."""
+    _check_shapes(q, mask)
+    n = q.shape[0]
+    if np.dtype(q.dtype) != np.float32 or np.dtype(mask.dtype) != np.uint8:
+        raise ValueError(f"q must be float32 and mask uint8, got {q.dtype} and {mask.dtype}")
+    if tuple(actions.shape) != tuple(q.shape[:2]) or np.dtype(actions.dtype) != np.int32:
+        raise ValueError(f"actions must be int32 {list(q.shape[:2])}, got {actions.dtype} {list(actions.shape)}")
+    if tuple(preference.shape) != (n,) or np.dtype(preference.dtype) != np.float32:
+        raise ValueError(f"preference must be float32 [{n}], got {preference.dtype} {list(preference.shape)}")
+    if np.dtype(epsilon.dtype) != np.float32 or epsilon.shape[0] not in (1, n):
+        raise ValueError(f"epsilon must be float32 [1] or [{n}], got {epsilon.dtype} {list(epsilon.shape)}")
+    epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](q, mask, epsilon, seed, counter, actions, preference)

@@ -1,0 +1,144 @@
+"""Exploration policies (numbarl/rl/policies.py) on the env's published masks: greedy against an
+independent numpy argmax (lock, ties, padding, NaN), every exploratory draw reproduced from the
+counter RNG, the device kernel against the CPU reference, and the draws' distribution."""
+
+import numpy as np
+import pytest
+
+from numbarl.bench.env import synthetic_market
+from numbarl.cuda import rng as crng
+from numbarl.cuda.runtime import cuda, stream
+from numbarl.env.device import DeviceEnv
+from numbarl.env.params import DIR_FLAT, DIR_LONG, DIR_SHORT, EnvParams
+from numbarl.env.reference import CpuEnv
+from numbarl.rl import policies
+from numbarl.rl.policies import (
+    SLOT_EXPLORE,
+    SLOT_RANDOM,
+    epsilon_greedy,
+    epsilon_greedy_ref,
+)
+
+_cuda = cuda()
+
+
+def _greedy_numpy(q, position, branch_sizes, lock):
+    """Greedy reference: first maximum over the allowed actions, NaN never wins."""
+    n = q.shape[0]
+    out = np.zeros((n, 4), np.int32)
+    for i in range(n):
+        for b, size in enumerate(branch_sizes):
+            allowed = np.ones(size, bool)
+            if b == 0 and lock and position[i] != 0:
+                allowed[DIR_SHORT if position[i] > 0 else DIR_LONG] = False
+            vals = np.where(allowed & ~np.isnan(q[i, b, :size]), q[i, b, :size], -np.inf)
+            out[i, b] = int(np.argmax(vals)) if np.isfinite(vals).any() else int(np.flatnonzero(allowed)[0])
+    return out
+
+
+def _env_with_positions(data, params, position, seed=0):
+    """A device env whose published mask is that of the given positions (and its seed/counter)."""
+    env = DeviceEnv(data, params, len(position), seed=seed)
+    env.reset()
+    env.arena.load({"position": np.asarray(position, np.float32)})
+    env.gather()
+    return env
+
+
+def _run(env, q, epsilon):
+    """The policy on the device, on the env's mask; returns (actions, preference) on the host."""
+    eps = _cuda.to_device(np.atleast_1d(np.asarray(epsilon, np.float32)))
+    actions, preference = env.arena["actions"], env.arena["preference"]
+    epsilon_greedy(_cuda.to_device(q), env.arena["mask"], eps, env.seed_dev, env.counter, actions, preference, stream())
+    return actions.copy_to_host(), preference.copy_to_host()
+
+
+def test_greedy_matches_numpy_with_lock_ties_nan_and_padding(rng):
+    data = synthetic_market(30, 5, seed=int(rng.integers(1000)))
+    params = EnvParams(sizes=(1, 2), targets=(0.0, 1.0, 2.0, 3.0, 4.0), stops=(0.0, 2.0, 4.0))
+    position = np.array([0, 1, -1, 2, -2, 0, 1, -1, 0], np.float32)
+    env = _env_with_positions(data, params, position)
+    q = rng.standard_normal((len(position), 4, params.max_actions)).astype(np.float32)
+    q[:, 1, 2:] = 1e9  # padding beyond the size branch must be ignored
+    q[:, 3, 3:] = 1e9
+    q[0, 2, :] = 0.25  # ties: first maximum
+    q[1, 0, DIR_SHORT] = 100.0  # locked out for a long position
+    q[2, 0, :] = np.nan  # no valid maximum: first allowed action
+    q[3, 1, :2] = np.nan
+    got, preference = _run(env, q, 0.0)
+    np.testing.assert_array_equal(got, _greedy_numpy(q, position, params.branch_sizes, True))
+    assert got[0, 2] == 0 and got[1, 0] != DIR_SHORT and got[2, 0] == DIR_SHORT
+    np.testing.assert_array_equal(preference[3:], (q[3:, 0, DIR_LONG] - q[3:, 0, DIR_SHORT]).astype(np.float32))
+    want, want_pref = epsilon_greedy_ref(q, env.arena["mask"].copy_to_host(), 0.0, 0, 0)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(preference[3:], want_pref[3:])
+
+
+def test_exploration_draws_reproduce_from_the_counter_rng_and_respect_the_mask(rng):
+    data = synthetic_market(30, 5, seed=int(rng.integers(1000)))
+    params = EnvParams()
+    n, seed, counter = 6, int(rng.integers(1 << 31)), 7
+    position = np.array([1, -1, 0, 1, -1, 2], np.float32)
+    env = _env_with_positions(data, params, position, seed)
+    env.arena.load({"counter": np.array([counter], np.int64)})
+    got, _ = _run(env, np.zeros((n, 4, params.max_actions), np.float32), 1.0)
+    for i in range(n):
+        for b, size in enumerate(params.branch_sizes):
+            allowed = list(range(size))
+            if b == 0 and position[i] != 0:
+                allowed.remove(DIR_SHORT if position[i] > 0 else DIR_LONG)
+            assert crng.uniform(np.uint64(seed), i, counter, SLOT_EXPLORE + b) < 1.0
+            r = crng.randint(np.uint64(seed), i, counter, SLOT_RANDOM + b, len(allowed))
+            assert got[i, b] == allowed[r]
+    # the slot numbers recorded runs depend on (they were the env's before the policy moved here)
+    assert (SLOT_EXPLORE, SLOT_RANDOM) == (0, 4)
+
+
+def test_device_matches_reference_with_per_env_epsilon_past_one_block(rng):
+    data = synthetic_market(30, 5, seed=int(rng.integers(1000)))
+    params = EnvParams()
+    m = policies.BLOCK + 3  # the guard of a partial last block
+    position = rng.choice(np.array([-1.0, 0.0, 2.0], np.float32), m)
+    env = _env_with_positions(data, params, position, seed=5)
+    eps = rng.uniform(0, 1, m).astype(np.float32)
+    q = rng.standard_normal((m, 4, params.max_actions)).astype(np.float32)
+    got, preference = _run(env, q, eps)
+    want, want_pref = epsilon_greedy_ref(q, env.arena["mask"].copy_to_host(), eps, 5, 0)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(preference, want_pref)
+    assert (got != _greedy_numpy(q, position, params.branch_sizes, True)).any()  # some envs explored
+
+
+def test_exploration_is_uniform_over_the_allowed_actions():
+    """CPU reference at scale: with epsilon 1 a long never explores short and the draws are uniform;
+    with epsilon 0.3 about 30% of the decisions are exploratory."""
+    data = synthetic_market(30, 4)
+    params = EnvParams()
+    m = 6000
+    env = CpuEnv(data, params, m, seed=9)
+    env.reset()
+    env.state.position[:] = np.where(np.arange(m) % 2 == 0, 1.0, -1.0)
+    env.gather()
+    q = np.zeros((m, 4, params.max_actions), np.float32)
+    acts, _ = epsilon_greedy_ref(q, env.mask, 1.0, 9, 0)
+    longs, shorts = acts[0::2, 0], acts[1::2, 0]
+    assert not (longs == DIR_SHORT).any() and not (shorts == DIR_LONG).any()
+    assert abs(np.mean(longs == DIR_FLAT) - 0.5) < 0.05
+    np.testing.assert_allclose(np.bincount(acts[:, 2], minlength=4) / m, 0.25, atol=0.03)
+    q[:, :, 0] = 1.0  # greedy is action 0 everywhere
+    acts, _ = epsilon_greedy_ref(q, env.mask, 0.3, 9, 0)
+    explored = np.mean(acts[:, 3] != 0)  # a random draw that differs from greedy: 0.3 * 3/4
+    assert abs(explored - 0.3 * 0.75) < 0.03
+
+
+def test_launcher_errors_name_the_input():
+    env = _env_with_positions(synthetic_market(20, 3), EnvParams(), [0.0, 1.0])
+    q = _cuda.to_device(np.zeros((2, 4, EnvParams().max_actions), np.float32))
+    eps = _cuda.to_device(np.zeros(1, np.float32))
+    a, p = env.arena["actions"], env.arena["preference"]
+    with pytest.raises(ValueError, match="mask must have one shape"):
+        epsilon_greedy(q, env.arena["obs"], eps, env.seed_dev, env.counter, a, p, stream())
+    with pytest.raises(ValueError, match="preference must be float32"):
+        epsilon_greedy(q, env.arena["mask"], eps, env.seed_dev, env.counter, a, env.arena["bar"], stream())
+    with pytest.raises(ValueError, match="epsilon must be float32"):
+        epsilon_greedy(q, env.arena["mask"], _cuda.to_device(np.zeros(1, np.float64)), env.seed_dev, env.counter, a, p, stream())
