@@ -452,7 +452,13 @@ class PolicyBars:
             return
         done = 0
         if self.graph is None and n_steps > 0:
-            self.graph = cuda_graph.capture(self._bars, s)  # the warm-up runs bars_per_graph real steps
+            try:
+                self.graph = cuda_graph.capture(self._bars, s)  # the warm-up runs bars_per_graph real steps
+            except cuda_graph.GraphCaptureError as exc:
+                raise cuda_graph.GraphCaptureError(
+                    f"{exc}\nThe backtest's q_fn runs inside the graph of bar steps: it must only enqueue work "
+                    "(no allocation, host copy or synchronize); backtest(..., graph=False) runs it eagerly."
+                ) from exc
             done = self.bars_per_graph
             self.replays += 1
         while done < n_steps:
