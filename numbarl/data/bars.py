@@ -90,6 +90,7 @@ from numbarl.data.records import (
 from numbarl.data.validate import (
     BOOK_BAD,
     BOOK_OK,
+    JUMP_CONFIRM,
     MAX_SIZE,
     SKIP_NAMES,
     TICK_SLOTS,
@@ -202,6 +203,8 @@ STATE_DTYPE = np.dtype(
         ("n_crossed_in", "<i8"),
         ("n_bad_book", "<i8"),
         ("n_off_grid", "<i8"),
+        ("n_off_book", "<i8"),
+        ("jump_count", "<i8"),  # consecutive states far from the last good book
         ("n_bad_trade_px", "<i8"),
         ("n_bad_trade_sz", "<i8"),
         ("in_bar", "<i8"),  # records in the current bar
@@ -340,7 +343,7 @@ def bars_ref(
     st = {
         "session": -1, "instrument": -1, "prev": None, "last_px": None, "last_sign": 0,
         "threshold": 0.0, "ew_t": params.ewma_initial_trades, "ew_bv": 0.0, "ew_absv": 0.0, "ew_w": 0.0,
-        "bars_closed": 0, "session_vols": [], "ref": None,
+        "bars_closed": 0, "session_vols": [], "ref": None, "jumps": 0,
     }  # fmt: skip
     skipped = dict.fromkeys(SKIP_NAMES, 0)
     ticks = TickRef(tick_fixed(tick_size))
@@ -457,6 +460,12 @@ def bars_ref(
                 raise DataError(f"crossed book at record {i + 1}: bid {bpx[0] / div} >= ask {apx[0] / div}")
             skip_state("crossed_in_session")
             continue
+        if not (trade_price_ok_ref(bpx[0], st["ref"]) and trade_price_ok_ref(apx[0], st["ref"])):
+            st["jumps"] += 1
+            if st["jumps"] < JUMP_CONFIRM:
+                skip_state("off_book")
+                continue
+        st["jumps"] = 0
         if not ticks.update(level_grid_ref(bpx, apx)):
             skip_state("off_grid")
             continue
@@ -746,6 +755,14 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
             st.n_crossed_in += 1
             _skip_state(st, c)
             continue
+        if not (trade_price_ok(bpx0, st.ref_valid, st.ref_lo, st.ref_hi)
+                and trade_price_ok(apx0, st.ref_valid, st.ref_lo, st.ref_hi)):
+            st.jump_count += 1
+            if st.jump_count < JUMP_CONFIRM:
+                st.n_off_book += 1
+                _skip_state(st, c)
+                continue
+        st.jump_count = 0
         ok, tick = tick_update(level_grid(lv), st.tick_px, fixed_tick, st.tick_slots, st.tick_counts)
         st.tick_px = tick
         if not ok:
@@ -906,6 +923,7 @@ class BarBuilder:
             "crossed_outside_session": int(st["n_crossed_out"]),
             "crossed_in_session": int(st["n_crossed_in"]),
             "bad_book": int(st["n_bad_book"]),
+            "off_book": int(st["n_off_book"]),
             "off_grid": int(st["n_off_grid"]),
             "bad_trade_price": int(st["n_bad_trade_px"]),
             "bad_trade_size": int(st["n_bad_trade_sz"]),

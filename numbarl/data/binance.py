@@ -78,7 +78,7 @@ SIZE_UNIT = 1e-5
 QTY_PER_UNIT = 1000  # quantities are parsed in 1e-8 (Binance prints 8 decimals); 1000 of them per unit
 WARMUP_DIFFS = 10
 REPLAY_DIFFS = 256  # diffs kept to replay on top of a late snapshot
-_PRICE = re.compile(r"^([0-9]{1,12})(?:\.([0-9]{1,9}))?$")
+_PRICE = re.compile(r"^([0-9]{1,9})(?:\.([0-9]{1,9}))?$")  # below 1e9: int64 in 1e-9 fixed point
 _QTY = re.compile(r"^([0-9]{1,12})(?:\.([0-9]{1,8}))?$")
 _LINE = re.compile(rb"^([0-9]{1,20}) (.*)$", re.DOTALL)
 
@@ -182,7 +182,7 @@ class BinanceReader:
     def _price(self, text) -> int:
         m = _PRICE.match(text) if isinstance(text, str) else None
         if m is None:
-            self._fail(f"price {short(text)} is not a decimal number")
+            self._fail(f"price {short(text)} is not a decimal number below 1e9")
         return int(m.group(1)) * 1_000_000_000 + int((m.group(2) or "").ljust(9, "0"))
 
     def _qty(self, text) -> int:

@@ -15,6 +15,9 @@ checks what the records say, the same way for every format. Two kinds of answer:
     ±``MAX_ABS_PRICE`` (1e8 price units: INT64_MIN, 9e18, ...), a size or order count above
     ``MAX_SIZE`` (1e9: u32 sentinels), a defined level behind an empty one, bids not strictly
     decreasing or asks not strictly increasing from level 1 to 10 -> ``bad_book`` (a gap);
+  - a book state whose best bid or best ask is far from the session's last good book (outside
+    the band trades are held to, below) -> ``off_book`` (a gap), unless ``JUMP_CONFIRM``
+    consecutive states are: then the market has moved (a gap, a halt) and the third is used;
   - a book state whose prices are off the tick grid -> ``off_grid`` (a gap): with a known tick
     (``--tick-size``) any price not a whole number of ticks from the best bid; without one the
     grid is estimated causally (below) and a state that disagrees with it is skipped until
@@ -48,6 +51,7 @@ MAX_SIZE = 1_000_000_000
 TS_MIN = int((dt.datetime(1971, 1, 1, tzinfo=dt.timezone.utc).timestamp())) * 1_000_000_000
 TS_MAX = int((dt.datetime(2200, 1, 1, tzinfo=dt.timezone.utc).timestamp())) * 1_000_000_000
 TICK_CONFIRM = 3
+JUMP_CONFIRM = 3
 TICK_SLOTS = 8  # grid values remembered while waiting for confirmation
 
 # book checks
@@ -59,6 +63,7 @@ SKIP_NAMES = {
     "crossed_outside_session": "crossed or locked book states outside the trading session (pre-open, halts)",
     "crossed_in_session": "crossed or locked book states inside the trading session (--allow-crossed)",
     "bad_book": "book states whose levels are not a book (sentinel or out-of-range price or size, unordered levels)",
+    "off_book": "book states far from the last good book (a jump no later state confirmed)",
     "off_grid": "book states off the tick grid",
     "bad_trade_price": "trades with an undefined, out-of-range or impossible price",
     "bad_trade_size": "trades with an out-of-range size",

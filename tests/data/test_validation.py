@@ -251,3 +251,28 @@ def test_prices_sit_exactly_on_the_tick_grid(market, tmp_path):
     # the shortest decimal that reads back is the price itself: 4000.25, not 4000.2500000000005
     assert all(len(repr(float(x)).split(".")[1]) <= 2 for x in cache.bid)
     assert [float(x) for x in cache.ask[:50]] == [int(p) / 1e9 for p in bars["ask_px"][:50]]
+
+
+def test_a_far_book_state_is_skipped_unless_the_next_ones_confirm_it(market):
+    """A state far from the session's last good book (a whole book shifted by 500 points) is skipped;
+    three such states in a row are a real move and the third is used."""
+    states = np.flatnonzero((market["flags"] & F_LAST) != 0)
+    shift = 500 * 10**9
+    one = market.copy()
+    lv = one["levels"][states[1000]]
+    for name in ("bid_px", "ask_px"):
+        lv[name] += shift
+    counts = {}
+    bars = bars_ref(one, EWMA, counts=counts)
+    assert counts["off_book"] == 1 and np.all(bars["mid_high"] < 5000)
+    np.testing.assert_array_equal(build_bars(one, EWMA)["close_index"], bars["close_index"])
+    moved = market.copy()
+    after = moved["ts_recv"] >= moved["ts_recv"][states[1000]]
+    rows = np.flatnonzero(after)
+    moved["levels"]["bid_px"][rows] += np.where(moved["levels"]["bid_px"][rows] != UNDEF_PRICE, shift, 0)
+    moved["levels"]["ask_px"][rows] += np.where(moved["levels"]["ask_px"][rows] != UNDEF_PRICE, shift, 0)
+    moved["price"][rows] += np.where(moved["price"][rows] != UNDEF_PRICE, shift, 0)
+    counts = {}
+    bars = bars_ref(moved, EWMA, counts=counts)
+    assert counts["off_book"] == 2 and bars["mid_close"].max() > 4400
+    assert build_bars(moved, EWMA).tobytes() == build_bars(moved, EWMA).tobytes()
