@@ -38,6 +38,7 @@ import numpy as np
 from numbarl.config import AgentConfig
 from numbarl.cuda import launch
 from numbarl.cuda.mapped import MappedBuffer
+from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.registry import StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.rl.agents.base import Agent, register
@@ -45,7 +46,18 @@ from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
 from numbarl.rl.nets.mlp import Mlp
-from numbarl.rl.optim import STAT_CLIP_SCALE, STAT_GRAD_NORM, STAT_LR, STAT_SKIPPED, STAT_STEP, Adam, AdamConfig, TargetConfig
+from numbarl.rl.optim import (
+    STAT_CLIP_SCALE,
+    STAT_CLIPPED,
+    STAT_GRAD_NORM,
+    STAT_LR,
+    STAT_SKIPPED,
+    STAT_STEP,
+    STAT_TARGET_UPDATES,
+    Adam,
+    AdamConfig,
+    TargetConfig,
+)
 from numbarl.rl.policies import epsilon_greedy
 from numbarl.rl.replay import Replay
 
@@ -63,6 +75,8 @@ AGENT_STATS.slot("clip_scale", STAT_CLIP_SCALE)
 AGENT_STATS.slot("lr", STAT_LR)
 AGENT_STATS.slot("optim_step", STAT_STEP, kind="int")
 AGENT_STATS.slot("skipped_steps", STAT_SKIPPED, kind="int")
+AGENT_STATS.slot("clipped_steps", STAT_CLIPPED, kind="int")  # liveness of gradient clipping
+AGENT_STATS.slot("target_updates", STAT_TARGET_UPDATES, kind="int")  # liveness of the target network
 STAT_LOSS = AGENT_STATS.slot("loss", 8)  # mean C51 cross-entropy of the last train step
 STAT_Q_MEAN = AGENT_STATS.slot("q_mean", 9)  # mean over the batch and branches of Q_online(obs, a taken)
 STAT_Q_NEXT_MAX = AGENT_STATS.slot("q_next_max", 10)  # mean over batch and branches of max_a Q_online(next_obs, a)
@@ -71,6 +85,7 @@ STAT_COLLECT_STEP = AGENT_STATS.slot("collect_step", 12, kind="int")  # collect 
 STAT_TRAIN_STEP = AGENT_STATS.slot("train_step", 13, kind="int")  # train steps done
 STAT_NONFINITE_STEP = AGENT_STATS.slot("nonfinite_step", 14, kind="int")  # first train step whose loss or grad norm was not finite (-1 = none)
 STAT_NONFINITE_WHAT = AGENT_STATS.slot("nonfinite_what", 15, kind="int")  # 1 = loss, 2 = gradients
+STAT_NSTEP_LEN = AGENT_STATS.slot("nstep_len_mean", 16)  # mean steps m of the sampled n-step windows (liveness of n-step)
 N_STATS = AGENT_STATS.size
 
 _ZERO = np.float32(0.0)
@@ -98,18 +113,24 @@ def epsilon_kernel(collect_step, schedule, decay_steps, epsilon, stats):
 
 
 @_cuda.jit(cache=True)
-def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats):
+def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, loss, optim_stats, train_step,
+                       stats):
     """Fixed-order batch statistics (one block): Q-mean of the taken actions, mean max next Q,
-    the loss, the optimizer's slots, and the sticky non-finite flag."""
+    the mean n-step window length m (from the sampled slots: (next slot − slot) mod n_slots), the
+    loss, the optimizer's slots, and the sticky non-finite flag."""
     B = q.shape[0]
     nb = q.shape[1]
     na = q.shape[2]
     sq = _cuda.shared.array(STATS_BLOCK, np.float32)
     sn = _cuda.shared.array(STATS_BLOCK, np.float32)
+    sm = _cuda.shared.array(STATS_BLOCK, np.float32)
     tid = _cuda.threadIdx.x
     acc_q = _ZERO
     acc_n = _ZERO
+    acc_m = _ZERO
     for b in range(tid, B, STATS_BLOCK):
+        if index[b] >= 0:
+            acc_m += np.float32((next_index[b] // n_envs - index[b] // n_envs + n_slots) % n_slots)
         for j in range(nb):
             acc_q += q[b, j, actions[b, j]]
             best = next_q[b, j, 0]
@@ -120,12 +141,14 @@ def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats)
             acc_n += best
     sq[tid] = acc_q
     sn[tid] = acc_n
+    sm[tid] = acc_m
     _cuda.syncthreads()
     width = STATS_BLOCK // 2
     while width > 0:
         if tid < width:
             sq[tid] += sq[tid + width]
             sn[tid] += sn[tid + width]
+            sm[tid] += sm[tid + width]
         _cuda.syncthreads()
         width //= 2
     if tid == 0:
@@ -140,6 +163,9 @@ def train_stats_kernel(q, next_q, actions, loss, optim_stats, train_step, stats)
         stats[STAT_LR] = optim_stats[STAT_LR]
         stats[STAT_STEP] = optim_stats[STAT_STEP]
         stats[STAT_SKIPPED] = optim_stats[STAT_SKIPPED]
+        stats[STAT_CLIPPED] = optim_stats[STAT_CLIPPED]
+        stats[STAT_TARGET_UPDATES] = optim_stats[STAT_TARGET_UPDATES]
+        stats[STAT_NSTEP_LEN] = sm[0] / np.float32(B)
         stats[STAT_TRAIN_STEP] = np.float32(t)
         if stats[STAT_NONFINITE_STEP] < _ZERO:
             if not math.isfinite(loss[0]):
@@ -174,7 +200,8 @@ class DQNAgent(Agent):
 
         # NETWORK: trunk MLP + dueling branched C51 head, one flat parameter buffer
         self.store = ParamStore()
-        self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute)
+        self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute,
+                         input_gate=cfg.feature_gate)
         self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
                                            cfg.v_min, cfg.v_max, compute=cfg.compute)
         self.trunk.declare_params(self.store)
@@ -211,7 +238,15 @@ class DQNAgent(Agent):
         self.scalars.add("epsilon", (1,), np.float32)  # this collect step's exploration rate
         self.scalars.allocate()
         self.set_epsilon_schedule(eps_start, eps_end, eps_decay)
-        self.stats = MappedBuffer(N_STATS, np.float32)
+        # per optimizer group: the gradient norm (fixed-order reduction into the mapped stats), the
+        # liveness of every parameter group and the diagnostics' per-group norms
+        self.stats_layout = AGENT_STATS.copy()
+        self._group_norms = []
+        for group in self.optim.groups:
+            views = [self.store.grad(n) for n, spec in self.store.specs.items() if spec.group == group]
+            slot = self.stats_layout.slot(f"grad_norm.{group}")
+            self._group_norms.append((Reducer([v.size for v in views]), views, slot))
+        self.stats = MappedBuffer(self.stats_layout.size, np.float32)
         self.stats.reset(0)
         self.stats.host[STAT_NONFINITE_STEP] = -1.0
 
@@ -308,9 +343,14 @@ class DQNAgent(Agent):
 
     # STATS
     def _stats(self, stream):
+        for reducer, views, slot in self._group_norms:  # before the next backward overwrites the grads
+            reducer.l2norm(views, self.stats.device, stream, at=slot)
+        batch = self.replay.batch
         train_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, self.head.outputs("next").q,
-                                                   self.replay.batch.action, self.loss.loss, self.optim.stats,
-                                                   self.scalars["train_step"], self.stats.device)
+                                                   batch.action, batch.index, batch.next_index,
+                                                   np.int64(self.n_envs), np.int64(self.replay.n_slots),
+                                                   self.loss.loss, self.optim.stats, self.scalars["train_step"],
+                                                   self.stats.device)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -344,8 +384,10 @@ class DQNAgent(Agent):
         self.replay.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("replay/")})
         self.scalars.load({k.split("/", 1)[1]: v for k, v in arrays.items()
                            if k.startswith("agent/") and k != "agent/stats"})
-        if "agent/stats" in arrays:
-            self.stats.host[:] = arrays["agent/stats"]
+        if "agent/stats" in arrays:  # a checkpoint from a version with fewer slots fills the ones it has
+            saved = np.asarray(arrays["agent/stats"], np.float32)
+            n = min(saved.size, self.stats.host.size)
+            self.stats.host[:n] = saved[:n]
 
     def load_params(self, arrays: dict[str, np.ndarray]) -> None:
         """Load the online network's weights from checkpoint arrays ("params/<name>" entries)."""
@@ -355,7 +397,7 @@ class DQNAgent(Agent):
         """Host read of the mapped stats by name (waits on an event behind the writers; log
         intervals only)."""
         self.stats.record(stream)
-        values = AGENT_STATS.read(self.stats.read())
+        values = self.stats_layout.read(self.stats.read())
         values.pop("optim_step")  # the same number as train_step once training runs
         return values
 

@@ -1,0 +1,80 @@
+"""The component registry: every entry is well formed, and a tiny simulator training run with its
+switch on logs its liveness key finite and meeting its condition (metrics.jsonl train records)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from numbarl.cli import train_cmd
+from numbarl.config import AGENT_KINDS
+from numbarl.rl import components
+from numbarl.rl.agents.base import known_kinds
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bars_per_day=30",
+        "--set", "train.collect_steps_per_epoch=6", "--set", "train.log_interval=2", "--set", "train.learning_starts=3"]
+# two runs cover every switch (the two target-network updates exclude each other); the clip threshold
+# is tiny so that the tiny run's small gradients are clipped
+RUNS = {
+    "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
+               "--set", "agent.feature_gate=true"],
+    "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2"],
+}
+
+
+def test_entries_are_well_formed():
+    names = [c.name for c in components.COMPONENTS]
+    assert len(names) == len(set(names))
+    for c in components.COMPONENTS:
+        assert "=" in c.switch and c.reference and c.tests and c.liveness
+        assert c.live_when.split()[0] in (">", "!=")
+        for t in c.tests:
+            assert (ROOT / t).is_file(), f"{c.name}: test file {t} does not exist"
+        assert set(c.agent_kinds) <= set(known_kinds())
+    assert set(AGENT_KINDS) == set(known_kinds())  # the config's choices are the registry's kinds
+
+
+def test_cli_lists_every_component_as_json():
+    out = subprocess.run([sys.executable, "-m", "numbarl", "components", "--json"], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    listed = json.loads(out)
+    assert [c["name"] for c in listed] == [c.name for c in components.COMPONENTS]
+    assert all(c["liveness"] for c in listed)
+    r = subprocess.run([sys.executable, "-m", "numbarl", "components", "--nope"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.startswith("error:")
+
+
+@pytest.fixture(scope="module")
+def live_runs(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    out = {}
+    for name, sets in RUNS.items():
+        folder = tmp_path_factory.mktemp(name) / "run"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NUMBARL_CACHE", str(cache))
+            r = CliRunner().invoke(train_cmd, [*FAST, *sets, "--out", str(folder)], catch_exceptions=True)
+        assert r.exit_code == 0, r.output + repr(r.exception)
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        out[name] = [rec for rec in records if rec["kind"] == "train" and rec.get("train_step", 0) > 0]
+    return out
+
+
+@pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS])
+def test_component_is_live_in_a_training_run(component, live_runs):
+    c = components.by_name()[component]
+    run = "periodic" if component == "target_periodic" else "polyak"
+    values = [rec.get(c.liveness) for rec in live_runs[run]]
+    assert values, f"the {run} run logged no train records after training started"
+    assert all(v is not None for v in values), f"{c.liveness} is missing from metrics.jsonl"
+    last = values[-1]
+    assert c.is_live(last), f"{component}: {c.liveness} = {last} does not meet '{c.live_when}'"
+
+
+def test_liveness_conditions_tell_off_from_on():
+    n_step = components.by_name()["n_step"]
+    assert not n_step.is_live(1.0) and n_step.is_live(2.5)  # n = 1: every window is one step
+    assert not components.by_name()["grad_clip"].is_live(0) and not components.by_name()["c51"].is_live(float("nan"))
