@@ -268,3 +268,57 @@ def test_bars_never_span_sessions(small_market):
     assert_close(bars["spread"], bars["ask"] - bars["bid"])
     assert_close(bars["bid"], bars["bid_px"] * PRICE_SCALE)
     np.testing.assert_array_equal(bars["volume"], bars["buy_volume"] + bars["sell_volume"])
+
+
+def _first_trade_unsigned(records, size=None):
+    recs = records.copy()
+    first = np.flatnonzero(recs["action"] == ACTION_TRADE)[0]
+    recs["side"][first] = SIDE_NONE
+    if size is not None:
+        recs["size"][first] = size
+    return recs, first
+
+
+def test_ewma_side_n_first_trade_still_makes_bars(small_market):
+    """A first trade without a side (an opening print) had sign 0: the seeded threshold was 0 and,
+    recomputed only when a bar closed, stayed 0 — no bar ever. Its size counts in E[|v|] now."""
+    recs, _ = _first_trade_unsigned(small_market[0][:20_000])
+    params = BarParams(mode="ewma")  # the defaults a user gets
+    got, want = build_bars(recs, params), bars_ref(recs, params)
+    assert len(got) > 10
+    np.testing.assert_array_equal(got["close_index"], want["close_index"])
+    assert np.all(got["threshold"] > 0)
+
+
+def test_ewma_one_huge_auction_print_does_not_freeze_the_threshold(small_market):
+    """A 2,500-lot opening print (1,500 typical trades) as the first trade: the bias-corrected
+    E[|v|] weighs it 1/k after k trades and the threshold follows the EWMAs until the first bar
+    closes, so the first bar comes within a few hundred trades and every session has bars. (A
+    plain EWMA seeded with the print held the threshold at 100 x 0.1 x 2,500 = 25,000, above every
+    later imbalance: no bar in any session.)"""
+    records = small_market[0]
+    recs, first = _first_trade_unsigned(records, size=2500)
+    params = BarParams(mode="ewma")
+    bars = build_bars(recs, params)
+    trades_before_first_bar = int(np.sum(recs["action"][: bars["close_index"][0] + 1] == ACTION_TRADE))
+    assert trades_before_first_bar < 1000
+    assert len(np.unique(bars["trade_date"])) == len(np.unique(build_bars(records, params)["trade_date"])) == 4
+    np.testing.assert_array_equal(bars["close_index"], bars_ref(recs, params)["close_index"])
+    assert bars["threshold"].max() < 2500
+
+
+def test_ewma_threshold_from_unsigned_trades(small_market):
+    """Hand case: trades of size 4 without sides at one price have b = 0; E[|v|] = 4, so the
+    threshold is E0[T] x floor x 4 = 100 x 0.1 x 4 once the first signed trades arrive."""
+    recs = hand_market()
+    recs["side"][[1, 3, 5]] = SIDE_NONE
+    recs["price"][[1, 3, 5]] = 4_000_250_000_000
+    recs["size"][[1, 3, 5]] = 4
+    params = BarParams(mode="ewma", ewma_initial_trades=100, ewma_min_trades=1, ewma_span_trades=1)
+    counts = {}
+    assert len(bars_ref(recs, params, counts=counts)) == 0  # θ stays 0: no direction, no bar
+    builder = BarBuilder(params)
+    builder.push(recs)
+    st = builder._state[0]
+    assert st["ewma_absv"] / st["ewma_w"] == 4.0 and st["ewma_bv"] == 0.0
+    assert st["threshold"] == pytest.approx(100 * 0.1 * 4)
