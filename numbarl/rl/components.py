@@ -83,6 +83,13 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_optim.py",),
         "clipped_steps", "> 0"),
     Component(
+        "lock_aware_target", "double-DQN argmax at the next state over the actions the env's mask allows there "
+        "(the direction lock: the behaviour policy never takes the locked direction)",
+        "agent.lock_aware_target=true",
+        "van Hasselt, Guez & Silver 2016, Eq. 4, with the max over the env's allowed actions A(s')",
+        ("tests/rl/test_c51_loss.py", "tests/run/test_trainer.py"),
+        "lock_masked_frac", "> 0"),
+    Component(
         "feature_gate", "sigmoid gate on each observation feature, y = x ⊙ σ(x·W + b), own optimizer group",
         "agent.feature_gate=true",
         "Dauphin et al. 2017, Eq. 1 (gated linear unit); Hu, Shen & Sun 2018, Eq. 3 (feature recalibration)",

@@ -21,7 +21,7 @@ FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bar
 # is tiny so that the tiny run's small gradients are clipped
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
-               "--set", "agent.feature_gate=true"],
+               "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2"],
 }
 

@@ -85,6 +85,7 @@ STAT_COLLECT_STEP = AGENT_STATS.slot("collect_step", 12, kind="int")  # collect 
 STAT_TRAIN_STEP = AGENT_STATS.slot("train_step", 13, kind="int")  # train steps done
 STAT_NONFINITE_STEP = AGENT_STATS.slot("nonfinite_step", 14, kind="int")  # first train step whose loss or grad norm was not finite (-1 = none)
 STAT_NONFINITE_WHAT = AGENT_STATS.slot("nonfinite_what", 15, kind="int")  # 1 = loss, 2 = gradients
+STAT_LOCK_MASKED = AGENT_STATS.slot("lock_masked_frac", 17)  # share of the batch whose next-state target skipped a locked direction
 STAT_NSTEP_LEN = AGENT_STATS.slot("nstep_len_mean", 16)  # mean steps m of the sampled n-step windows (liveness of n-step)
 N_STATS = AGENT_STATS.size
 
@@ -113,22 +114,31 @@ def epsilon_kernel(collect_step, schedule, decay_steps, epsilon, stats):
 
 
 @_cuda.jit(cache=True)
-def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, loss, optim_stats, train_step,
-                       stats):
+def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, next_mask, n_dir, loss,
+                       optim_stats, train_step, stats):
     """Fixed-order batch statistics (one block): Q-mean of the taken actions, mean max next Q,
     the mean n-step window length m (from the sampled slots: (next slot − slot) mod n_slots), the
-    loss, the optimizer's slots, and the sticky non-finite flag."""
+    loss, the optimizer's slots, the share of samples whose double-DQN argmax skipped a direction
+    the env's mask forbids at next_obs (0 unless use_mask: the lock-aware target), and the sticky
+    non-finite flag. n_dir: actions of the direction branch when the lock-aware target reads the
+    masks, else 0."""
     B = q.shape[0]
     nb = q.shape[1]
     na = q.shape[2]
     sq = _cuda.shared.array(STATS_BLOCK, np.float32)
     sn = _cuda.shared.array(STATS_BLOCK, np.float32)
     sm = _cuda.shared.array(STATS_BLOCK, np.float32)
+    sl = _cuda.shared.array(STATS_BLOCK, np.float32)
     tid = _cuda.threadIdx.x
     acc_q = _ZERO
     acc_n = _ZERO
     acc_m = _ZERO
+    acc_l = _ZERO
     for b in range(tid, B, STATS_BLOCK):
+        for a in range(n_dir):
+            if next_mask[b, 0, a] == 0:
+                acc_l += _ONE
+                break
         if index[b] >= 0:
             acc_m += np.float32((next_index[b] // n_envs - index[b] // n_envs + n_slots) % n_slots)
         for j in range(nb):
@@ -142,6 +152,7 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, l
     sq[tid] = acc_q
     sn[tid] = acc_n
     sm[tid] = acc_m
+    sl[tid] = acc_l
     _cuda.syncthreads()
     width = STATS_BLOCK // 2
     while width > 0:
@@ -149,6 +160,7 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, l
             sq[tid] += sq[tid + width]
             sn[tid] += sn[tid + width]
             sm[tid] += sm[tid + width]
+            sl[tid] += sl[tid + width]
         _cuda.syncthreads()
         width //= 2
     if tid == 0:
@@ -166,6 +178,7 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, l
         stats[STAT_CLIPPED] = optim_stats[STAT_CLIPPED]
         stats[STAT_TARGET_UPDATES] = optim_stats[STAT_TARGET_UPDATES]
         stats[STAT_NSTEP_LEN] = sm[0] / np.float32(B)
+        stats[STAT_LOCK_MASKED] = sl[0] / np.float32(B)
         stats[STAT_TRAIN_STEP] = np.float32(t)
         if stats[STAT_NONFINITE_STEP] < _ZERO:
             if not math.isfinite(loss[0]):
@@ -349,6 +362,8 @@ class DQNAgent(Agent):
         train_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, self.head.outputs("next").q,
                                                    batch.action, batch.index, batch.next_index,
                                                    np.int64(self.n_envs), np.int64(self.replay.n_slots),
+                                                   batch.next_mask,
+                                                   np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
                                                    self.loss.loss, self.optim.stats, self.scalars["train_step"],
                                                    self.stats.device)
 
