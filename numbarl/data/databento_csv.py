@@ -327,7 +327,8 @@ class CsvReader:
                 self._first_bad(text, name, row0, ~ok, "cannot parse (the file's prices are fixed-point integers, 1e-9 units):")
             nulled = pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text)
             try:
-                parsed = pc.cast(nulled, pa.int64()).to_numpy(zero_copy_only=False)
+                # nulls filled before numpy: an int64 column with nulls would become float64 (inexact)
+                parsed = pc.fill_null(pc.cast(nulled, pa.int64()), 0).to_numpy(zero_copy_only=False)
             except pa.ArrowException:
                 over = np.array([v is not None and v != "" and not -(1 << 63) <= int(v) < (1 << 63) for v in text.to_pylist()])
                 self._first_bad(text, name, row0, over, "out of range for int64 fixed point:")

@@ -276,3 +276,10 @@ def test_a_far_book_state_is_skipped_unless_the_next_ones_confirm_it(market):
     bars = bars_ref(moved, EWMA, counts=counts)
     assert counts["off_book"] == 2 and bars["mid_close"].max() > 4400
     assert build_bars(moved, EWMA).tobytes() == build_bars(moved, EWMA).tobytes()
+
+
+def test_fixed_point_prices_stay_exact_beside_empty_cells(csv_lines, tmp_path):
+    """An empty cell made the column's numbers float64 on their way to int64 (2^53 and up inexact)."""
+    lines = set_cell(set_cell(csv_lines, 3, "bid_px_09", ""), 4, "bid_px_09", "9000000000000000001")
+    got = read_records(write_csv(tmp_path / "e.csv", lines))
+    assert got["levels"]["bid_px"][2, 9] == UNDEF_PRICE and got["levels"]["bid_px"][3, 9] == 9_000_000_000_000_000_001
