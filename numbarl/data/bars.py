@@ -99,6 +99,7 @@ from numbarl.data.validate import (
     check_levels_ref,
     level_grid,
     level_grid_ref,
+    on_grid,
     tick_update,
     trade_price_ok,
     trade_price_ok_ref,
@@ -763,8 +764,11 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
                 _skip_state(st, c)
                 continue
         st.jump_count = 0
-        ok, tick = tick_update(level_grid(lv), st.tick_px, fixed_tick, st.tick_slots, st.tick_counts)
-        st.tick_px = tick
+        if st.tick_px != 0 and on_grid(lv, st.tick_px):
+            ok = True  # what tick_update answers for a grid that the tick divides, without the gcds
+        else:
+            ok, tick = tick_update(level_grid(lv), st.tick_px, fixed_tick, st.tick_slots, st.tick_counts)
+            st.tick_px = tick
         if not ok:
             st.n_off_grid += 1
             _skip_state(st, c)

@@ -138,6 +138,21 @@ def level_grid(lv):
 
 
 @njit(cache=True)
+def on_grid(lv, tick):
+    """Every defined level price a whole number of ticks from the best bid (``tick`` > 0): the
+    usual case, 20 remainders instead of 20 gcds (the gcd path cost half the builder's speed)."""
+    ref = lv[0].bid_px
+    for m in range(N_LEVELS):
+        px = lv[m].bid_px
+        if px != UNDEF_PRICE and (px - ref) % tick != 0:
+            return False
+        px = lv[m].ask_px
+        if px != UNDEF_PRICE and (px - ref) % tick != 0:
+            return False
+    return True
+
+
+@njit(cache=True)
 def tick_update(g, tick, fixed, slots, counts):
     """Causal tick estimate after a good state with grid ``g``: (accepted, new tick).
 
