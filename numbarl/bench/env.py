@@ -45,11 +45,11 @@ from numbarl.cuda import backend, graph, rng
 from numbarl.cuda.runtime import cuda, device_name, simulator
 from numbarl.cuda.runtime import stream as default_stream
 from numbarl.env.backtest import DeviceBacktest, backtest, backtest_reference
-from numbarl.env.core import STATE_FIELDS
 from numbarl.env.device import DeviceEnv
 from numbarl.env.market import MarketData
 from numbarl.env.params import EnvParams
 from numbarl.env.reference import CpuEnv
+from numbarl.env.state import STATE_FIELDS
 from numbarl.rl.policies import epsilon_greedy, epsilon_greedy_ref
 
 backend.select()
@@ -293,7 +293,7 @@ def policy_backtest(n_bars: int = 3063, n_features: int = 64, reps: int = 5, tru
 
     def call(graph_mode):
         t0 = time.perf_counter()
-        result = backtest(market, window, params, q_fn=agent.q_fn, n_policies=1, stream=s, graph=graph_mode)
+        result = backtest(market, window, params, q_fn=agent.scores, n_policies=1, stream=s, graph=graph_mode)
         return result, time.perf_counter() - t0  # backtest() returns host arrays: it has synchronized
 
     eager, t_eager = call(False)

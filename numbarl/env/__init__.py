@@ -31,7 +31,7 @@ while flat) places no order.
 mask: mask[i, b, a] = 1 when action a of branch b is available to env i, 0 otherwise. Actions
 beyond a branch's size are 0. With the direction lock (EnvParams.direction_lock) the direction
 opposite to an open position is 0 (mid-plan the agent may hold or close, not reverse); nothing
-else is masked. The env applies its rules once, here (core.mask_row, written by the gather
+else is masked. The env applies its rules once, here (rows.mask_row, written by the gather
 kernel); policies (numbarl.rl.policies) choose among the allowed actions, exploration included,
 and a learner that needs the actions available at a next state reads that state's mask (the
 replay stores it with the observation) instead of re-deriving the rule.

@@ -54,22 +54,12 @@ from numbarl.cuda.launch import device_function, shape
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.cuda.runtime import stream as default_stream
 from numbarl.env import metrics as _metrics
-from numbarl.env.core import (
-    STATE_FIELDS,
-    Grids,
-    MarketArrays,
-    StateArrays,
-    initial_portfolio,
-    load_bars,
-    load_row,
-    row_jit,
-    step_core,
-    store_row,
-)
-from numbarl.env.core import gather_row, greedy_action
+from numbarl.env.core import step_core
 from numbarl.env.device import launch_dims, launch_gather
 from numbarl.env.market import DeviceMarket, MarketData, check_range
 from numbarl.env.params import EXIT_NONE, EXIT_REASONS, N_BRANCHES, EnvParams, pack_actions, validate_actions
+from numbarl.env.rows import gather_row, greedy_action, load_bars, load_row, store_row
+from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, initial_portfolio, row_jit
 
 _cuda = cuda()
 

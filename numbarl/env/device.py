@@ -33,18 +33,10 @@ from numbarl.cuda import rng
 from numbarl.cuda.launch import device_function
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.cuda.runtime import stream as default_stream
-from numbarl.env.core import (
-    STATE_FIELDS,
-    Grids,
-    MarketArrays,
-    StateArrays,
-    StepArrays,
-    env_step_row,
-    gather_row,
-    reset_row,
-)
 from numbarl.env.market import DeviceMarket, MarketData, check_range
 from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams
+from numbarl.env.rows import env_step_row, gather_row, reset_row
+from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, StepArrays
 
 _cuda = cuda()
 

@@ -22,10 +22,11 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from numbarl.env.core import initial_portfolio, store_row
 from numbarl.env.market import MarketData, check_range
 from numbarl.env.params import EXIT_REASONS, EnvParams, validate_actions
 from numbarl.env.reference import CpuEnv, step_no_reset_ref
+from numbarl.env.rows import store_row
+from numbarl.env.state import initial_portfolio
 
 
 class TradingEnv(gymnasium.Env):

@@ -79,7 +79,7 @@ from numba import njit
 
 from numbarl.cuda.launch import device_function
 from numbarl.cuda.runtime import cuda
-from numbarl.env.core import row_jit
+from numbarl.env.state import row_jit
 
 _cuda = cuda()
 

@@ -1,6 +1,6 @@
 """CPU reference env: the device env's semantics in @njit loops over envs (SPEC §4).
 
-Each function loops the same row functions the kernels run (numbarl/env/core.py), over numpy
+Each function loops the same row functions the kernels run (numbarl/env/rows.py), over numpy
 structure-of-arrays state, so the device env can be checked step by step against it, and so the
 env can be used without a GPU (numbarl/env/gym.py wraps one env of it as a gymnasium.Env).
 
@@ -15,23 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from numbarl.cuda.runtime import cuda
-from numbarl.env.core import (
-    STATE_FIELDS,
-    Grids,
-    MarketArrays,
-    StateArrays,
-    StepArrays,
-    env_step_row,
-    gather_row,
-    load_bars,
-    load_row,
-    reset_row,
-    row_jit,
-    step_core,
-    store_row,
-)
+from numbarl.env.core import step_core
 from numbarl.env.market import MarketData, check_range
 from numbarl.env.params import EnvParams, validate_actions
+from numbarl.env.rows import env_step_row, gather_row, load_bars, load_row, reset_row, store_row
+from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, StepArrays, row_jit
 
 cuda()  # the backend (GPU or simulator), selected once
 

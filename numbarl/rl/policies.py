@@ -8,7 +8,7 @@ agent's action scores into those two; the env never sees the scores.
 Epsilon-greedy per branch (``epsilon_greedy``), independently for each branch b of env i::
 
     greedy_b   = first argmax_a q[i, b, a] over {a : mask[i, b, a] = 1}   (NaN never wins;
-                 numbarl.env.core.greedy_action, which the backtest runs too)
+                 numbarl.env.rows.greedy_action, which the backtest runs too)
     explore_b  = uniform(seed, lane=i, counter, SLOT_EXPLORE + b) < epsilon_i
     actions[i, b] = explore_b ? the r-th allowed action, r = randint(seed, i, counter,
                                 SLOT_RANDOM + b, #allowed) : greedy_b
@@ -32,8 +32,9 @@ from numbarl.cuda import rng
 from numbarl.cuda.launch import blocks, device_function
 from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.runtime import cuda
-from numbarl.env.core import greedy_action, row_jit
 from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
+from numbarl.env.rows import greedy_action
+from numbarl.env.state import row_jit
 
 _cuda = cuda()
 

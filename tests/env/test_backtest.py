@@ -225,7 +225,8 @@ def _greedy_actions(result, data, params, policies, window):
     """The greedy actions of `policies` at each window bar, recomputed on the host (obs = features
     | portfolio features and the mask, by the CPU env's gather; greedy = the learner's policy at
     epsilon 0)."""
-    from numbarl.env.core import initial_portfolio, store_row
+    from numbarl.env.rows import store_row
+    from numbarl.env.state import initial_portfolio
     from numbarl.env.reference import CpuEnv
     from numbarl.rl.policies import epsilon_greedy_ref
 

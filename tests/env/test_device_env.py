@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numbarl.cuda.runtime import cuda, stream
-from numbarl.env.core import STATE_FIELDS
+from numbarl.env.state import STATE_FIELDS
 from numbarl.env.device import DeviceEnv
 from numbarl.env.params import DIR_LONG, DIR_SHORT, PORTFOLIO_DIM, EnvParams
 from numbarl.env.reference import CpuEnv

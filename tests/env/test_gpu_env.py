@@ -10,7 +10,7 @@ import pytest
 from numbarl.cuda.runtime import cuda
 from numbarl.cuda.runtime import stream as dev_stream
 from numbarl.env.backtest import backtest, backtest_reference
-from numbarl.env.core import STATE_FIELDS
+from numbarl.env.state import STATE_FIELDS
 from numbarl.env.device import DeviceEnv
 from numbarl.env.params import EnvParams
 from numbarl.env.reference import CpuEnv

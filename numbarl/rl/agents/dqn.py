@@ -283,7 +283,6 @@ class DQNAgent(Agent):
         out = self.forward(obs, stream, tag="eval")
         _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
 
-    q_fn = scores  # the backtest's callback name
 
     # -- the agent contract: graphs and their schedule ------------------------------------------
     def step_functions(self, env) -> dict:
