@@ -304,7 +304,7 @@ class RecordStream:
             ids = set(info.symbol_ids.get(self.symbol, set()))
             if not ids and self.symbol.isdigit():
                 ids = {int(self.symbol)}
-            if not ids and info.kind != "csv":
+            if not ids and info.kind in ("dbn", "lobster"):  # a CSV or a capture names its symbols as they come
                 known = ", ".join(short(s, 24) for s in sorted(info.symbol_ids)[:10]) or "none"
                 raise DataError(f"{info.path}: symbol {short(self.symbol)} is not in the file (symbols: {known})")
             self.selected_ids |= ids

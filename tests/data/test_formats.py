@@ -267,3 +267,22 @@ def test_binance_cli_and_trainer_path(tmp_path):
     with pytest.raises(DataError, match="1 session, 1 with trades: target mode"):
         build_cache([BINANCE], tmp_path / "t", warn=lambda m: None)
     assert SIDE_NONE not in read_records([BINANCE])["side"][read_records([BINANCE])["action"] == ACTION_TRADE]
+
+
+def test_binance_capture_of_two_symbols(tmp_path):
+    """Each symbol has its own book; without --symbol two symbols are an error, with it one is read."""
+    lines = [line for line in _lines()[:3000] if "lastUpdateId" not in line]
+    twin = []
+    for line in lines:
+        ts, rest = line.split(" ", 1)
+        twin.append(f"{int(ts) + 1} " + rest.replace("BTCUSDT", "ETHUSDT").replace("btcusdt@", "ethusdt@"))
+    both = [x for pair in zip(lines, twin) for x in pair]
+    path = tmp_path / "two.gz"
+    path.write_bytes(gzip.compress(("\n".join(both) + "\n").encode()))
+    with pytest.raises(DataError, match="several instruments: 'BTCUSDT' .*'ETHUSDT' .*--symbol"):
+        read_records([path])
+    eth = read_records([path], symbol="ETHUSDT")
+    btc = read_records([path], symbol="BTCUSDT")
+    assert len(eth) == len(btc) > 1000
+    np.testing.assert_array_equal(eth["levels"], btc["levels"])
+    np.testing.assert_array_equal(eth["ts_recv"], btc["ts_recv"] + 1)
