@@ -95,3 +95,35 @@ def test_reference_agrees_on_the_preopen_day(cme_day, mode):
     for name in got.dtype.names:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-9, err_msg=name)
     assert counts["crossed_outside_session"] > 0
+
+
+def test_cli_default_flags_warn_once(cme_day, tmp_path):
+    from click.testing import CliRunner
+
+    from numbarl.data.commands import data_group
+
+    path, _ = cme_day
+    result = CliRunner().invoke(data_group, ["build", str(path), "--out", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.output
+    warnings = result.stderr.strip().splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("numbarl-data: warning: skipped ")
+    assert "crossed or locked book states outside the trading session" in warnings[0]
+    assert "wrote " in result.stdout and "2 sessions" in result.stdout
+    known = CliRunner().invoke(data_group, ["build", str(path), "--out", str(tmp_path / "k"), "--tick-size", "0.25"])
+    assert known.exit_code == 0 and load_cache(tmp_path / "k").meta["tick_size_source"] == "given"
+
+
+def test_no_bars_says_how_many_sessions_had_trades(tmp_path):
+    """Two sessions of which the first has no trade: it was reported as 'needs at least two
+    sessions' although the file has two; now the message counts sessions with trades."""
+    from numbarl.data import synth
+
+    records, _ = synth.generate(sessions=2, seed=4, events_per_session=1500)
+    records = records.copy()
+    second_open, _ = SessionCalendar().open_close_ns(synth.trade_dates(2)[1])
+    quiet = (records["ts_recv"] < second_open) & (records["action"] == ACTION_TRADE)
+    assert quiet.any() and (records["action"][records["ts_recv"] >= second_open] == ACTION_TRADE).any()
+    records["action"][quiet] = ord("C")
+    path = write_dbn(tmp_path / "two.dbn", records)
+    with pytest.raises(DataError, match=r"no bars from \d+ records in 2 sessions, 1 with trades: target mode"):
+        build_cache([path], tmp_path / "c", warn=lambda m: None)
