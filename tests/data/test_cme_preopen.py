@@ -127,3 +127,41 @@ def test_no_bars_says_how_many_sessions_had_trades(tmp_path):
     path = write_dbn(tmp_path / "two.dbn", records)
     with pytest.raises(DataError, match=r"no bars from \d+ records in 2 sessions, 1 with trades: target mode"):
         build_cache([path], tmp_path / "c", warn=lambda m: None)
+
+
+def _grid_market(n_states: int, spacings, t0: int) -> np.ndarray:
+    """Book states (levels ``spacing`` apart, the best bid walking) each followed by a buy trade."""
+    from numbarl.data.records import ACTION_ADD, SIDE_BID, empty_records
+
+    recs = empty_records(2 * n_states * len(spacings))
+    recs["instrument_id"] = 1
+    recs["ts_recv"] = t0 + np.arange(len(recs)) * 1_000_000
+    k = 0
+    for spacing in spacings:
+        for i in range(n_states):
+            bid = 4000 * 10**9 + (i % 7) * spacing
+            trade, state = recs[k], recs[k + 1]
+            trade["action"], trade["side"], trade["size"], trade["price"] = ACTION_TRADE, SIDE_BID, 1, bid + spacing
+            state["action"], state["side"], state["flags"] = ACTION_ADD, SIDE_BID, F_LAST
+            for m in range(10):
+                state["levels"][m]["bid_px"] = bid - m * spacing
+                state["levels"][m]["ask_px"] = bid + (m + 1) * spacing
+                state["levels"][m]["bid_sz"] = state["levels"][m]["ask_sz"] = 10
+            k += 2
+    return recs
+
+
+def test_a_finer_tick_later_in_the_data_is_a_warning(tmp_path):
+    """The tick is what the records up to each bar show: 0.5 while every book is on a 0.5 grid,
+    0.25 once three states show the finer one; the cache's tick_size is the first bar's."""
+    t0 = 1_704_322_800_000_000_000  # Wednesday 2024-01-03 17:00 Chicago: a session open
+    recs = _grid_market(150, [500_000_000, 250_000_000], t0)
+    params = BarParams(mode="ewma", ewma_initial_trades=5, ewma_min_trades=2, ewma_max_trades=20)
+    warnings = []
+    cache = load_cache(build_cache([write_dbn(tmp_path / "g.dbn", recs)], tmp_path / "c", bar_params=params,
+                                   warn=warnings.append))
+    ticks = np.asarray(cache.bars["tick"])
+    assert cache.tick_size == 0.5 and ticks[0] == 0.5 and ticks[-1] == 0.25
+    assert [t for _, t in cache.meta["tick_size_changes"]] == [0.5, 0.25]
+    assert any("tick size estimate changed" in w for w in warnings)
+    np.testing.assert_array_equal(build_bars(recs, params)["tick"], bars_ref(recs, params)["tick"])
