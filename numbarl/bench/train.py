@@ -144,7 +144,7 @@ def run(args) -> dict:
              "env_steps_per_s_with_inference": args.n_envs / (collect_ms * 1e-3)}
         # per-phase breakdown: the agent's own train phases, each captured alone (inputs are
         # whatever the last step left)
-        r["phases_ms"] = {name: _time_graph(cuda_graph.capture(fn, s), s, iters=50)
+        r["phases_ms"] = {name: _time_graph(cuda_graph.capture(_own_step(agent, fn), s), s, iters=50)
                           for name, fn in agent.train_phases()}
         if getattr(args, "profile", False):
             r["kernels_train"] = kernel_profile(steps["train"], s)
@@ -168,6 +168,17 @@ def _peer_batch(agent, s):
     return host
 
 
+def _own_step(agent, fn):
+    """A phase run alone opens its own gradient-ledger step (as train_step does for the whole), so
+    the capture's warm-up run and the captured run make the same overwrite/accumulate choice."""
+    def step(stream):
+        agent.store.begin_step()
+        fn(stream)
+        agent.store.end_step()
+    step.__name__ = getattr(fn, "__name__", "phase")
+    return step
+
+
 def _check_against_peer(agent, s) -> dict:
     try:
         import torch  # noqa: F401
@@ -181,6 +192,7 @@ def _check_against_peer(agent, s) -> dict:
     batch = _peer_batch(agent, s)
     params = agent.store.to_host("params")
     target = agent.store.to_host("target")
+    agent.store.begin_step()
     for name in ("targets", "online", "loss", "backward"):
         phases[name](s)
     agent.store.end_step()
@@ -268,6 +280,7 @@ def _check_against_jax(agent, s) -> dict:
     if lock_aware:  # the loss then maximises over the env's mask of next_obs
         batch["next_mask"] = agent.replay.batch.next_mask.copy_to_host(stream=s)
     params, target = agent.store.to_host("params"), agent.store.to_host("target")
+    agent.store.begin_step()
     for name in ("targets", "online", "loss", "backward"):
         phases[name](s)
     agent.store.end_step()

@@ -312,12 +312,14 @@ class DQNAgent(Agent):
         env.advance(stream)
 
     def train_phases(self) -> list:
-        """The train step's phases in program order (train_step runs exactly these)."""
+        """The train step's phases in program order (train_step opens the gradient ledger's step and
+        runs exactly these; a phase run alone, e.g. timed by numbarl-bench, opens its own)."""
         return [("sample", self._sample), ("targets", self._targets), ("online", self._online),
                 ("loss", self._loss), ("backward", self._backward), ("update", self._update),
                 ("stats", self._stats)]
 
     def train_step(self, stream):
+        self.store.begin_step()  # the gradient rule: this step's first writes overwrite (the update closes it)
         for _, phase in self.train_phases():
             phase(stream)
 
@@ -341,7 +343,6 @@ class DQNAgent(Agent):
                   "next_q": self.head.outputs("next").q, "target_probs": self.head.outputs("target").probs,
                   "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
                   "next_mask": batch.next_mask if cfg.lock_aware_target else None}  # the env's mask of next_obs
-        self.store.begin_step()  # the gradient rule: this step's first writes overwrite
         self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
 
     # BACKWARD (d logits → head → trunk)
