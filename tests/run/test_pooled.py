@@ -92,7 +92,7 @@ def test_pooled_metrics_are_those_of_the_concatenated_windows(tmp_path, rng):
 # ---------------------------------------------------------------------------------------------
 THREE_FOLDS = ["--preset", "tiny", "--quiet", "--set", "data.synth_bars_per_day=30",
                "--set", "train.collect_steps_per_epoch=4", "--set", "train.log_interval=2",
-               "--set", "train.learning_starts=3", "--set", "data.synth_sessions=9", "--folds", "3"]
+               "--set", "train.learning_starts=3", "--set", "data.synth_sessions=9", "--folds", "3", "--epochs", "1"]
 
 
 @pytest.fixture(scope="module")
