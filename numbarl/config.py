@@ -331,10 +331,21 @@ def _coerce(section: str, f: dataclasses.Field, current, raw):
     return str(raw) if isinstance(current, str) else raw
 
 
+# fields renamed since a released config format: the old name still loads (a run folder's own
+# config.json from an earlier numbarl resumes and reproduces)
+RENAMED = {("env", "fill_delay"): "latency_bars"}
+
+
 def _apply_section(section_name: str, obj, updates: dict):
     names = {f.name: f for f in fields(obj)}
     changes = {}
     for key, raw in updates.items():
+        new = RENAMED.get((section_name, key))
+        if new is not None:
+            if new in updates and updates[new] != raw:
+                raise ConfigError(f"{section_name}.{key} (the old name of {section_name}.{new}) = {raw!r} "
+                                  f"contradicts {section_name}.{new} = {updates[new]!r}; give one of them")
+            key = new
         if key not in names:
             raise ConfigError(f"unknown config field {section_name}.{key}; known: {sorted(names)}")
         changes[key] = _coerce(section_name, names[key], getattr(obj, key), raw)

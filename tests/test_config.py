@@ -149,3 +149,17 @@ def test_readme_config_examples_resolve():
         sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
         cfg = config_mod.resolve(None, config_file, sets=sets, default_preset="tiny")
         assert cfg.preset == "tiny" or not re.search(r"n_envs=\d{4,}", line), line
+
+
+def test_renamed_env_fill_delay_still_loads():
+    """env.fill_delay (renamed env.latency_bars) in an earlier run's config.json or a --set still
+    loads; both names with different values is one clear error."""
+    from numbarl import config
+
+    old = config.preset("tiny").to_dict()
+    old["env"].pop("latency_bars", None)
+    old["env"]["fill_delay"] = 2
+    assert config.from_dict(old).env.latency_bars == 2
+    assert config.apply(config.preset("tiny"), {"env.fill_delay": 1}).env.latency_bars == 1
+    with pytest.raises(config.ConfigError, match="old name of env.latency_bars"):
+        config.apply(config.preset("tiny"), {"env.fill_delay": 2, "env.latency_bars": 1})

@@ -959,7 +959,7 @@ class BarBuilder:
                 "the previous session with trades, so the first session with trades only calibrates "
                 "and at least two sessions with trades are needed; use --mode ewma or more data"
             )
-        return f"{where}, {traded} with trades: no bar reached its threshold; lower the ewma clamps or use more data"
+        return f"{where}, {traded} with trades: no bar reached its threshold; lower --ewma-initial-trades / --ewma-max-trades (BarParams.ewma_initial_trades, ewma_max_trades) or use more data"
 
     def push(self, records: np.ndarray, locate=None) -> np.ndarray:
         """Feed the next chunk; returns the bars that closed in it (BAR_DTYPE)."""

@@ -99,7 +99,7 @@ def _build_once(path: Path):
 
 def prepare_data(dcfg, log=print):
     """Load or build the feature cache the config names. Errors are DataError (one clear line)."""
-    from numbarl.data.fxcache import META_FILE, build_cache, load_cache
+    from numbarl.data.fxcache import FORMAT_VERSION, META_FILE, build_cache, load_cache
 
     features = dcfg.features or None
     source = dcfg.source
@@ -107,7 +107,9 @@ def prepare_data(dcfg, log=print):
         from numbarl.data import synth
 
         spec = _synth_spec(dcfg)
-        key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+        # the cache format is part of the key: a numbarl that writes another format builds a new
+        # cache beside the old one instead of failing on it
+        key = hashlib.sha256(json.dumps({**spec, "format": FORMAT_VERSION}, sort_keys=True).encode()).hexdigest()[:12]
         path = default_cache_dir(dcfg) / f"synthetic-{key}"
         if not (path / META_FILE).is_file():
             with _build_once(path):  # runs started together build it once
@@ -135,7 +137,7 @@ def prepare_data(dcfg, log=print):
         h.update(str(f.resolve()).encode())
         h.update(str(f.stat().st_size).encode())
         h.update(str(f.stat().st_mtime_ns).encode())
-    h.update((dcfg.symbol + "|" + (dcfg.features or "")).encode())
+    h.update((dcfg.symbol + "|" + (dcfg.features or "") + f"|format{FORMAT_VERSION}").encode())
     path = default_cache_dir(dcfg) / f"cache-{h.hexdigest()[:12]}"
     if not (path / META_FILE).is_file():
         with _build_once(path):

@@ -165,3 +165,21 @@ def test_a_finer_tick_later_in_the_data_is_a_warning(tmp_path):
     assert [t for _, t in cache.meta["tick_size_changes"]] == [0.5, 0.25]
     assert any("tick size estimate changed" in w for w in warnings)
     np.testing.assert_array_equal(build_bars(recs, params)["tick"], bars_ref(recs, params)["tick"])
+
+
+def test_ewma_no_bars_names_the_cli_options(tmp_path):
+    """ewma mode with a threshold no imbalance reaches: the message names the options the CLI has
+    (it used to say 'lower the ewma clamps', a setting numbarl-data build did not offer)."""
+    from click.testing import CliRunner
+
+    from numbarl.data import synth
+    from numbarl.data.commands import data_group
+
+    records, _ = synth.generate(sessions=2, seed=4, events_per_session=1500)
+    path = write_dbn(tmp_path / "two.dbn", records)
+    r = CliRunner().invoke(data_group, ["build", str(path), "--out", str(tmp_path / "c"), "--mode", "ewma",
+                                        "--ewma-initial-trades", "1e6", "--ewma-min-trades", "1e6",
+                                        "--ewma-max-trades", "1e6"])
+    assert r.exit_code == 2, r.output
+    assert "--ewma-initial-trades" in r.output and "--ewma-max-trades" in r.output
+    assert not (tmp_path / "c").exists()
