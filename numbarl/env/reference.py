@@ -18,7 +18,7 @@ from numbarl.cuda.runtime import cuda
 from numbarl.env.core import step_core
 from numbarl.env.market import MarketData, check_range
 from numbarl.env.params import EnvParams, validate_actions
-from numbarl.env.rows import env_step_row, gather_row, load_bars, load_row, reset_row, store_row
+from numbarl.env.rows import env_step_row, gather_row, load_bars, load_row, reset_row, store_out, store_row
 from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, StepArrays, row_jit
 
 cuda()  # the backend (GPU or simulator), selected once
@@ -138,10 +138,4 @@ def step_no_reset_ref(st, actions, grids, mk, preference, k, hi, out):
             s, actions[i, 0], grids.sizes[actions[i, 1]], grids.targets[actions[i, 2]], grids.stops[actions[i, 3]], bars, preference[i], k, hi - 1
         )
         store_row(st, i, s2)
-        out.reward[i] = o.reward
-        out.done[i] = o.done
-        out.bar_pnl[i] = o.bar_pnl
-        out.trade_pnl[i] = o.trade_pnl
-        out.exit_reason[i] = o.exit_reason
-        out.bar[i] = c
-        out.next_bar[i] = s2.cursor
+        store_out(out, i, o, c, s2.cursor)

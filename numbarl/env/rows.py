@@ -102,6 +102,19 @@ def reset_row(st, i, lo, hi, k, seed, counter):
 
 
 @row_jit
+def store_out(out, i, o, bar, next_bar):
+    """Env i's step outputs (a StepOut) into the StepArrays `out`, with the bar it stepped from and
+    the cursor it ended on."""
+    out.reward[i] = o.reward
+    out.done[i] = o.done
+    out.bar_pnl[i] = o.bar_pnl
+    out.trade_pnl[i] = o.trade_pnl
+    out.exit_reason[i] = o.exit_reason
+    out.bar[i] = bar
+    out.next_bar[i] = next_bar
+
+
+@row_jit
 def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
     """Training env step of env i: decode actions[i], step, soft reset on done, write outputs."""
     s = load_row(st, i)
@@ -113,13 +126,7 @@ def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter
     bars = load_bars(mk, c)
     s2, o, t1, t2 = env_transition(s, direction, size, target_mult, stop_mult, bars, preference[i], k, lo, hi, seed, i, counter)
     store_row(st, i, s2)
-    out.reward[i] = o.reward
-    out.done[i] = o.done
-    out.bar_pnl[i] = o.bar_pnl
-    out.trade_pnl[i] = o.trade_pnl
-    out.exit_reason[i] = o.exit_reason
-    out.bar[i] = c
-    out.next_bar[i] = s2.cursor
+    store_out(out, i, o, c, s2.cursor)
 
 
 @njit(cache=True)
