@@ -125,12 +125,35 @@ class AgentConfig:
     measured on the GPU against the recorded results (docs/RESULTS.md)."""
     compute: str = "fp32"
     """GEMM precision: 'fp32' or 'tf32'."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up of every optimizer group over this many train steps from the
+    group's start (numbarl/rl/schedules.py; 0 = off)."""
+    lr_cycle_steps: int = 0
+    """Cosine annealing with warm restarts: the period in train steps (0 = constant learning rate;
+    20 epochs of the default preset = 20,000)."""
+    lr_min_frac: float = 0.0
+    """Lowest learning rate of a cosine cycle, as a fraction of agent.lr."""
+    restart_momentum_scale: float = 0.5
+    """Factor on Adam's first moments at each warm restart (0.5: momentum halved)."""
+    weight_decay_groups: str = ""
+    """Comma-separated optimizer groups that agent.weight_decay applies to (e.g. 'trunk,head.value');
+    empty: every group (always only the tensors marked for decay: weights, not biases)."""
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
 
     def validate(self):
         _check("agent", "kind", self.kind, choices=AGENT_KINDS)
+        _check("agent", "lr_warmup_steps", self.lr_warmup_steps, lo=0, hi=10**9)
+        _check("agent", "lr_cycle_steps", self.lr_cycle_steps, lo=0, hi=10**9)
+        _check("agent", "lr_min_frac", self.lr_min_frac, lo=0.0, hi=1.0)
+        _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
+        if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
+            groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]
+            unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
+            if unknown:
+                raise ConfigError(f"agent.weight_decay_groups = {self.weight_decay_groups!r}: no optimizer group "
+                                  f"{', '.join(unknown)}; the groups are {', '.join(groups)}")
         if not self.trunk:
             raise ConfigError("agent.trunk = () must name at least one hidden width")
         for w in self.trunk:

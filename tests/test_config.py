@@ -163,3 +163,15 @@ def test_renamed_env_fill_delay_still_loads():
     assert config.apply(config.preset("tiny"), {"env.fill_delay": 1}).env.latency_bars == 1
     with pytest.raises(config.ConfigError, match="old name of env.latency_bars"):
         config.apply(config.preset("tiny"), {"env.fill_delay": 2, "env.latency_bars": 1})
+
+
+def test_weight_decay_groups_are_checked_before_anything_runs():
+    from numbarl import config
+
+    cfg = config.apply(config.preset("tiny"), {"agent.weight_decay_groups": "trunk,head.value"}).validate()
+    assert cfg.agent.weight_decay_groups == "trunk,head.value"
+    with pytest.raises(config.ConfigError, match="no optimizer group trunk.gate; the groups are trunk, head.value"):
+        config.apply(config.preset("tiny"), {"agent.weight_decay_groups": "trunk.gate"}).validate()
+    gated = config.apply(config.preset("tiny"), {"agent.feature_gate": "true",
+                                                 "agent.weight_decay_groups": "trunk.gate"}).validate()
+    assert gated.agent.weight_decay_groups == "trunk.gate"

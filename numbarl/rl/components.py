@@ -33,7 +33,7 @@ class Component:
     liveness: str
     """metrics.jsonl key (train records) that proves it ran in training."""
     live_when: str
-    """The condition the key meets when the component is live: '> 0', '> 1' or '!= 0'."""
+    """The condition the key meets when the component is live: '> 0', '> 1', '< 1' or '!= 0'."""
     agent_kinds: tuple = ("c51",)
 
     def is_live(self, value) -> bool:
@@ -41,7 +41,7 @@ class Component:
             return False
         op, bound = self.live_when.split()
         bound = float(bound)
-        return {">": value > bound, "!=": value != bound}[op]
+        return {">": value > bound, "<": value < bound, "!=": value != bound}[op]
 
 
 COMPONENTS: tuple[Component, ...] = (
@@ -89,6 +89,18 @@ COMPONENTS: tuple[Component, ...] = (
         "van Hasselt, Guez & Silver 2016, Eq. 4, with the max over the env's allowed actions A(s')",
         ("tests/rl/test_c51_loss.py", "tests/run/test_trainer.py"),
         "lock_masked_frac", "> 0"),
+    Component(
+        "lr_warmup", "linear learning-rate warm-up of every optimizer group from its start",
+        "agent.lr_warmup_steps=500",
+        "Goyal et al. 2017, §2.2 (gradual warm-up)",
+        ("tests/rl/test_schedules.py",),
+        "lr_scale", "< 1"),
+    Component(
+        "lr_cosine_restarts", "cosine learning-rate annealing with warm restarts, Adam momentum scaled at each restart",
+        "agent.lr_cycle_steps=20000",
+        "Loshchilov & Hutter 2017 (SGDR), Eq. 5",
+        ("tests/rl/test_schedules.py",),
+        "lr_restarts", "> 0"),
     Component(
         "feature_gate", "sigmoid gate on each observation feature, y = x ⊙ σ(x·W + b), own optimizer group",
         "agent.feature_gate=true",

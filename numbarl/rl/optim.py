@@ -60,6 +60,7 @@ from numba import float32, float64
 from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.runtime import Arena, cuda, stride_grid
 from numbarl.rl.nets.base import ParamStore
+from numbarl.rl.schedules import ScheduleConfig, reset_group_moments_kernel, schedule_kernel
 
 BLOCK = 256           # threads per block of the elementwise Adam / target kernels
 
@@ -70,7 +71,9 @@ STAT_STEP = 3         # optimizer steps taken (float32: exact up to 2**24)
 STAT_SKIPPED = 4      # steps skipped because the gradient norm was not finite (cumulative)
 STAT_CLIPPED = 5      # steps whose gradients were scaled down by the clip (cumulative)
 STAT_TARGET_UPDATES = 6  # target-network updates done (cumulative: every step with Polyak)
-N_STATS = 7
+STAT_LR_SCALE = 7     # the schedule's multiplier of group 0 this step (1 without a schedule)
+STAT_LR_RESTARTS = 8  # warm restarts of the cosine schedule so far (cumulative)
+N_STATS = 9
 
 # scalars the finalize kernel hands to the update kernels (float32 [N_SCAL])
 _SCAL_SCALE = 0       # clip scale
@@ -272,6 +275,19 @@ def target_update_kernel(target, params, step, scal, period, tau, one_minus_tau,
             target[i] = tau * params[i] + one_minus_tau * target[i]
 
 
+@_cuda.jit(cache=True)
+def scale_restart_kernel(m, momentum_scale, scal, stats):
+    """At a warm restart (momentum_scale[0] != 1) and unless the step is skipped: m *= the scale,
+    and stats[STAT_LR_RESTARTS] += 1 (thread 0). Nothing otherwise."""
+    s = momentum_scale[0]
+    if s == _ONE or scal[_SCAL_SKIP] != _ZERO:
+        return
+    if _cuda.grid(1) == 0:
+        stats[STAT_LR_RESTARTS] += _ONE
+    for i in range(_cuda.grid(1), m.shape[0], _cuda.gridsize(1)):
+        m[i] = m[i] * s
+
+
 # ---------------------------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +303,10 @@ class Adam:
     """
 
     def __init__(self, store: ParamStore, config: AdamConfig = AdamConfig(),
-                 target: TargetConfig | None = None, stats=None):
+                 target: TargetConfig | None = None, stats=None, schedule: ScheduleConfig | None = None):
         self.store, self.config, self.target = store, config, target
+        # learning-rate schedule (numbarl/rl/schedules.py): None or inactive = constant base lr
+        self.schedule = schedule if schedule is not None and schedule.active else None
         self._stats_out = stats
         self.state = Arena("optim")
         self._n = 0
@@ -313,6 +331,9 @@ class Adam:
         st = self.state
         st.add("step", (1,), np.int64)
         st.add("lr", (G,), np.float32)
+        st.add("base_lr", (G,), np.float32)  # what set_lr writes; the schedule scales it into lr
+        st.add("group_start", (G,), np.int64)  # optimizer step each group's warm-up counts from
+        st.add("momentum_scale", (1,), np.float32)  # < 1 at a warm restart (the schedule writes it)
         st.add("weight_decay", (G,), np.float32)
         st.add("scal", (N_SCAL,), np.float32)
         st.add("group_scal", (G, 2), np.float32)
@@ -329,7 +350,11 @@ class Adam:
         gid = np.zeros(n, np.int32)
         host_gid = self.store.group_ids(self.groups)
         gid[: host_gid.shape[0]] = host_gid
+        stats0 = np.zeros(N_STATS, np.float32)
+        stats0[STAT_LR_SCALE] = 1.0  # the schedule's multiplier: 1 until a schedule writes it
+        st.load({"stats": stats0})
         st.load({"decay_mask": mask, "group_id": gid, "lr": np.full(G, self.config.lr, np.float32),
+                 "base_lr": np.full(G, self.config.lr, np.float32), "momentum_scale": np.ones(1, np.float32),
                  "weight_decay": np.full(G, self.config.weight_decay, np.float32)})
         return self
 
@@ -389,17 +414,48 @@ class Adam:
             np.float32(self.target.tau), np.float32(1.0 - self.target.tau), self.stats)
 
     def step(self, stream) -> None:
-        """One optimizer step: grad norm + clip → AdamW → target update (4 launches, no host sync).
-        Closes the store's train step (the gradient ledger: the next backward overwrites again)."""
+        """One optimizer step: [schedule →] grad norm + clip → [restart momentum scale →] AdamW →
+        target update (4 launches without a schedule, no host sync). Closes the store's train step
+        (the gradient ledger: the next backward overwrites again)."""
+        if self.schedule is not None:
+            self.run_schedule(stream)
         self.grad_norm(stream)
+        if self.schedule is not None:
+            st = self.state
+            scale_restart_kernel[stride_grid(self._n, BLOCK, 1 << 16)[0], stride_grid(self._n, BLOCK)[1], stream](
+                self.store.flat("adam_m"), st["momentum_scale"], st["scal"], self.stats)
         self.apply(stream)
         self.update_target(stream)
         self.store.end_step()
 
+    def run_schedule(self, stream) -> None:
+        """The schedule's lr[G] and restart scale for this step (module numbarl.rl.schedules)."""
+        sc, st = self.schedule, self.state
+        schedule_kernel[1, 1, stream](
+            st["step"], st["base_lr"], st["group_start"], np.int64(sc.warmup_steps), np.int64(sc.cycle_steps),
+            np.float64(sc.min_lr_frac), np.float64(sc.restart_momentum_scale), st["lr"], st["momentum_scale"],
+            self.stats, np.int64(STAT_LR_SCALE), np.int64(STAT_LR_RESTARTS))
+
+    def restart_warmup(self, group: str) -> None:
+        """Start group's warm-up again from the current optimizer step (a group that is new to the
+        training, e.g. a component switched on at a resume). Host copy: between replays."""
+        starts = self.state["group_start"].copy_to_host()
+        starts[self.group_index(group)] = int(self.state["step"].copy_to_host()[0])
+        self.state.load({"group_start": starts})
+
+    def reset_moments(self, group: str, stream) -> None:
+        """Zero Adam's m and v of one group (the targeted moment reset of a frozen group; eager,
+        between replays)."""
+        s = self.store
+        reset_group_moments_kernel[stride_grid(self._n, BLOCK, 1 << 16)[0], stride_grid(self._n, BLOCK)[1], stream](
+            s.flat("adam_m"), s.flat("adam_v"), self.state["group_id"], np.int32(self.group_index(group)))
+
     # -- host helpers (between replays; not capturable) -----------------------------------------
     def set_lr(self, value: float, group: str | None = None) -> None:
-        """Write the device lr of one group (None: every group) from the host (outside capture)."""
+        """Write the device lr of one group (None: every group) from the host (outside capture);
+        with a schedule it is the base rate the schedule scales."""
         self._set_group_value("lr", value, group)
+        self._set_group_value("base_lr", value, group)
 
     def set_weight_decay(self, value: float, group: str | None = None) -> None:
         """Write the device weight decay of one group (None: every group) from the host."""
@@ -427,5 +483,6 @@ class Adam:
         s = stream()
         host = self.stats.copy_to_host(stream=s)
         s.synchronize()
-        names = ("grad_norm", "clip_scale", "lr", "step", "skipped", "clipped", "target_updates")
+        names = ("grad_norm", "clip_scale", "lr", "step", "skipped", "clipped", "target_updates", "lr_scale",
+                 "lr_restarts")
         return {name: float(host[i]) for i, name in enumerate(names)}

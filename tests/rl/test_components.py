@@ -21,8 +21,10 @@ FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bar
 # is tiny so that the tiny run's small gradients are clipped
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
-               "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true"],
-    "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2"],
+               "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true",
+               "--set", "agent.lr_warmup_steps=1000"],
+    "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
+                 "--set", "agent.lr_cycle_steps=2"],
 }
 
 
@@ -31,7 +33,7 @@ def test_entries_are_well_formed():
     assert len(names) == len(set(names))
     for c in components.COMPONENTS:
         assert "=" in c.switch and c.reference and c.tests and c.liveness
-        assert c.live_when.split()[0] in (">", "!=")
+        assert c.live_when.split()[0] in (">", "<", "!=")
         for t in c.tests:
             assert (ROOT / t).is_file(), f"{c.name}: test file {t} does not exist"
         assert set(c.agent_kinds) <= set(known_kinds())
@@ -66,7 +68,7 @@ def live_runs(tmp_path_factory):
 @pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS])
 def test_component_is_live_in_a_training_run(component, live_runs):
     c = components.by_name()[component]
-    run = "periodic" if component == "target_periodic" else "polyak"
+    run = "periodic" if component in ("target_periodic", "lr_cosine_restarts") else "polyak"
     values = [rec.get(c.liveness) for rec in live_runs[run]]
     assert values, f"the {run} run logged no train records after training started"
     assert all(v is not None for v in values), f"{c.liveness} is missing from metrics.jsonl"

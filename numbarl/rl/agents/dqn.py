@@ -51,6 +51,8 @@ from numbarl.rl.optim import (
     STAT_CLIPPED,
     STAT_GRAD_NORM,
     STAT_LR,
+    STAT_LR_RESTARTS,
+    STAT_LR_SCALE,
     STAT_SKIPPED,
     STAT_STEP,
     STAT_TARGET_UPDATES,
@@ -60,6 +62,7 @@ from numbarl.rl.optim import (
 )
 from numbarl.rl.policies import epsilon_greedy
 from numbarl.rl.replay import Replay
+from numbarl.rl.schedules import ScheduleConfig
 
 _cuda = cuda()
 
@@ -86,6 +89,8 @@ STAT_TRAIN_STEP = AGENT_STATS.slot("train_step", 13, kind="int")  # train steps 
 STAT_NONFINITE_STEP = AGENT_STATS.slot("nonfinite_step", 14, kind="int")  # first train step whose loss or grad norm was not finite (-1 = none)
 STAT_NONFINITE_WHAT = AGENT_STATS.slot("nonfinite_what", 15, kind="int")  # 1 = loss, 2 = gradients
 STAT_LOCK_MASKED = AGENT_STATS.slot("lock_masked_frac", 17)  # share of the batch whose next-state target skipped a locked direction
+STAT_AGENT_LR_SCALE = AGENT_STATS.slot("lr_scale", 7)  # the lr schedule's multiplier (group 0) this step
+STAT_AGENT_LR_RESTARTS = AGENT_STATS.slot("lr_restarts", 18, kind="int")  # warm restarts so far
 STAT_NSTEP_LEN = AGENT_STATS.slot("nstep_len_mean", 16)  # mean steps m of the sampled n-step windows (liveness of n-step)
 N_STATS = AGENT_STATS.size
 
@@ -177,6 +182,8 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, n
         stats[STAT_SKIPPED] = optim_stats[STAT_SKIPPED]
         stats[STAT_CLIPPED] = optim_stats[STAT_CLIPPED]
         stats[STAT_TARGET_UPDATES] = optim_stats[STAT_TARGET_UPDATES]
+        stats[STAT_AGENT_LR_SCALE] = optim_stats[STAT_LR_SCALE]
+        stats[STAT_AGENT_LR_RESTARTS] = optim_stats[STAT_LR_RESTARTS]
         stats[STAT_NSTEP_LEN] = sm[0] / np.float32(B)
         stats[STAT_LOCK_MASKED] = sl[0] / np.float32(B)
         stats[STAT_TRAIN_STEP] = np.float32(t)
@@ -237,7 +244,17 @@ class DQNAgent(Agent):
                   else TargetConfig.polyak(cfg.tau))
         self.optim = Adam(self.store, AdamConfig(lr=cfg.lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
                                                  weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm),
-                          target).allocate()
+                          target, schedule=ScheduleConfig(cfg.lr_warmup_steps, cfg.lr_cycle_steps, cfg.lr_min_frac,
+                                                          cfg.restart_momentum_scale)).allocate()
+        if cfg.weight_decay_groups:  # weight decay only in the named groups (weights only, as always)
+            named = [g.strip() for g in cfg.weight_decay_groups.split(",") if g.strip()]
+            unknown = [g for g in named if g not in self.optim.groups]
+            if unknown:
+                raise ValueError(f"agent.weight_decay_groups = {cfg.weight_decay_groups!r}: no optimizer group "
+                                 f"{', '.join(unknown)}; this network's groups: {', '.join(self.optim.groups)}")
+            for g in self.optim.groups:
+                if g not in named:
+                    self.optim.set_weight_decay(0.0, group=g)
         self.replay = Replay(cfg.replay_capacity, self.n_envs, self.state_dim, self.n_branches, B,
                              n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed,
                              max_actions=self.max_actions).allocate()  # + the env's masks (lock-aware target)
