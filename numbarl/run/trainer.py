@@ -269,6 +269,8 @@ class FoldTrainer:
                 self.replay_graph(name)
             # LOG (the only host reads inside an epoch)
             if self.collect_steps % t.log_interval == 0:
+                if "diagnostics" in self.steps:  # what only the log reads, computed only here
+                    self.replay_graph("diagnostics")
                 stats = self.agent.read_stats(self.stream)
                 now = time.perf_counter()
                 self.progress.done("step", self.collect_steps - timed_steps, now - timed_at)

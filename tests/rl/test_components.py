@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -80,3 +81,14 @@ def test_liveness_conditions_tell_off_from_on():
     n_step = components.by_name()["n_step"]
     assert not n_step.is_live(1.0) and n_step.is_live(2.5)  # n = 1: every window is one step
     assert not components.by_name()["grad_clip"].is_live(0) and not components.by_name()["c51"].is_live(float("nan"))
+
+
+def test_log_records_carry_the_diagnostics(live_runs):
+    """The diagnostics graph runs before every log read: atom utilization in (0, 1], the policy's
+    normalized entropy per branch in [0, 1], a finite mean preference, a norm per optimizer group."""
+    rec = live_runs["polyak"][-1]
+    assert 0.0 < rec["atom_utilization"] <= 1.0
+    for name in ("direction", "size", "target", "stop"):
+        assert 0.0 <= rec[f"action_entropy.{name}"] <= 1.0
+    assert np.isfinite(rec["q_gap_mean"])
+    assert {"grad_norm.trunk", "grad_norm.trunk.gate", "grad_norm.head.value", "grad_norm.head.adv"} <= set(rec)

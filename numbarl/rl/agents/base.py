@@ -4,12 +4,13 @@ An agent owns everything it learns with and is the ONE place its steps are writt
 the benchmarks and the GPU tests take the step functions from it (SPEC §2.0)::
 
     agent = make_agent(cfg.agent, state_dim, branch_sizes, n_envs, seed, eval_batch=1, epsilon=...)
-    steps = agent.step_functions(env)       # {"collect": fn(stream), "train": fn(stream), ...}
+    steps = agent.step_functions(env)       # {"collect": fn(stream), "train": fn(stream), "diagnostics": ...}
     graphs = {name: capture(fn) for name, fn in steps.items()}        # each captured once
     for each collect step t:
         graphs["collect"].replay()
         for name in agent.after_collect(t, learning_starts, train_every):   # e.g. ("train",)
             graphs[name].replay()
+    every log interval: graphs["diagnostics"].replay() (if the agent has one), then agent.read_stats()
     agent.reset_eval(stream); agent.scores(obs, out, stream)   # greedy scores in a backtest
     agent.state_arrays() / load_state(arrays) / load_params(arrays)          # checkpoints
 
@@ -67,7 +68,9 @@ class Agent:
     kind: str = ""
 
     def step_functions(self, env) -> dict[str, Callable]:
-        """{graph name: step function(stream)}: what the trainer captures, once each."""
+        """{graph name: step function(stream)}: what the trainer captures, once each. "collect" and
+        the names after_collect returns run every step; "diagnostics", when present, only at log
+        intervals, right before read_stats (statistics only the log reads stay off the train step)."""
         raise TypeError(f"{type(self).__name__} does not define step_functions")
 
     def train_phases(self) -> list[tuple[str, Callable]]:

@@ -38,9 +38,11 @@ import numpy as np
 from numbarl.config import AgentConfig
 from numbarl.cuda import launch
 from numbarl.cuda.mapped import MappedBuffer
+from numbarl.cuda import reduce
 from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.registry import StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
+from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.nets.base import ParamStore
@@ -196,6 +198,54 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, n
                 stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
 
 
+MAX_BRANCH_ACTIONS = 32  # actions per branch the diagnostics' entropy kernel counts (one thread each)
+
+
+@_cuda.jit(cache=True)
+def atom_utilization_kernel(atom_sums, total, stats, slot):
+    """One thread: p_j = atom_sums[j] / total (the batch-mean projected target distribution), and
+    stats[slot] = exp(H(p)) / Z, its perplexity over the number of atoms: the fraction of the
+    support the targets effectively use (1: uniform over all atoms; 5 / 51 when five atoms carry
+    the mass evenly). Fixed order, float64."""
+    if _cuda.grid(1) != 0:
+        return
+    n = atom_sums.shape[0]
+    h = 0.0
+    for j in range(n):
+        p = np.float64(atom_sums[j]) / total
+        if p > 0.0:
+            h -= p * math.log(p)
+    stats[slot] = np.float32(math.exp(h) / np.float64(n))
+
+
+@_cuda.jit(cache=True)
+def action_entropy_kernel(actions, count, branch_sizes, stats, first_slot):
+    """Block b = branch b, thread a = action a: counts the envs that took action a in the replay's
+    latest slot (a loop over envs: no atomics); thread 0 then writes the branch's entropy over its
+    actions, normalized by log(A_b) (1: uniform, 0: one action), to stats[first_slot + b]."""
+    b = _cuda.blockIdx.x
+    a = _cuda.threadIdx.x
+    counts = _cuda.shared.array(MAX_BRANCH_ACTIONS, np.int64)
+    n_slots = actions.shape[0]
+    n_envs = actions.shape[1]
+    s = (count[0] - 1) % n_slots
+    c = 0
+    if a < branch_sizes[b] and count[0] > 0:
+        for e in range(n_envs):
+            if actions[s, e, b] == a:
+                c += 1
+    counts[a] = c
+    _cuda.syncthreads()
+    if a == 0:
+        n_act = branch_sizes[b]
+        h = 0.0
+        for k in range(n_act):
+            if counts[k] > 0:
+                p = np.float64(counts[k]) / np.float64(n_envs)
+                h -= p * math.log(p)
+        stats[first_slot + b] = np.float32(h / math.log(np.float64(n_act))) if n_act > 1 else np.float32(0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +326,23 @@ class DQNAgent(Agent):
             views = [self.store.grad(n) for n, spec in self.store.specs.items() if spec.group == group]
             slot = self.stats_layout.slot(f"grad_norm.{group}")
             self._group_norms.append((Reducer([v.size for v in views]), views, slot))
+        # DIAGNOSTICS (replayed at log intervals only, numbarl.rl.agents.base): atom utilization of
+        # the projected targets, the mean preference (Q-gap), the behaviour policy's entropy per branch
+        if self.max_actions > MAX_BRANCH_ACTIONS:
+            raise ValueError(f"a branch has {self.max_actions} actions; the diagnostics count at most {MAX_BRANCH_ACTIONS}")
+        self._slot_atoms = self.stats_layout.slot("atom_utilization")
+        self._slot_qgap = self.stats_layout.slot("q_gap_mean")
+        self._slot_entropy = self.stats_layout.slot(f"action_entropy.{BRANCH_NAMES[0]}")
+        for name in BRANCH_NAMES[1:self.n_branches]:  # consecutive slots, one per branch
+            if self.stats_layout.slot(f"action_entropy.{name}") != self._slot_entropy + BRANCH_NAMES.index(name):
+                raise RuntimeError("the per-branch entropy slots are not consecutive")
+        self.diag = Arena("agent.diagnostics")
+        self.diag.add("atom_sums", (cfg.n_atoms,), np.float32)
+        self.diag.add("atom_partials", reduce.col_partials_shape(B * self.n_branches, cfg.n_atoms), np.float32)
+        self.diag.add("branch_sizes", (self.n_branches,), np.int32)
+        self.diag.allocate()
+        self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
+        self._qgap_reducer = Reducer(self.n_envs)
         self.stats = MappedBuffer(self.stats_layout.size, np.float32)
         self.stats.reset(0)
         self.stats.host[STAT_NONFINITE_STEP] = -1.0
@@ -303,7 +370,8 @@ class DQNAgent(Agent):
 
     # -- the agent contract: graphs and their schedule ------------------------------------------
     def step_functions(self, env) -> dict:
-        return {"collect": lambda s: self.collect_step(env, s), "train": self.train_step}
+        return {"collect": lambda s: self.collect_step(env, s), "train": self.train_step,
+                "diagnostics": lambda s: self.diagnostics_step(env, s)}
 
     def after_collect(self, collect_steps: int, learning_starts: int, train_every: int) -> tuple[str, ...]:
         """One train step after every `train_every`-th collect step once the replay holds enough."""
@@ -373,8 +441,6 @@ class DQNAgent(Agent):
 
     # STATS
     def _stats(self, stream):
-        for reducer, views, slot in self._group_norms:  # before the next backward overwrites the grads
-            reducer.l2norm(views, self.stats.device, stream, at=slot)
         batch = self.replay.batch
         train_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, self.head.outputs("next").q,
                                                    batch.action, batch.index, batch.next_index,
@@ -383,6 +449,20 @@ class DQNAgent(Agent):
                                                    np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
                                                    self.loss.loss, self.optim.stats, self.scalars["train_step"],
                                                    self.stats.device)
+
+    # DIAGNOSTICS (log intervals only: what the last train and collect steps left in their buffers)
+    def diagnostics_step(self, env, stream):
+        for reducer, views, slot in self._group_norms:  # gradient norm per optimizer group
+            reducer.l2norm(views, self.stats.device, stream, at=slot)
+        B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
+        reduce.col_sum(self.loss.target_dist.reshape(B * nb, Z), self.diag["atom_sums"], self.diag["atom_partials"],
+                       stream)
+        atom_utilization_kernel[1, 1, stream](self.diag["atom_sums"], np.float64(B * nb), self.stats.device,
+                                              np.int64(self._slot_atoms))
+        self._qgap_reducer.mean(env.arena["preference"], self.stats.device, stream, at=self._slot_qgap)
+        action_entropy_kernel[nb, MAX_BRANCH_ACTIONS, stream](self.replay.store["action"], self.replay.count,
+                                                               self.diag["branch_sizes"], self.stats.device,
+                                                               np.int64(self._slot_entropy))
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
