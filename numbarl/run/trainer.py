@@ -172,6 +172,19 @@ def metric_cell(name: str, value) -> str:
     return f"{float(value):,.4f}"
 
 
+GAP_METRICS = ("sharpe", "daily_sharpe", "sharpe_adj", "total_return", "win_rate")
+
+
+def val_test_gap(val: dict, test: dict) -> dict:
+    """Validation minus out-of-sample test for the headline metrics of one fold (None where either
+    is undefined): how much of the selected checkpoint's validation score survives out of sample."""
+    gap = {}
+    for k in GAP_METRICS:
+        v, t = val.get(k), test.get(k)
+        gap[k] = None if v is None or t is None else float(v) - float(t)
+    return gap
+
+
 def metrics_dict(metrics, p: int = 0) -> dict:
     values, reasons = metrics.policy(p)
     out = {k: _finite(v) for k, v in values.items()}
@@ -493,8 +506,8 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m}))
         results = [("val", val_result), ("test", test_result)]
         entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
-                 "val": val_m, "test": test_m, "bars_per_day": cache.bars_per_day, "seed": ft.seed,
-                 "val_sharpe_per_epoch": ft.val_history}
+                 "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
+                 "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history}
         oracle = _oracle_actions(cache, fold.test, cfg.env)
         if oracle is not None:
             o = backtest(host_market, fold.test, cfg.env, actions=oracle)

@@ -74,6 +74,8 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     fold = summary["folds"][0]
     assert fold["best_checkpoint"].startswith("fold0-epoch")
     assert "sharpe" in fold["test"] and "oracle_test" in fold
+    if fold["val"]["sharpe"] is not None and fold["test"]["sharpe"] is not None:  # the per-fold val/test gap
+        assert fold["val_test_gap"]["sharpe"] == pytest.approx(fold["val"]["sharpe"] - fold["test"]["sharpe"])
     # model selection (select_window 1): the epoch with the highest validation Sharpe
     val = [x if x is not None else -np.inf for x in fold["val_sharpe_per_epoch"]]
     assert fold["best_checkpoint"] == f"fold0-epoch{int(np.argmax(val)) + 1:04d}"

@@ -229,3 +229,12 @@ def test_metric_cells_of_printed_tables():
     assert trainer.metric_cell("sharpe", 1.23456) == "1.2346"
     assert trainer.metric_cell("sharpe", None) == "n/a" and trainer.metric_cell("calmar", float("nan")) == "n/a"
     assert trainer.metrics_dict(type("M", (), {"policy": lambda self, p: ({"n_trades": 3.0}, {})})())["n_trades"] == 3
+
+
+def test_val_test_gap_per_fold():
+    from numbarl.run.trainer import val_test_gap
+
+    gap = val_test_gap({"sharpe": 3.0, "daily_sharpe": 2.0, "win_rate": 0.6, "total_return": None},
+                       {"sharpe": 1.0, "daily_sharpe": 2.5, "win_rate": 0.5, "total_return": 0.1})
+    assert gap["sharpe"] == 2.0 and gap["daily_sharpe"] == -0.5 and abs(gap["win_rate"] - 0.1) < 1e-12
+    assert gap["total_return"] is None and gap["sharpe_adj"] is None  # undefined on either side: no gap
