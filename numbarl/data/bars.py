@@ -40,7 +40,11 @@ halt) is skipped like a gap and counted (``crossed_outside_session``); inside th
 DataError unless ``allow_crossed`` (then skipped and counted as ``crossed_in_session``). ``R``
 (clear) resets the book reference; F_SNAPSHOT records are book replays, not activity: they set the
 reference but add no OFI, events or trades. Trades with an impossible price or size are skipped
-and counted (validate.py); ``BarBuilder.counts`` has every count.
+and counted (validate.py): a trade's price is checked against the session's last good book, or,
+before the session has one (an opening print after a crossed pre-open), against the latest book
+state of the stream, crossed or locked ones included; a trade before any book state of the stream
+has nothing to be checked against and is skipped (``trade_before_book``). ``BarBuilder.counts``
+has every count.
 
 Order-flow imbalance per level m (Cont, Kukanov & Stoikov 2014, eq. 2; levels 1..10 as in
 Xu, Gould & Howison 2019, "Multi-level order-flow imbalance"), between consecutive usable
@@ -198,6 +202,10 @@ STATE_DTYPE = np.dtype(
         ("tick_slots", "<i8", (TICK_SLOTS,)),
         ("tick_counts", "<i8", (TICK_SLOTS,)),
         ("ref_valid", "<i8"),  # the session's last good book: trade prices are checked against it
+        ("loose_valid", "<i8"),  # the latest book state of any session, crossed or locked ones included:
+        ("loose_lo", "<i8"),  # the reference of a trade before the session's first good book (an
+        ("loose_hi", "<i8"),  # opening print after a crossed pre-open)
+        ("n_trade_no_book", "<i8"),
         ("ref_lo", "<i8"),
         ("ref_hi", "<i8"),
         ("n_crossed_out", "<i8"),
@@ -344,7 +352,7 @@ def bars_ref(
     st = {
         "session": -1, "instrument": -1, "prev": None, "last_px": None, "last_sign": 0,
         "threshold": 0.0, "ew_t": params.ewma_initial_trades, "ew_bv": 0.0, "ew_absv": 0.0, "ew_w": 0.0,
-        "bars_closed": 0, "session_vols": [], "ref": None, "jumps": 0,
+        "bars_closed": 0, "session_vols": [], "ref": None, "loose": None, "jumps": 0,
     }  # fmt: skip
     skipped = dict.fromkeys(SKIP_NAMES, 0)
     ticks = TickRef(tick_fixed(tick_size))
@@ -401,7 +409,9 @@ def bars_ref(
             size, price = int(r["size"]), int(r["price"])
             if size > MAX_SIZE:
                 skipped["bad_trade_size"] += 1
-            elif not trade_price_ok_ref(price, st["ref"]):
+            elif st["ref"] is None and st["loose"] is None:
+                skipped["trade_before_book"] += 1
+            elif not trade_price_ok_ref(price, st["ref"] if st["ref"] is not None else st["loose"]):
                 skipped["bad_trade_price"] += 1
             else:
                 size = float(size)
@@ -454,6 +464,7 @@ def bars_ref(
             st["prev"] = None
             continue
         if bpx[0] >= apx[0]:
+            st["loose"] = (apx[0], bpx[0])  # a crossed or locked book still says where prices are
             if ts >= closes[sess]:
                 skip_state("crossed_outside_session")
                 continue
@@ -471,6 +482,7 @@ def bars_ref(
             skip_state("off_grid")
             continue
         st["ref"] = (min(p for p in bpx if p != UNDEF_PRICE), max(p for p in apx if p != UNDEF_PRICE))
+        st["loose"] = st["ref"]
         bid, ask = bpx[0] / div, apx[0] / div
         mid = (bid + ask) * 0.5
         qsum = bsz[0] + asz[0]
@@ -690,7 +702,10 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
             price = r.price
             if r.size > MAX_SIZE:
                 st.n_bad_trade_sz += 1
-            elif not trade_price_ok(price, st.ref_valid, st.ref_lo, st.ref_hi):
+            elif st.ref_valid == 0 and st.loose_valid == 0:
+                st.n_trade_no_book += 1
+            elif not (trade_price_ok(price, st.ref_valid, st.ref_lo, st.ref_hi) if st.ref_valid != 0
+                      else trade_price_ok(price, st.loose_valid, st.loose_lo, st.loose_hi)):
                 st.n_bad_trade_px += 1
             else:
                 size = np.float64(r.size)
@@ -747,6 +762,9 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
         bpx0 = lv[0].bid_px
         apx0 = lv[0].ask_px
         if bpx0 >= apx0:
+            st.loose_valid = 1  # a crossed or locked book still says where prices are
+            st.loose_lo = apx0
+            st.loose_hi = bpx0
             if ts >= closes[sess]:
                 st.n_crossed_out += 1
                 _skip_state(st, c)
@@ -783,6 +801,9 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
         st.ref_valid = 1
         st.ref_lo = lo
         st.ref_hi = hi
+        st.loose_valid = 1
+        st.loose_lo = lo
+        st.loose_hi = hi
         bid = bpx0 / PRICE_DIVISOR
         ask = apx0 / PRICE_DIVISOR
         mid = (bid + ask) * 0.5
@@ -931,6 +952,7 @@ class BarBuilder:
             "off_grid": int(st["n_off_grid"]),
             "bad_trade_price": int(st["n_bad_trade_px"]),
             "bad_trade_size": int(st["n_bad_trade_sz"]),
+            "trade_before_book": int(st["n_trade_no_book"]),
         }
 
     @property

@@ -67,6 +67,7 @@ SKIP_NAMES = {
     "off_grid": "book states off the tick grid",
     "bad_trade_price": "trades with an undefined, out-of-range or impossible price",
     "bad_trade_size": "trades with an out-of-range size",
+    "trade_before_book": "trades before any book state (no price to check them against)",
 }
 
 

@@ -283,3 +283,40 @@ def test_fixed_point_prices_stay_exact_beside_empty_cells(csv_lines, tmp_path):
     lines = set_cell(set_cell(csv_lines, 3, "bid_px_09", ""), 4, "bid_px_09", "9000000000000000001")
     got = read_records(write_csv(tmp_path / "e.csv", lines))
     assert got["levels"]["bid_px"][2, 9] == UNDEF_PRICE and got["levels"]["bid_px"][3, 9] == 9_000_000_000_000_000_001
+
+
+@pytest.mark.parametrize("bad_price", [0.0, 1.0, -5000.0])
+def test_an_absurd_opening_print_after_a_crossed_preopen_is_skipped(bad_price):
+    """The session's first trade comes before its first good book (the pre-open books are crossed
+    and skipped): it is checked against the latest book state, crossed ones included, and an
+    absurd price is skipped and counted, never into a bar's VWAP (it used to pass: VWAP 1288)."""
+    from data_markets import cme_like_records
+
+    recs = cme_like_records(sessions=2, seed=7)
+    trades = np.flatnonzero(recs["action"] == ACTION_TRADE)
+    first = trades[0]
+    good = bars_ref(recs, EWMA)
+    recs = recs.copy()
+    recs["price"][first] = int(round(bad_price * 1e9))
+    for bars, counts in ((build_bars(recs, EWMA), None), (bars_ref(recs, EWMA, counts=(c := {})), c)):
+        vwap = bars["vwap"][np.isfinite(bars["vwap"])]
+        assert vwap.min() > 0.5 * np.median(vwap) and vwap.max() < 1.5 * np.median(vwap)
+        if counts is not None:
+            assert counts["bad_trade_price"] >= 1
+    assert len(build_bars(recs, EWMA)) >= len(good) - 1
+
+
+def test_a_trade_before_any_book_is_skipped_and_counted(market):
+    recs = market.copy()
+    first_book = np.flatnonzero(recs["flags"] & F_LAST)[0]
+    trade = recs[np.flatnonzero(recs["action"] == ACTION_TRADE)[0]].copy()
+    trade["ts_recv"] = recs["ts_recv"][first_book] - 1
+    trade["price"] = 0  # nothing to check it against: skipped whatever its price
+    recs = np.concatenate([recs[:first_book], [trade], recs[first_book:]])
+    recs = recs[np.argsort(recs["ts_recv"], kind="stable")]
+    counts = {}
+    bars_ref(recs, EWMA, counts=counts)
+    assert counts["trade_before_book"] == 1
+    fast, ref = build_bars(recs, EWMA), bars_ref(recs, EWMA)
+    assert len(fast) == len(ref) and np.array_equal(fast["close_ts"], ref["close_ts"])
+    np.testing.assert_allclose(fast["vwap"], ref["vwap"], rtol=1e-12)
