@@ -1,17 +1,18 @@
-"""`python -m numbarl train|data|backtest|compare|bench|components ...`: the console scripts without installing
+"""`python -m numbarl train|data|backtest|compare|sweep|bench|components ...`: the console scripts without installing
 (e.g. running from source on an offline GPU host, see docs/OFFLINE.md)."""
 
 import sys
 
 from numbarl import __version__, cli
 
-COMMANDS = {"train": cli.train_cmd, "backtest": cli.backtest_cmd, "compare": cli.compare_cmd, "bench": cli.bench_cmd}
-USAGE = """usage: python -m numbarl {train|data|backtest|compare|bench|components} [options]
+COMMANDS = {"train": cli.train_cmd, "backtest": cli.backtest_cmd, "compare": cli.compare_cmd, "sweep": cli.sweep_cmd, "bench": cli.bench_cmd}
+USAGE = """usage: python -m numbarl {train|data|backtest|compare|sweep|bench|components} [options]
 
   train      numbarl-train: train an agent, walk-forward validation and out-of-sample test
   data       numbarl-data: build, generate, inspect and export feature caches
   backtest   numbarl-backtest: re-score a saved agent
   compare    numbarl-compare: several runs side by side
+  sweep      numbarl-sweep: grid/random search over config fields x seeds on Ray Tune
   bench      numbarl-bench: GPU benchmarks
   components every learning component: --set switch, reference, tests, liveness key [--json]
 

@@ -256,3 +256,47 @@ def data_main():
     from numbarl.data.commands import data_main as _data_main
 
     _data_main()
+
+
+# ---------------------------------------------------------------------------------------------
+# numbarl-sweep (Ray Tune: numbarl/run/sweep.py, docs/SWEEPS.md)
+# ---------------------------------------------------------------------------------------------
+@click.command(context_settings=CONTEXT)
+@_version("numbarl-sweep")
+@click.option("--preset", default=None, help="tiny | small | default | large (or a --config that names one).")
+@click.option("--config", "config_file", default=None, type=click.Path(), help="TOML or JSON config file every trial starts from (copied into the sweep folder).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one field in every trial (repeatable).")
+@click.option("--grid", multiple=True, metavar="KEY=V1,V2", help="Sweep a field over these values (repeatable: the grids multiply).")
+@click.option("--random", "random_", multiple=True, metavar="KEY=LO:HI[:log]", help="Draw a numeric field uniformly (log: log-uniformly), --samples draws (repeatable).")
+@click.option("--samples", type=int, default=1, show_default=True, help="Random draws, each combined with every grid point.")
+@click.option("--sample-seed", type=int, default=0, show_default=True, help="Seed of the --random draws.")
+@click.option("--seeds", default=None, metavar="S1,S2,...", help="Training seeds: every grid point runs once per seed.")
+@click.option("--out", "out_dir", default=None, type=click.Path(), help="Sweep folder (new, or the sweep to continue with --resume).")
+@click.option("--gpus-per-trial", type=float, default=None, help="GPUs per trial; 0.25 packs four trials on a GPU (default: 1 when the Ray cluster has GPUs, else 0).")
+@click.option("--cpus-per-trial", type=float, default=1.0, show_default=True, help="CPUs Ray reserves per trial.")
+@click.option("--address", default=None, help="Join this Ray cluster (e.g. auto, or HOST:6379 of `ray start --head`) instead of starting a local Ray.")
+@click.option("--resume", is_flag=True, help="Continue the sweep in --out: finished trials stay, interrupted ones resume from their checkpoints.")
+@click.option("--asha", is_flag=True, help="Stop trials early (ASHA) on each epoch's validation Sharpe.")
+@click.option("--asha-grace", type=int, default=1, show_default=True, help="Epochs (over all folds) before ASHA may stop a trial.")
+@click.option("--max-concurrent", type=int, default=None, help="Most trials running at once (default: as many as the resources allow).")
+def sweep_cmd(preset, config_file, sets, grid, random_, samples, sample_seed, seeds, out_dir, gpus_per_trial,
+              cpus_per_trial, address, resume, asha, asha_grace, max_concurrent):
+    """Grid and random search over config fields × seeds on Ray Tune: each trial a numbarl-train
+    run folder under OUT/trials, the numbarl-compare table in OUT/compare.txt (docs/SWEEPS.md)."""
+    from numbarl.run import sweep  # the standard library only: Ray is imported once the arguments are checked
+
+    _handle_sigterm()
+    try:
+        code = sweep.main(preset=preset, config_file=config_file, sets=sets, grid=grid, random=random_,
+                          samples=samples, sample_seed=sample_seed, seeds=seeds, out_dir=out_dir,
+                          gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, address=address,
+                          resume=resume, asha=asha, asha_grace=asha_grace, max_concurrent=max_concurrent)
+    except (*_expected_errors(), sweep.SweepError) as e:
+        _fail(e)
+    except KeyboardInterrupt as e:
+        _interrupted("numbarl-sweep", e, f"; continue with `numbarl-sweep --out {out_dir} --resume`" if out_dir else "")
+    sys.exit(code)
+
+
+def sweep_main():
+    sweep_cmd(prog_name="numbarl-sweep")
