@@ -10,8 +10,10 @@ Thresholds, two modes:
 
 * ``target``: one threshold per exchange session (calendar.py), chosen so that the *previous*
   session would have produced ``bars_per_day`` bars: bisection on H over the previous session's
-  signed volumes with the same θ rule. Strictly causal; the first session of the data only
-  calibrates (it produces no bars).
+  signed volumes with the same θ rule. Strictly causal. The first session with trades has no
+  previous session to calibrate on: its bars follow the ``ewma`` rule below (so a one-session
+  file, e.g. an hour of CME with its pre-open, builds in the default mode), and its signed
+  volumes calibrate the next session's threshold.
 * ``ewma``: AFML expected imbalance, E0[θ_T] = E0[T] · |E0[b·v]|: E0[T] is an EWMA of past bar
   lengths in trades, clamped to [min_trades, max_trades]; E0[b·v] an EWMA over trades, floored at
   ``imbalance_floor · E0[|v|]`` so a balanced market cannot drive the threshold to zero. E0[|v|]
@@ -201,6 +203,7 @@ STATE_DTYPE = np.dtype(
         ("tick_px", "<i8"),
         ("tick_slots", "<i8", (TICK_SLOTS,)),
         ("tick_counts", "<i8", (TICK_SLOTS,)),
+        ("calibrated", "<i8"),  # target mode: a session's threshold has been calibrated (else the ewma rule)
         ("ref_valid", "<i8"),  # the session's last good book: trade prices are checked against it
         ("loose_valid", "<i8"),  # the latest book state of any session, crossed or locked ones included:
         ("loose_lo", "<i8"),  # the reference of a trade before the session's first good book (an
@@ -352,7 +355,7 @@ def bars_ref(
     st = {
         "session": -1, "instrument": -1, "prev": None, "last_px": None, "last_sign": 0,
         "threshold": 0.0, "ew_t": params.ewma_initial_trades, "ew_bv": 0.0, "ew_absv": 0.0, "ew_w": 0.0,
-        "bars_closed": 0, "session_vols": [], "ref": None, "loose": None, "jumps": 0,
+        "bars_closed": 0, "session_vols": [], "ref": None, "loose": None, "jumps": 0, "calibrated": False,
     }  # fmt: skip
     skipped = dict.fromkeys(SKIP_NAMES, 0)
     ticks = TickRef(tick_fixed(tick_size))
@@ -386,6 +389,7 @@ def bars_ref(
         if sess != st["session"]:
             if st["session"] >= 0 and params.mode == "target" and st["session_vols"]:
                 st["threshold"] = calibrate_threshold_ref(st["session_vols"], params.bars_per_day)
+                st["calibrated"] = True
             st["session_vols"] = []
             st["session"] = sess
             st["prev"] = None
@@ -435,14 +439,14 @@ def bars_ref(
                     bar["sell"] += size
                 bar["n_trades"] += 1
                 bar["theta"] += signed
-                if params.mode == "ewma":
+                if params.mode == "target":
+                    st["session_vols"].append(signed)
+                if params.mode == "ewma" or not st["calibrated"]:  # ewma, or target before its first calibration
                     st["ew_bv"] = a_trade * signed + (1.0 - a_trade) * st["ew_bv"]
                     st["ew_absv"] = a_trade * size + (1.0 - a_trade) * st["ew_absv"]
                     st["ew_w"] = a_trade + (1.0 - a_trade) * st["ew_w"]
                     if st["bars_closed"] == 0 or bar["n_trades"] >= params.ewma_max_trades:
                         st["threshold"] = ewma_threshold()
-                else:
-                    st["session_vols"].append(signed)
                 if st["threshold"] > 0.0 and abs(bar["theta"]) >= st["threshold"]:
                     bar["pending"] = True
         if not flags & F_LAST:
@@ -533,7 +537,7 @@ def bars_ref(
         row["depth_mean"] = [d / bar["n_depth"] for d in bar["depth"]]
         out.append(row)
         st["bars_closed"] += 1
-        if params.mode == "ewma":
+        if params.mode == "ewma" or not st["calibrated"]:
             if st["bars_closed"] > 1:
                 st["ew_t"] = a_bar * bar["n_trades"] + (1.0 - a_bar) * st["ew_t"]
             st["threshold"] = ewma_threshold()
@@ -673,6 +677,7 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
         if sess != st.session:
             if st.session >= 0 and target and st.session_trades > 0:
                 st.threshold = calibrate_threshold(vols, st.session_trades, p[P_TARGET_BARS])
+                st.calibrated = 1
             st.session_trades = 0
             st.session = sess
             st.sessions_seen += 1
@@ -735,7 +740,7 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
                 if target:
                     vols[st.session_trades] = signed
                     st.session_trades += 1
-                else:
+                if not target or st.calibrated == 0:  # ewma, or target before its first calibration
                     a = p[P_ALPHA_TRADE]
                     st.ewma_bv = a * signed + (1.0 - a) * st.ewma_bv
                     st.ewma_absv = a * size + (1.0 - a) * st.ewma_absv
@@ -889,7 +894,7 @@ def _build_bars_chunk(recs, start, state, p, opens, closes, dates, vols, out):
             o.depth_mean[m] = st.depth_sum[m] / st.n_depth
         n_out += 1
         st.bars_closed += 1
-        if not target:
+        if not target or st.calibrated == 0:
             if st.bars_closed > 1:  # the first bar's threshold was warming up: its length is no E[T] sample
                 a = p[P_ALPHA_BAR]
                 st.ewma_trades = a * c.n_trades + (1.0 - a) * st.ewma_trades
@@ -975,13 +980,9 @@ class BarBuilder:
         where = f"{self.records_seen} records in {seen} session{'s' if seen != 1 else ''}"
         if traded == 0:
             return f"{where}, none with a valid trade: imbalance bars need trades"
-        if self.params.mode == "target":
-            return (
-                f"{where}, {traded} with trades: target mode calibrates each session's threshold on "
-                "the previous session with trades, so the first session with trades only calibrates "
-                "and at least two sessions with trades are needed; use --mode ewma or more data"
-            )
-        return f"{where}, {traded} with trades: no bar reached its threshold; lower --ewma-initial-trades / --ewma-max-trades (BarParams.ewma_initial_trades, ewma_max_trades) or use more data"
+        return (f"{where}, {traded} with trades: no bar reached its threshold (the first session's bars follow "
+                "the ewma rule); with numbarl-data build, lower --ewma-initial-trades / --ewma-max-trades "
+                "(BarParams.ewma_initial_trades, ewma_max_trades), or use more data")
 
     def push(self, records: np.ndarray, locate=None) -> np.ndarray:
         """Feed the next chunk; returns the bars that closed in it (BAR_DTYPE)."""

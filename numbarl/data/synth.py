@@ -370,7 +370,8 @@ def build_synthetic_cache(
     data), plus ``oracle.npy`` (δ at each bar's close, causal: ``sign(oracle)`` is a policy).
 
     One extra warm-up session is generated first (the ``target`` bar mode calibrates its
-    threshold on it), so the cache holds exactly ``sessions`` sessions. ``dbn_out``: also write
+    threshold on it; its own bars, from the ewma rule, are dropped), so the cache holds exactly
+    ``sessions`` sessions. ``dbn_out``: also write
     the records as a DBN file (``.dbn`` or ``.dbn.zst``) that ``numbarl-data build`` accepts.
     """
     from numbarl.data.bars import BarBuilder, BarParams
@@ -401,6 +402,8 @@ def build_synthetic_cache(
         iter_sessions(total, seed, signal, null, events_per_session, calendar)
     ):
         bars = builder.push(records)
+        if k < WARMUP_SESSIONS:  # it only calibrates the first cached session's threshold
+            bars = bars[:0]
         if len(bars):
             bar_parts.append(bars)
             oracle_parts.append(oracle[bars["close_index"] - offset].astype(np.float32))

@@ -49,7 +49,7 @@ def test_builds_with_default_flags(cme_day, tmp_path, mode):
     out = build_cache([path], tmp_path / "c", bar_params=MODES[mode], warn=warnings.append)
     cache = load_cache(out)
     assert cache.n_bars > 10
-    assert cache.n_sessions == (2 if mode == "target" else 3)  # target: the first session calibrates
+    assert cache.n_sessions == 3  # target: the first session's bars follow the ewma rule, it calibrates the next
     assert np.all(np.unique(cache.session_id, return_counts=True)[1] >= 3)  # every session has bars
     assert cache.meta["skipped"]["crossed_outside_session"] > 100
     assert any("crossed or locked book states outside the trading session" in w for w in warnings)
@@ -108,7 +108,7 @@ def test_cli_default_flags_warn_once(cme_day, tmp_path):
     warnings = result.stderr.strip().splitlines()
     assert len(warnings) == 1 and warnings[0].startswith("numbarl-data: warning: skipped ")
     assert "crossed or locked book states outside the trading session" in warnings[0]
-    assert "wrote " in result.stdout and "2 sessions" in result.stdout
+    assert "wrote " in result.stdout and "3 sessions" in result.stdout
     known = CliRunner().invoke(data_group, ["build", str(path), "--out", str(tmp_path / "k"), "--tick-size", "0.25"])
     assert known.exit_code == 0 and load_cache(tmp_path / "k").meta["tick_size_source"] == "given"
 
@@ -125,8 +125,12 @@ def test_no_bars_says_how_many_sessions_had_trades(tmp_path):
     assert quiet.any() and (records["action"][records["ts_recv"] >= second_open] == ACTION_TRADE).any()
     records["action"][quiet] = ord("C")
     path = write_dbn(tmp_path / "two.dbn", records)
-    with pytest.raises(DataError, match=r"no bars from \d+ records in 2 sessions, 1 with trades: target mode"):
-        build_cache([path], tmp_path / "c", warn=lambda m: None)
+    # the second session is the first with trades: it builds (ewma rule, nothing to calibrate on);
+    # with thresholds no imbalance reaches, the message counts the sessions with trades
+    assert load_cache(build_cache([path], tmp_path / "c", warn=lambda m: None)).n_sessions == 1
+    never = BarParams(ewma_initial_trades=1e6, ewma_min_trades=1e6, ewma_max_trades=1e6)
+    with pytest.raises(DataError, match=r"no bars from \d+ records in 2 sessions, 1 with trades: no bar reached"):
+        build_cache([path], tmp_path / "c2", bar_params=never, warn=lambda m: None)
 
 
 def _grid_market(n_states: int, spacings, t0: int) -> np.ndarray:
@@ -183,3 +187,18 @@ def test_ewma_no_bars_names_the_cli_options(tmp_path):
     assert r.exit_code == 2, r.output
     assert "--ewma-initial-trades" in r.output and "--ewma-max-trades" in r.output
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("mode", ["target", "ewma"])
+def test_one_session_with_its_preopen_builds_with_default_flags(tmp_path, mode):
+    """An hour-long file (one session with trades, behind its crossed pre-open and opening print)
+    builds in both modes with default flags: target mode has no previous session to calibrate on,
+    so its first session follows the ewma rule (it used to stop: 'at least two sessions')."""
+    records = cme_like_records(sessions=1, seed=11, events_per_session=6000)
+    path = write_dbn(tmp_path / "hour.mbp-10.dbn", records, mappings={"ESH4": 1})
+    cache = load_cache(build_cache([path], tmp_path / "c", bar_params=MODES[mode], warn=lambda m: None))
+    assert cache.n_sessions == 1 and cache.n_bars >= 5
+    assert cache.meta["skipped"]["crossed_outside_session"] > 10
+    fast = build_bars(records, MODES[mode])
+    ref = bars_ref(records, MODES[mode])
+    assert len(fast) == len(ref) == cache.n_bars and np.array_equal(fast["close_index"], ref["close_index"])

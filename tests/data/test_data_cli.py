@@ -64,7 +64,7 @@ def test_build_from_dbn(market_file, tmp_path):
     result = run("build", market_file, "--out", out, "--bars-per-day", 100, "--features", "default,theta_norm")
     assert result.exit_code == 0, result.output
     info = json.loads(run("inspect", out, "--json").output)
-    assert info["sessions"] == 4 and len(info["features"]) == 65 and info["tick_size"] == 0.25
+    assert info["sessions"] == 5 and len(info["features"]) == 65 and info["tick_size"] == 0.25
     assert info["source_files"][0]["name"] == "market.dbn.zst"
     assert info["symbol"] == "SYNTH"  # the file's one raw symbol, without --symbol
     ewma = run("build", market_file, "--out", tmp_path / "ewma", "--mode", "ewma", "--symbol", "SYNTH")
@@ -107,7 +107,7 @@ def bad_inputs(market_file, root):
     write_dbn(root / "crossed.dbn", crossed)
     out["crossed"] = ("crossed book at .*crossed.dbn, selected record 9001", ["--bars-per-day", 100], root / "crossed.dbn")
     out["feature"] = ("unknown feature 'ofi_42'", ["--features", "ret_1,ofi_42"], market_file)
-    out["folds"] = ("needs 20 sessions; the data has 4", ["--bars-per-day", 100, "--folds", 1], market_file)
+    out["folds"] = ("needs 20 sessions; the data has 5", ["--bars-per-day", 100, "--folds", 1], market_file)
     return out
 
 

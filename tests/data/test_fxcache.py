@@ -116,7 +116,7 @@ def test_build_from_dbn_files(small_market, tmp_path):
     for info, path in zip(cache.meta["source_files"], files):
         assert info["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
         assert info["size"] == path.stat().st_size
-    assert cache.n_sessions == 3 and cache.bars_per_day == pytest.approx(len(want) / 3)
+    assert cache.n_sessions == 4 and cache.bars_per_day == pytest.approx(len(want) / 4)
 
 
 def test_build_errors_leave_no_cache(small_market, tmp_path):
@@ -124,12 +124,13 @@ def test_build_errors_leave_no_cache(small_market, tmp_path):
     path = write_dbn(tmp_path / "d.dbn", records)
     with pytest.raises(DataError, match="unknown feature 'nope'"):
         build_cache([path], tmp_path / "c1", feature_names="ret_1,nope")
-    with pytest.raises(DataError, match="needs 20 sessions; the data has 3"):
+    with pytest.raises(DataError, match="needs 20 sessions; the data has 4"):
         build_cache([path], tmp_path / "c2", bar_params=BarParams(bars_per_day=40),
                     folds={"n_folds": 1, "train_sessions": 12, "val_sessions": 4, "test_sessions": 4})
     one_session = write_dbn(tmp_path / "one.dbn", records[: len(records) // 5])
-    with pytest.raises(DataError, match="no bars .*1 with trades: target mode calibrates each session.s threshold on the previous session with trades"):
-        build_cache([one_session], tmp_path / "c3")
+    with pytest.raises(DataError, match="no bars .*1 with trades: no bar reached its threshold"):
+        build_cache([one_session], tmp_path / "c3", bar_params=BarParams(ewma_initial_trades=1e6, ewma_min_trades=1e6,
+                                                                          ewma_max_trades=1e6))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.dbn", "one.dbn"]
     # --out is checked before any input is read: --force replaces a cache or an empty folder only
     precious = tmp_path / "precious"
