@@ -224,6 +224,9 @@ def _bench_command(what: str):
     @click.pass_context
     def command(ctx, args):
         args = list(args)
+        if "--version" in args:  # every command answers --version (the benchmark parsers do not know it)
+            click.echo(f"numbarl-bench {__version__}")
+            return
         simulate = ctx.parent.params.get("simulate") or "--simulate" in args
         args = [a for a in args if a != "--simulate"]  # accepted after WHAT too, as before
         _handle_sigterm()

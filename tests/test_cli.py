@@ -32,9 +32,26 @@ def test_every_command_has_help_and_version(name, flag):
 
 
 @pytest.mark.parametrize("sub", ["synth", "build", "inspect", "export"])
-def test_data_subcommands_accept_dash_h(sub):
-    r = CliRunner().invoke(data_group, [sub, "-h"], prog_name="numbarl-data")
-    assert r.exit_code == 0 and "Usage:" in r.output, r.output
+@pytest.mark.parametrize("flag", ["-h", "--help", "--version"])
+def test_data_subcommands_accept_help_and_version(sub, flag):
+    r = CliRunner().invoke(data_group, [sub, flag], prog_name="numbarl-data")
+    assert r.exit_code == 0, r.output
+    assert (r.output.strip() == f"numbarl-data {__version__}") if flag == "--version" else ("Usage:" in r.output)
+
+
+@pytest.mark.parametrize("sub", ["train", "runtime", "env", "kernels", "head", "all"])
+def test_bench_subcommands_accept_version(sub):
+    r = CliRunner().invoke(cli.bench_cmd, [sub, "--version"], prog_name="numbarl-bench")
+    assert r.exit_code == 0 and r.output.strip() == f"numbarl-bench {__version__}", r.output
+
+
+def test_components_accepts_help_and_version():
+    import subprocess
+    import sys
+
+    for flag, want in (("--version", f"numbarl components {__version__}"), ("-h", "usage"), ("--help", "usage")):
+        r = subprocess.run([sys.executable, "-m", "numbarl", "components", flag], capture_output=True, text=True)
+        assert r.returncode == 0 and want in r.stdout, (flag, r.stdout, r.stderr)
 
 
 def test_python_dash_m_numbarl_help_and_version():

@@ -85,6 +85,7 @@ def data_group():
 
 
 @data_group.command()
+@click.version_option(package_name="numbarl", prog_name="numbarl-data", message="%(prog)s %(version)s")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Cache folder to create.")
 @click.option("--format", "fmt", type=click.Choice(["auto", "dbn", "csv", "lobster", "binance"]), default="auto",
@@ -154,6 +155,7 @@ def build(inputs, out, fmt, symbol, bars_per_day, mode, ewma_initial_trades, ewm
 
 
 @data_group.command()
+@click.version_option(package_name="numbarl", prog_name="numbarl-data", message="%(prog)s %(version)s")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Cache folder to create.")
 @click.option("--sessions", type=int, default=None, help="Sessions in the cache (default 20; 4 with --tiny).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -258,6 +260,7 @@ def describe(cache) -> dict:
 
 
 @data_group.command()
+@click.version_option(package_name="numbarl", prog_name="numbarl-data", message="%(prog)s %(version)s")
 @click.argument("cache_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect(cache_dir, as_json):
@@ -287,6 +290,7 @@ def inspect(cache_dir, as_json):
 
 
 @data_group.command()
+@click.version_option(package_name="numbarl", prog_name="numbarl-data", message="%(prog)s %(version)s")
 @click.argument("cache_dir", type=click.Path(path_type=Path))
 @click.option("--parquet", "parquet", required=True, type=click.Path(path_type=Path), help="Parquet file to write.")
 @click.option("--force", is_flag=True, help="Replace --parquet if it exists.")

@@ -130,6 +130,11 @@ def table() -> str:
 
 
 def main(argv) -> int:
+    if "--version" in argv:
+        from numbarl import __version__
+
+        print(f"numbarl components {__version__}")
+        return 0
     if any(a in ("-h", "--help") for a in argv):
         print("usage: python -m numbarl components [--json]\n\n"
               "Lists every learning component: its --set switch, reference, tests and the metrics.jsonl key\n"
