@@ -293,6 +293,7 @@ def policy_backtest(n_bars: int = 3063, n_features: int = 64, reps: int = 5, tru
 
     def call(graph_mode):
         t0 = time.perf_counter()
+        agent.reset_eval(s)
         result = backtest(market, window, params, q_fn=agent.scores, n_policies=1, stream=s, graph=graph_mode)
         return result, time.perf_counter() - t0  # backtest() returns host arrays: it has synchronized
 

@@ -655,6 +655,12 @@ def _title(run: RunDir) -> str:
     return f"numbarl run · {run.path.resolve().name}"
 
 
+def _fill_note(summary: dict | None) -> str:
+    """The execution assumption the results rest on (summary.json's fill_assumption), one line."""
+    text = (summary or {}).get("fill_assumption")
+    return f'<p class="note">Execution: {html.escape(str(text))}</p>' if text else ""
+
+
 def _run_facts(run: RunDir, summary: dict | None) -> dict:
     """Run information: run.json's entries, then summary.json's top-level scalars."""
     facts = {key: value for key, value in run.meta.items() if _is_scalar(value) and key != "format"}
@@ -827,6 +833,7 @@ def render_html(run: RunDir, png: bytes) -> str:
 <div class="sub">{html.escape(_subtitle(run, summary))}</div>
 <h2>Headline{html.escape(f" ({what})" if what else "")}</h2>
 {headline_html}
+{_fill_note(summary)}
 <h2>Charts</h2>
 <img alt="equity, drawdown, training curves and trade P&amp;L" src="data:image/png;base64,{encoded}">
 <h2>Metrics per fold and split</h2>

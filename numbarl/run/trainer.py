@@ -323,6 +323,7 @@ class FoldTrainer:
         from numbarl.env.backtest import backtest
 
         params = self.cfg.env
+        self.agent.reset_eval(self.stream)  # a window starts with no state carried from the last one
         return backtest(self.market, window, params, q_fn=self.agent.scores, n_policies=1, stream=self.stream)
 
     def backtest_timed(self, window, what: str):
@@ -460,6 +461,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     summary = summary or {"folds": [], "seed": cfg.train.seed, "numbarl_version": __version__,
                           "device": device_name(), "preset": cfg.preset, "bars_per_day": cache.bars_per_day,
                           "data": str(cache.path)}
+    # the execution assumption every result of the run rests on, stated where results are shown
+    summary.setdefault("fill_assumption", cfg.env.fill_assumption())
+    progress.log(f"execution: {summary['fill_assumption']}")
     done_folds = {f["fold"] for f in summary["folds"]}
     if resume is not None and all(f.index in done_folds for f in folds):
         progress.log(f"{run.path}: every fold ({len(folds)}) has finished; nothing to resume (report rewritten)")
@@ -716,6 +720,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         agent.load_params(arrays)
         for name in (("val", "test") if split == "all" else (split,)):
             window = getattr(f, name)
+            agent.reset_eval(stream())
             result = backtest(market, window, cfg.env, q_fn=agent.scores, n_policies=1, stream=stream())
             rows.append({"checkpoint": tag, "epoch": state.get("epoch"), "fold": f.index, "split": name,
                          **metrics_dict(result.metrics())})
@@ -724,6 +729,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         return
     used = ", ".join(f"fold {f.index}: {tag}" for tag, f in tags)
     print(f"run {run.path} | checkpoint {checkpoint}" + ("" if every else f" ({used})"))
+    print(f"execution: {cfg.env.fill_assumption()}")
     if every:  # one line per checkpoint and split, the headline metrics
         cols = ["daily_sharpe", "sharpe_adj", "sharpe", "total_return", "max_drawdown", "n_trades", "win_rate",
                 "profit_factor", "avg_hold", "exposure"]

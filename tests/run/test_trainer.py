@@ -87,6 +87,16 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
         want = cfg["epsilon_start"] + (cfg["epsilon_end"] - cfg["epsilon_start"]) * min(t / cfg["epsilon_decay_steps"], 1.0)
         assert rec["epsilon"] == pytest.approx(want, rel=1e-6), rec
     assert summary["numbarl_version"] and summary["device"]
+    # the execution assumption is stated with the results: summary, report, train log
+    from numbarl.env.params import EnvParams
+
+    fill = EnvParams(**{k: tuple(v) if isinstance(v, list) else v
+                        for k, v in json.loads((out / "config.json").read_text())["env"].items()}).fill_assumption()
+    assert summary["fill_assumption"] == fill and "zero latency" in fill
+    import html
+
+    assert f"Execution: {html.escape(fill)}" in (out / "report.html").read_text()
+    assert f"execution: {fill}" in (out / "train.log").read_text()
     # the windows are chronological and disjoint: nothing of validation/test inside training
     w = fold["window"]
     assert w["train"][1] <= w["val"][0] and w["val"][1] <= w["test"][0]

@@ -238,3 +238,20 @@ def test_val_test_gap_per_fold():
                        {"sharpe": 1.0, "daily_sharpe": 2.5, "win_rate": 0.5, "total_return": 0.1})
     assert gap["sharpe"] == 2.0 and gap["daily_sharpe"] == -0.5 and abs(gap["win_rate"] - 0.1) < 1e-12
     assert gap["total_return"] is None and gap["sharpe_adj"] is None  # undefined on either side: no gap
+
+
+def test_every_evaluation_window_resets_the_agents_carried_state(monkeypatch):
+    """The agent contract's reset_eval runs before each backtest window (a recurrent agent must not
+    carry state from validation into test); the backtest gets the agent's scores."""
+    import types
+
+    from numbarl.env import backtest as backtest_module
+    from numbarl.run.trainer import FoldTrainer
+
+    calls = []
+    agent = types.SimpleNamespace(reset_eval=lambda s: calls.append("reset"), scores=object())
+    monkeypatch.setattr(backtest_module, "backtest", lambda *a, **k: calls.append(("backtest", k["q_fn"])) or "r")
+    ft = types.SimpleNamespace(agent=agent, cfg=types.SimpleNamespace(env=None), market=None, stream=None)
+    assert FoldTrainer.evaluate(ft, (0, 10)) == "r"
+    assert FoldTrainer.evaluate(ft, (10, 20)) == "r"
+    assert calls == ["reset", ("backtest", agent.scores), "reset", ("backtest", agent.scores)]
