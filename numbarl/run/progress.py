@@ -56,6 +56,7 @@ class Progress:
         self.left = {"step": int(steps), "backtest": int(backtest_bars), "checkpoint": int(checkpoints)}
         self.spent = {phase: [0, 0.0] for phase in PHASES}  # phase -> [units done, seconds]
         self._t0 = self._clock()
+        self._shown = 0.0  # the bar's fraction never moves back (the estimate does, the bar does not)
 
     def done(self, phase: str, units: int, seconds: float):
         """`units` of `phase` finished in `seconds` (measured after a host sync)."""
@@ -81,13 +82,18 @@ class Progress:
         return ("" if exact else ">") + _duration(left)
 
     def bar(self, width: int = 20) -> str:
-        """[#####---------------] 25%: the fraction of the estimated wall time already spent."""
+        """[#####---------------] 25%: the fraction of the estimated wall time already spent, never
+        lower than the last one shown."""
         elapsed = self._clock() - self._t0
         left, _ = self.remaining()
         if not any(units for units, _ in self.spent.values()):
             fraction = 0.0
         else:
             fraction = elapsed / (elapsed + left) if elapsed + left > 0 else 1.0
+        # a phase timed for the first time can raise the estimate of what is left; the bar then
+        # waits at what it showed instead of jumping back (the ETA shows the new estimate)
+        fraction = max(fraction, self._shown)
+        self._shown = fraction
         fill = int(round(fraction * width))
         return f"[{'#' * fill}{'-' * (width - fill)}] {fraction:4.0%}"
 

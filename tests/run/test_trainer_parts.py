@@ -255,3 +255,20 @@ def test_every_evaluation_window_resets_the_agents_carried_state(monkeypatch):
     assert FoldTrainer.evaluate(ft, (0, 10)) == "r"
     assert FoldTrainer.evaluate(ft, (10, 20)) == "r"
     assert calls == ["reset", ("backtest", agent.scores), "reset", ("backtest", agent.scores)]
+
+
+def test_the_progress_bar_never_moves_back():
+    """A phase timed for the first time (here the first checkpoint, slower than the steps) raises
+    the estimate of the time left: the ETA shows it, the bar waits instead of jumping back (it went
+    50% -> 43% in a review run)."""
+    now = [0.0]
+    p = trainer.Progress(quiet=True, clock=lambda: now[0])
+    p.plan(steps=10, checkpoints=2)
+    p.done("step", 5, 5.0)
+    now[0] = 5.0
+    assert p.bar(width=10) == "[#####-----]  50%"  # 5 s spent, 5 steps left at 1 s: half way
+    p.done("checkpoint", 1, 20.0)  # a checkpoint costs 20 s: 5 s of steps + 20 s of checkpoint left
+    assert p.eta() == "0m25s"
+    assert p.bar(width=10) == "[#####-----]  50%"  # the estimate says 5 / 30 = 17%: the bar does not go back
+    now[0] = 40.0
+    assert p.bar(width=10) == "[######----]  62%"  # 40 / 65: moving on again
