@@ -1,7 +1,7 @@
 """numbarl's command-line entry points (click): numbarl-train, numbarl-data, numbarl-backtest,
 numbarl-compare, numbarl-bench.
 
-The CLI only maps options onto the config (STYLE rule 5) and turns expected errors (bad data,
+The CLI only maps options onto the config and turns expected errors (bad data,
 bad config, not a run, an --out that cannot be written) into one line on stderr and exit code 2.
 Conventions every command keeps: -h/--help and --version; Ctrl-C exits 130 and SIGTERM 143 with a
 message (numbarl-train names the `--resume` command that continues the run). The backend (GPU or
@@ -286,6 +286,8 @@ def sweep_cmd(preset, config_file, sets, grid, random_, samples, sample_seed, se
               cpus_per_trial, address, resume, asha, asha_grace, max_concurrent):
     """Grid and random search over config fields × seeds on Ray Tune: each trial a numbarl-train
     run folder under OUT/trials, the numbarl-compare table in OUT/compare.txt (docs/SWEEPS.md)."""
+    from pathlib import Path
+
     from numbarl.run import sweep  # the standard library only: Ray is imported once the arguments are checked
 
     _handle_sigterm()
@@ -297,7 +299,9 @@ def sweep_cmd(preset, config_file, sets, grid, random_, samples, sample_seed, se
     except (*_expected_errors(), sweep.SweepError) as e:
         _fail(e)
     except KeyboardInterrupt as e:
-        _interrupted("numbarl-sweep", e, f"; continue with `numbarl-sweep --out {out_dir} --resume`" if out_dir else "")
+        made = out_dir and (Path(out_dir) / sweep.SWEEP_FILE).is_file()
+        _interrupted("numbarl-sweep", e, f"; continue with `numbarl-sweep --out {out_dir} --resume`" if made else
+                     "; nothing was written")
     sys.exit(code)
 
 

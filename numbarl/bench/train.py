@@ -1,6 +1,6 @@
 """Train-step benchmark (issue 4): numbarl's captured train step against the PyTorch peer.
 
-Checks before it times (STYLE): one batch's loss and gradients of numbarl and of the PyTorch peer
+Checks before it times: one batch's loss and gradients of numbarl and of the PyTorch peer
 (same weights, same batch) are compared first. Then, in one run on one GPU:
 
 * numbarl train step (graph replay), fp32 and TF32, with a per-phase breakdown (each phase captured

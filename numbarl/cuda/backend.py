@@ -1,4 +1,4 @@
-"""The one backend switch: real GPU or the numba CUDA simulator (SPEC §2.1, STYLE rule 4).
+"""The one backend switch: real GPU or the numba CUDA simulator (SPEC §2.1).
 
 numba reads ``NUMBA_ENABLE_CUDASIM`` once, when ``numba.cuda`` is first imported, so
 :func:`select` must run before anything imports ``numba.cuda``. It probes the CUDA driver with

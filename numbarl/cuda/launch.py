@@ -1,6 +1,6 @@
 """Launch shapes and the simulator shim: every place where the GPU and the simulator differ in how
 kernels are launched lives here, so trading and learning code has no simulator branches
-(SPEC §2.1, STYLE rule 4).
+(SPEC §2.1).
 
 Under the numba CUDA simulator every GPU thread is a Python thread (about 0.1 ms each, plus
 ~30 ms per ``syncthreads`` per block), so kernels that walk their rows in a loop run with small

@@ -2,7 +2,7 @@
 
 Kernels index a statistics vector and key counter-RNG draws with small integers that must be
 compile-time constants (numba specializes on globals) and must never collide: two owners writing
-one stats slot, or two draws sharing an RNG slot, silently corrupt a run (STYLE rule 14). So every
+one stats slot, or two draws sharing an RNG slot, silently corrupt a run. So every
 slot is registered once, at import, under a name::
 
     TRAIN_STATS = StatsLayout("agent")

@@ -21,7 +21,7 @@ buffers are declared per *tag* and forward takes the parameter *role* ("params" 
 ``backward(dy, stream, tag)``. Buffer names are ``{module}.{tag}.{buf}``; parameter names
 ``{module}.{param}``. Views are fixed-address (SPEC §2.1), so every call is capturable.
 
-The gradient rule (STYLE rule 12, as in llm.c's accumulating backward). Inside one train step,
+The gradient rule (docs/ARCHITECTURE.md; the accumulating backward of llm.c's GPT-2 trainer). Inside one train step,
 opened by :meth:`ParamStore.begin_step`, the first backward that writes a parameter's gradient
 overwrites it and every later write accumulates, in program order: ``c.beta(key)`` returns 0.0
 the first time a gradient is written in the step and 1.0 afterwards. The choice is made on the
