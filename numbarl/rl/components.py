@@ -69,19 +69,25 @@ COMPONENTS: tuple[Component, ...] = (
         "agent.target_update=periodic",
         "Mnih et al. 2015 (Methods: target network)",
         ("tests/rl/test_optim.py",),
-        "target_updates", "> 0"),
+        "target_copies", "> 0"),
     Component(
         "target_polyak", "target network Polyak-averaged every train step",
         "agent.target_update=polyak",
         "Lillicrap et al. 2016, Algorithm 1 (soft target update)",
         ("tests/rl/test_optim.py",),
-        "target_updates", "> 0"),
+        "target_soft_updates", "> 0"),
     Component(
         "grad_clip", "global-norm gradient clipping (deterministic norm)",
         "agent.max_grad_norm=10",
         "Pascanu, Mikolov & Bengio 2013, Algorithm 2",
         ("tests/rl/test_optim.py",),
         "clipped_steps", "> 0"),
+    Component(
+        "weight_decay", "decoupled weight decay on the weights (not biases) of the named optimizer groups",
+        "agent.weight_decay=1e-4",
+        "Loshchilov & Hutter 2019 (AdamW), Algorithm 2",
+        ("tests/rl/test_optim.py", "tests/rl/test_schedules.py"),
+        "decay_rate", "> 0"),
     Component(
         "lock_aware_target", "double-DQN argmax at the next state over the actions the env's mask allows there "
         "(the direction lock: the behaviour policy never takes the locked direction)",
@@ -94,7 +100,7 @@ COMPONENTS: tuple[Component, ...] = (
         "agent.lr_warmup_steps=500",
         "Goyal et al. 2017, §2.2 (gradual warm-up)",
         ("tests/rl/test_schedules.py",),
-        "lr_scale", "< 1"),
+        "lr_warmup_scale", "< 1"),
     Component(
         "lr_cosine_restarts", "cosine learning-rate annealing with warm restarts, Adam momentum scaled at each restart",
         "agent.lr_cycle_steps=20000",

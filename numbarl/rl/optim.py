@@ -70,10 +70,13 @@ STAT_LR = 2           # learning rate used by this step
 STAT_STEP = 3         # optimizer steps taken (float32: exact up to 2**24)
 STAT_SKIPPED = 4      # steps skipped because the gradient norm was not finite (cumulative)
 STAT_CLIPPED = 5      # steps whose gradients were scaled down by the clip (cumulative)
-STAT_TARGET_UPDATES = 6  # target-network updates done (cumulative: every step with Polyak)
+STAT_TARGET_UPDATES = 6  # exact target copies done (tau = 1: the periodic update; cumulative)
 STAT_LR_SCALE = 7     # the schedule's multiplier of group 0 this step (1 without a schedule)
 STAT_LR_RESTARTS = 8  # warm restarts of the cosine schedule so far (cumulative)
-N_STATS = 9
+STAT_TARGET_SOFT = 9  # Polyak (tau < 1) target updates done (cumulative)
+STAT_DECAY_RATE = 10  # the largest lr_g * wd_g of this step: the decoupled weight decay in force
+STAT_WARMUP_SCALE = 11  # the warm-up part of group 0's schedule multiplier this step (1: none)
+N_STATS = 12
 
 # scalars the finalize kernel hands to the update kernels (float32 [N_SCAL])
 _SCAL_SCALE = 0       # clip scale
@@ -173,6 +176,8 @@ def adam_ref(params, grads, m, v, decay_mask, step: int, lr, cfg: AdamConfig, we
     lr = np.asarray(lr, np.float64)
     wd = np.asarray(cfg.weight_decay if weight_decay is None else weight_decay, np.float64)
     stats[STAT_GRAD_NORM], stats[STAT_CLIP_SCALE], stats[STAT_LR] = norm, scale, float(lr.flat[0])
+    stats[STAT_LR_SCALE] = stats[STAT_WARMUP_SCALE] = 1.0  # no schedule in the reference
+    stats[STAT_DECAY_RATE] = float(np.max(lr * wd))
     if cfg.skip_nonfinite and not np.isfinite(norm):
         stats[STAT_CLIP_SCALE], stats[STAT_STEP], stats[STAT_SKIPPED] = 0.0, step, 1
         return p, m, v, step, stats
@@ -204,7 +209,7 @@ _cuda = cuda()
 
 
 @_cuda.jit(cache=True)
-def finalize_kernel(step, lr, scal, group_scal, stats, max_norm, clip_eps, beta1, beta2, skip_nonfinite):
+def finalize_kernel(step, lr, weight_decay, scal, group_scal, stats, max_norm, clip_eps, beta1, beta2, skip_nonfinite):
     """One thread: clip scale from scal[_SCAL_SUMSQ], step counter, bias corrections and stats
     (module docstring, phase 2). group_scal[g] = (lr_g / (1 − β1^t), lr_g) for every group g."""
     if _cuda.grid(1) != 0:
@@ -234,9 +239,12 @@ def finalize_kernel(step, lr, scal, group_scal, stats, max_norm, clip_eps, beta1
     scal[_SCAL_INV_SQRT_BC2] = float32(float64(1.0) / math.sqrt(bc2))
     scal[_SCAL_SKIP] = _ZERO
     scal[_SCAL_LR] = rate
+    decay = _ZERO
     for g in range(lr.shape[0]):  # a handful of groups, one thread: per-group step sizes
         group_scal[g, 0] = float32(float64(lr[g]) / bc1)
         group_scal[g, 1] = lr[g]
+        decay = max(decay, lr[g] * weight_decay[g])
+    stats[STAT_DECAY_RATE] = decay
     stats[STAT_CLIP_SCALE] = scale
     stats[STAT_STEP] = float32(t)
 
@@ -267,7 +275,10 @@ def target_update_kernel(target, params, step, scal, period, tau, one_minus_tau,
     if scal[_SCAL_SKIP] != _ZERO or step[0] % period != 0:
         return
     if _cuda.grid(1) == 0:
-        stats[STAT_TARGET_UPDATES] += _ONE
+        if tau == _ONE:
+            stats[STAT_TARGET_UPDATES] += _ONE
+        else:
+            stats[STAT_TARGET_SOFT] += _ONE
     for i in range(_cuda.grid(1), target.shape[0], _cuda.gridsize(1)):  # grid-stride
         if tau == _ONE:
             target[i] = params[i]
@@ -351,7 +362,8 @@ class Adam:
         host_gid = self.store.group_ids(self.groups)
         gid[: host_gid.shape[0]] = host_gid
         stats0 = np.zeros(N_STATS, np.float32)
-        stats0[STAT_LR_SCALE] = 1.0  # the schedule's multiplier: 1 until a schedule writes it
+        stats0[STAT_LR_SCALE] = 1.0  # the schedule's multipliers: 1 until a schedule writes them
+        stats0[STAT_WARMUP_SCALE] = 1.0
         st.load({"stats": stats0})
         st.load({"decay_mask": mask, "group_id": gid, "lr": np.full(G, self.config.lr, np.float32),
                  "base_lr": np.full(G, self.config.lr, np.float32), "momentum_scale": np.ones(1, np.float32),
@@ -391,7 +403,7 @@ class Adam:
         cfg, st = self.config, self.state
         self._reducer.sumsq(self.store.flat("grads"), st["scal"], stream, at=_SCAL_SUMSQ)
         finalize_kernel[1, 1, stream](
-            st["step"], st["lr"], st["scal"], st["group_scal"], self.stats,
+            st["step"], st["lr"], st["weight_decay"], st["scal"], st["group_scal"], self.stats,
             np.float32(cfg.max_grad_norm), np.float32(cfg.clip_eps), np.float64(cfg.beta1),
             np.float64(cfg.beta2), bool(cfg.skip_nonfinite))
 
@@ -434,7 +446,7 @@ class Adam:
         schedule_kernel[1, 1, stream](
             st["step"], st["base_lr"], st["group_start"], np.int64(sc.warmup_steps), np.int64(sc.cycle_steps),
             np.float64(sc.min_lr_frac), np.float64(sc.restart_momentum_scale), st["lr"], st["momentum_scale"],
-            self.stats, np.int64(STAT_LR_SCALE), np.int64(STAT_LR_RESTARTS))
+            self.stats, np.int64(STAT_LR_SCALE), np.int64(STAT_WARMUP_SCALE))
 
     def restart_warmup(self, group: str) -> None:
         """Start group's warm-up again from the current optimizer step (a group that is new to the
@@ -483,6 +495,6 @@ class Adam:
         s = stream()
         host = self.stats.copy_to_host(stream=s)
         s.synchronize()
-        names = ("grad_norm", "clip_scale", "lr", "step", "skipped", "clipped", "target_updates", "lr_scale",
-                 "lr_restarts")
+        names = ("grad_norm", "clip_scale", "lr", "step", "skipped", "clipped", "target_copies", "lr_scale",
+                 "lr_restarts", "target_soft_updates", "decay_rate", "lr_warmup_scale")
         return {name: float(host[i]) for i, name in enumerate(names)}

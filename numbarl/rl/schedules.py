@@ -86,11 +86,11 @@ def lr_multiplier_ref(t: int, start: int, cfg: ScheduleConfig) -> tuple[float, b
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
 def schedule_kernel(step, base_lr, start, warmup, cycle, min_frac, restart_scale, lr, momentum_scale, stats,
-                    slot_scale, slot_restarts):
+                    slot_scale, slot_warmup):
     """One thread: lr[g] = base_lr[g] · warm_g · cos for this step (module docstring, float64 math,
     rounded once); momentum_scale[0] = restart_scale at a warm restart, else 1; stats[slot_scale] =
-    group 0's multiplier. The optimizer applies the restart scale and counts the restart in
-    stats[slot_restarts] (numbarl.rl.optim.scale_restart_kernel: not on a skipped step)."""
+    group 0's multiplier and stats[slot_warmup] its warm-up part. The optimizer applies the restart
+    scale and counts the restart (numbarl.rl.optim.scale_restart_kernel: not on a skipped step)."""
     if _cuda.grid(1) != 0:
         return
     t = step[0]
@@ -108,6 +108,7 @@ def schedule_kernel(step, base_lr, start, warmup, cycle, min_frac, restart_scale
         lr[g] = np.float32(np.float64(base_lr[g]) * mult)
         if g == 0:
             stats[slot_scale] = np.float32(mult)
+            stats[slot_warmup] = np.float32(warm)
     if restart:
         momentum_scale[0] = np.float32(restart_scale)
     else:

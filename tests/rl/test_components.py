@@ -23,9 +23,10 @@ FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bar
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
                "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true",
-               "--set", "agent.lr_warmup_steps=1000"],
+               "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
-                 "--set", "agent.lr_cycle_steps=2"],
+                 "--set", "agent.lr_cycle_steps=2", "--set", "agent.n_step=1", "--set", "agent.weight_decay=0",
+                 "--set", "agent.max_grad_norm=0"],
 }
 
 
@@ -51,6 +52,13 @@ def test_cli_lists_every_component_as_json():
     assert r.returncode == 2 and r.stderr.startswith("error:")
 
 
+ON = ("periodic", "polyak")
+# the run each component's switch is on in, the other run has it off (c51 and double DQN: always on)
+ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic"}
+ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
+ALWAYS_ON = ("c51", "double_dqn")
+
+
 @pytest.fixture(scope="module")
 def live_runs(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
@@ -69,12 +77,22 @@ def live_runs(tmp_path_factory):
 @pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS])
 def test_component_is_live_in_a_training_run(component, live_runs):
     c = components.by_name()[component]
-    run = "periodic" if component in ("target_periodic", "lr_cosine_restarts") else "polyak"
+    run = ON_RUN[component]
     values = [rec.get(c.liveness) for rec in live_runs[run]]
     assert values, f"the {run} run logged no train records after training started"
     assert all(v is not None for v in values), f"{c.liveness} is missing from metrics.jsonl"
     last = values[-1]
     assert c.is_live(last), f"{component}: {c.liveness} = {last} does not meet '{c.live_when}'"
+
+
+@pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS if c.name not in ALWAYS_ON])
+def test_component_is_not_live_where_it_is_off(component, live_runs):
+    """The liveness key tells off from on: in the run where the switch is off the key does not meet
+    its condition (a key every configuration meets would prove nothing)."""
+    c = components.by_name()[component]
+    off = "polyak" if ON_RUN[component] == "periodic" else "periodic"
+    last = live_runs[off][-1].get(c.liveness)
+    assert not c.is_live(last), f"{component}: {c.liveness} = {last} meets '{c.live_when}' with the switch off"
 
 
 def test_liveness_conditions_tell_off_from_on():

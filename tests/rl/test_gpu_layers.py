@@ -133,7 +133,7 @@ def test_adam_real_size_matches_reference(rng):
         p, m, v, step, stats = adam_ref(p, g, m, v, mask, step, cfg.lr, cfg)
         target = target_update_ref(target, p, step, tcfg)
         clipped += stats[1] < 1.0
-        stats[6] = step  # the device's cumulative target-update count (Polyak: every step)
+        stats[9] = step  # the device's cumulative Polyak-update count (every step)
         stats[5] = clipped  # and its cumulative count of clipped steps
         # atol scaled to the vector: m = β1·m + (1 − β1)·g cancels for a few elements, where float32
         # rounding of the two terms (~1e-7 of max|m|) is all that is left

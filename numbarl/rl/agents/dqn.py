@@ -57,7 +57,10 @@ from numbarl.rl.optim import (
     STAT_LR_SCALE,
     STAT_SKIPPED,
     STAT_STEP,
+    STAT_DECAY_RATE,
+    STAT_TARGET_SOFT,
     STAT_TARGET_UPDATES,
+    STAT_WARMUP_SCALE,
     Adam,
     AdamConfig,
     TargetConfig,
@@ -81,7 +84,7 @@ AGENT_STATS.slot("lr", STAT_LR)
 AGENT_STATS.slot("optim_step", STAT_STEP, kind="int")
 AGENT_STATS.slot("skipped_steps", STAT_SKIPPED, kind="int")
 AGENT_STATS.slot("clipped_steps", STAT_CLIPPED, kind="int")  # liveness of gradient clipping
-AGENT_STATS.slot("target_updates", STAT_TARGET_UPDATES, kind="int")  # liveness of the target network
+AGENT_STATS.slot("target_copies", STAT_TARGET_UPDATES, kind="int")  # liveness of the periodic target copy
 STAT_LOSS = AGENT_STATS.slot("loss", 8)  # mean C51 cross-entropy of the last train step
 STAT_Q_MEAN = AGENT_STATS.slot("q_mean", 9)  # mean over the batch and branches of Q_online(obs, a taken)
 STAT_Q_NEXT_MAX = AGENT_STATS.slot("q_next_max", 10)  # mean over batch and branches of max_a Q_online(next_obs, a)
@@ -93,6 +96,9 @@ STAT_NONFINITE_WHAT = AGENT_STATS.slot("nonfinite_what", 15, kind="int")  # 1 = 
 STAT_LOCK_MASKED = AGENT_STATS.slot("lock_masked_frac", 17)  # share of the batch whose next-state target skipped a locked direction
 STAT_AGENT_LR_SCALE = AGENT_STATS.slot("lr_scale", 7)  # the lr schedule's multiplier (group 0) this step
 STAT_AGENT_LR_RESTARTS = AGENT_STATS.slot("lr_restarts", 18, kind="int")  # warm restarts so far
+STAT_AGENT_TARGET_SOFT = AGENT_STATS.slot("target_soft_updates", 19, kind="int")  # liveness of the Polyak target
+STAT_AGENT_DECAY = AGENT_STATS.slot("decay_rate", 20)  # the largest lr x weight decay in force (weight decay live)
+STAT_AGENT_WARMUP = AGENT_STATS.slot("lr_warmup_scale", 21)  # the warm-up part of the lr multiplier (group 0)
 STAT_NSTEP_LEN = AGENT_STATS.slot("nstep_len_mean", 16)  # mean steps m of the sampled n-step windows (liveness of n-step)
 N_STATS = AGENT_STATS.size
 
@@ -185,6 +191,9 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, n
         stats[STAT_CLIPPED] = optim_stats[STAT_CLIPPED]
         stats[STAT_TARGET_UPDATES] = optim_stats[STAT_TARGET_UPDATES]
         stats[STAT_AGENT_LR_SCALE] = optim_stats[STAT_LR_SCALE]
+        stats[STAT_AGENT_TARGET_SOFT] = optim_stats[STAT_TARGET_SOFT]
+        stats[STAT_AGENT_DECAY] = optim_stats[STAT_DECAY_RATE]
+        stats[STAT_AGENT_WARMUP] = optim_stats[STAT_WARMUP_SCALE]
         stats[STAT_AGENT_LR_RESTARTS] = optim_stats[STAT_LR_RESTARTS]
         stats[STAT_NSTEP_LEN] = sm[0] / np.float32(B)
         stats[STAT_LOCK_MASKED] = sl[0] / np.float32(B)
