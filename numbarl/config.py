@@ -464,7 +464,10 @@ def resolve(preset_name: str | None = None, config_file: str | None = None, sets
     loaded = load_file(config_file) if config_file else {}
     name = preset_name or loaded.get("preset") or default_preset
     cfg = replace(preset(name), preset=name)
-    cfg = apply(cfg, loaded)
+    try:
+        cfg = apply(cfg, loaded)
+    except ConfigError as e:  # name the file the bad value came from
+        raise ConfigError(f"config file {config_file}: {e}") from None
     cfg = apply(cfg, parse_sets(sets))
     cfg = apply(cfg, {k: v for k, v in direct.items() if v is not None})
     return cfg.validate()

@@ -103,7 +103,8 @@ def test_sigterm_during_training_exits_143_naming_resume(tmp_path, monkeypatch):
     r = CliRunner().invoke(cli.train_cmd, ["--preset", "tiny", "--quiet", "--out", str(out)])
     assert r.exit_code == 143, r.output + repr(r.exception)
     assert "terminated (SIGTERM)" in r.output and f"numbarl-train --resume {out}" in r.output
-    assert "SIGTERM" in (out / "train.log").read_text()
+    assert r.output.count(f"numbarl-train --resume {out}") == 1  # one hint on the console, not two
+    assert "SIGTERM" in (out / "train.log").read_text() and "--resume" in (out / "train.log").read_text()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +169,8 @@ def test_data_export_into_a_file_path(tmp_path):
     r = CliRunner().invoke(data_group, ["export", str(cache), "--parquet", str(tmp_path / "a_file" / "x.parquet")],
                            prog_name="numbarl-data")
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output + repr(r.exception)
+    errors = [line for line in r.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "a_file is a file, not a folder" in errors[0], r.output
     assert _files(tmp_path) == before
 
 

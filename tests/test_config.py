@@ -175,3 +175,12 @@ def test_weight_decay_groups_are_checked_before_anything_runs():
     gated = config.apply(config.preset("tiny"), {"agent.feature_gate": "true",
                                                  "agent.weight_decay_groups": "trunk.gate"}).validate()
     assert gated.agent.weight_decay_groups == "trunk.gate"
+
+
+def test_a_bad_value_in_a_config_file_names_the_file(tmp_path):
+    from numbarl import config
+
+    bad = tmp_path / "mine.json"
+    bad.write_text('{"agent": {"lr": "x"}}')
+    with pytest.raises(config.ConfigError, match=r"config file .*mine\.json: agent\.lr = 'x' is not a valid float"):
+        config.resolve(config_file=str(bad))

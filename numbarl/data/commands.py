@@ -303,6 +303,9 @@ def export(cache_dir, parquet, force):
 
     if Path(parquet).is_file() and not force:
         raise DataError(f"--parquet {parquet} already exists; choose another name or pass --force to replace it")
+    blocking = next((p for p in Path(parquet).parents if p.is_file()), None)
+    if blocking is not None:  # checked before the cache is read
+        raise DataError(f"--parquet {parquet}: {blocking} is a file, not a folder")
     cache = load_cache(cache_dir)
     columns = {
         "timestamp": pa.array(np.asarray(cache.timestamps), pa.timestamp("ns", tz="UTC")),

@@ -122,6 +122,10 @@ class Progress:
         else:
             self._pending.append(line)
 
+    def note(self, msg: str):
+        """A line for the run's train.log only (the console already gets the same news elsewhere)."""
+        self._record(msg)
+
     def log(self, msg: str):
         self._record(msg)
         msg = f"[{time.strftime('%H:%M:%S')}] {msg}"

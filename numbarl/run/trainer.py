@@ -621,8 +621,9 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
         return run_training(cfg, cache, run, graph, progress, resume, resuming=bool(resume_dir))
     except KeyboardInterrupt as e:
         if run is not None:
-            progress.log(f"interrupted ({'SIGTERM' if type(e) is not KeyboardInterrupt else 'Ctrl-C'}); "
-                         f"continue with: numbarl-train --resume {run.path}")
+            # train.log keeps the news; the console gets the CLI's one line (not the same hint twice)
+            progress.note(f"interrupted ({'SIGTERM' if type(e) is not KeyboardInterrupt else 'Ctrl-C'}); "
+                          f"continue with: numbarl-train --resume {run.path}")
         raise Interrupted(run.path if run is not None else None, e) from None
     except NonFiniteError as e:
         progress.log(f"error: {e}")
