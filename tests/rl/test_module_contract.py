@@ -265,3 +265,11 @@ def test_graph_replay_equals_eager_bitwise(name, rng):
     assert np.array_equal(eager[1], got[1])
     for n in eager[2]:
         assert np.array_equal(eager[2][n], got[2][n]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_gpu_two_consumers_accumulate_through_cublaslt(name, rng):
+    """The gradient rule on the GPU path itself (cuBLASLt's beta = 1 GEMMs, the accumulating column
+    sums) against the float64 reference, not only graph == eager."""
+    test_two_consumers_accumulate_and_the_next_step_overwrites(name, rng, None)
