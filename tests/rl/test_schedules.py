@@ -8,25 +8,9 @@ import numpy as np
 import pytest
 
 from numbarl.cuda.runtime import stream
-from numbarl.rl.nets.base import ParamStore, kaiming_uniform_init
+from test_optim import _flat, _store  # three tensors of odd shapes in two groups, trunk and head
 from numbarl.rl.optim import STAT_LR, STAT_LR_RESTARTS, STAT_LR_SCALE, Adam, AdamConfig, adam_ref
 from numbarl.rl.schedules import ScheduleConfig, lr_multiplier_ref
-
-
-def _store(rng):
-    store = ParamStore()
-    store.add("trunk.w", (5, 7), group="trunk", decay=True, init=kaiming_uniform_init)
-    store.add("head.w", (7, 3), group="head", decay=True, init=kaiming_uniform_init)
-    store.allocate()
-    store.init(rng)
-    return store
-
-
-def _flat(store, role):
-    s = stream()
-    out = store.flat(role).copy_to_host(stream=s)
-    s.synchronize()
-    return out
 
 
 def test_multipliers_hand_computed():
