@@ -30,6 +30,7 @@ stopped stays stopped.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -408,16 +409,14 @@ def _status_callback(tune, sweep: Sweep, log):
             return entry
 
         def on_trial_start(self, iteration, trials, trial, **info):
-            entry = self._set(trial, "running")
-            if entry["name"] in self.launched:
-                return
+            entry = by_name[trial.config["trial"]["name"]]
+            if entry["status"] in ("finished", "stopped_early") or entry["name"] in self.launched:
+                return  # a finished or stopped trial only replays its saved validation epochs (ASHA)
             self.launched.add(entry["name"])
-            if run_finished(sweep.run_dir(entry)):
-                return  # a finished trial only replays its validation records (ASHA)
             if (sweep.run_dir(entry) / "run.json").is_file():
                 entry["resumed"] = True  # numbarl-train --resume continues it
             entry["attempts"] += 1
-            sweep.save()
+            self._set(trial, "running")
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             entry = self._set(trial, "stopped_early")
@@ -512,8 +511,12 @@ def main(preset=None, config_file=None, sets=(), grid=(), random=(), samples=1, 
 
     # RAY: a local instance, or the cluster at --address
     init = {"address": address} if address else {"include_dashboard": False}
+    stopped = []  # the exception a SIGTERM raised (Ray Tune re-raises a plain KeyboardInterrupt)
+    on_sigterm = signal.getsignal(signal.SIGTERM)  # the CLI's (stop like Ctrl-C): Ray's start replaces it
     try:
         ray.init(log_to_driver=False, configure_logging=True, logging_level="WARNING", **init)
+        if callable(on_sigterm):
+            signal.signal(signal.SIGTERM, functools.partial(_sigterm, on_sigterm, stopped))
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SweepError(f"--address {address}: cannot join that Ray cluster ({str(e).splitlines()[0]}); "
                          "start one with `ray start --head`" if address else f"cannot start a local Ray: {e}") from None
@@ -553,11 +556,9 @@ def main(preset=None, config_file=None, sets=(), grid=(), random=(), samples=1, 
             f"{gpus_per_trial:g} GPU and {cpus_per_trial:g} CPU per trial")
         if todo:
             _fit(tune, sweep, args, config_path, todo, steps, gpus_per_trial, cpus_per_trial, max_concurrent, log)
-    except KeyboardInterrupt:
-        if sweep is not None and (out / SWEEP_FILE).is_file():
-            log(f"numbarl-sweep: interrupted; continue with `numbarl-sweep --out {out} --resume`")
-        raise
-    finally:
+    except KeyboardInterrupt as e:
+        raise (stopped[0] if stopped else e) from None
+    finally:  # Ctrl-C too: the workers end, their trial processes get SIGTERM (resumable run folders)
         ray.shutdown()
     text = _write_compare(sweep)
     log(text)
@@ -568,6 +569,14 @@ def main(preset=None, config_file=None, sets=(), grid=(), random=(), samples=1, 
         return 1
     log(f"numbarl-sweep: results in {out / 'compare.txt'} and {out / 'compare.json'}")
     return 0
+
+
+def _sigterm(handler, stopped: list, signum, frame):
+    try:
+        handler(signum, frame)
+    except BaseException as e:
+        stopped.append(e)
+        raise
 
 
 def _config_names_preset(path: str) -> bool:

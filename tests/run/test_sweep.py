@@ -287,3 +287,37 @@ def test_bad_arguments_one_error_nothing_written(tmp_path, case):
     r = _invoke(*base, *args, "--out", str(out))
     _one_error(r, text)
     assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# ASHA
+# ---------------------------------------------------------------------------------------------
+def _first_val_sharpe(run: Path) -> float:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r["sharpe"] for r in records if r["kind"] == "val")
+
+
+def test_asha_stops_the_trial_behind_at_its_first_rung_and_resume_keeps_it(cache_dir, tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "sweep"
+    log = tmp_path / "asha.log"
+    # one trial at a time: the second reaches rung 1 (epoch 1) with the first's value recorded there;
+    # ASHA (reduction factor 3) stops it when its validation Sharpe is below the first's
+    _finish(_start(cache_dir, "--preset", "tiny", *SETS, "--set", "train.epochs=3", "--seeds", "0,1", "--asha",
+                   "--max-concurrent", "1", "--out", str(out), log=log), log)
+    assert not _processes_of(out)
+    trials = json.loads((out / "sweep.json").read_text())["trials"]
+    first, second = sorted(trials, key=lambda t: (out / "logs" / f"{t['name']}.log").read_text().splitlines()[0])
+    assert first["status"] == "finished"
+    behind = _first_val_sharpe(out / "trials" / second["name"]) < _first_val_sharpe(out / "trials" / first["name"])
+    assert second["status"] == ("stopped_early" if behind else "finished"), (trials, log.read_text()[-2000:])
+    if behind:  # stopped after its first epoch: one validation record, no test, listed under the table
+        run = out / "trials" / second["name"]
+        vals = [line for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "val"' in line]
+        assert len(vals) == 1 and not (run / "summary.json").exists()
+        assert f"not in the table: {second['name']} (stopped early)" in (out / "compare.txt").read_text()
+    # --resume: the finished and the stopped trial only replay their epochs; nothing runs again
+    log2 = tmp_path / "asha-resumed.log"
+    _finish(_start(cache_dir, "--out", str(out), "--resume", log=log2), log2)
+    again = json.loads((out / "sweep.json").read_text())["trials"]
+    assert [(t["status"], t["attempts"]) for t in again] == [(t["status"], 1) for t in trials]
