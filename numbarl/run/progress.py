@@ -15,7 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-PHASES = ("step", "backtest", "checkpoint")  # a collect step (+ its train step), a backtest bar, a checkpoint
+PHASES = ("step", "backtest", "checkpoint")
+# the time budget of a run: data (load or build the cache), compile (the first run of each step,
+# which compiles its kernels and captures its graph), steps (collect + train replays), validation
+# and test backtests, checkpoints, report; `other` is the rest of the wall time (start-up imports,
+# the oracle's backtest, writing summaries and trade lists)
+BUDGET = ("data", "compile", "steps", "validation", "test", "checkpoint", "report")  # a collect step (+ its train step), a backtest bar, a checkpoint
 LOG_FILE = "train.log"
 
 
@@ -44,6 +49,9 @@ class Progress:
 
             self._console = Console(stderr=True)
         self._clock = clock
+        self._started = clock()
+        # where this process's wall time went, measured (seconds): summary.json's time_budget_s
+        self.budget = {name: 0.0 for name in BUDGET}
         self._last_width = 0
         self._file = None
         self._pending: list[str] = []  # lines logged before the run folder (and its log) existed
@@ -121,6 +129,23 @@ class Progress:
             self._file.write(line + "\n")
         else:
             self._pending.append(line)
+
+    def charge(self, name: str, seconds: float) -> None:
+        """Count `seconds` of wall time to the budget entry `name` (one of BUDGET)."""
+        self.budget[name] += float(seconds)
+
+    def time_budget(self, previous: dict | None = None) -> dict:
+        """{entry: seconds} of this process's run so far, with `other` and `total`, added to a
+        `previous` budget (a resumed run's summary). The steps' entry is the step time measured for
+        the ETA less the compile time inside it."""
+        spent = dict(self.budget)
+        spent["steps"] = max(self.spent["step"][1] - spent["compile"], 0.0)
+        spent["checkpoint"] = self.spent["checkpoint"][1]
+        total = self._clock() - self._started
+        spent["other"] = max(total - sum(spent.values()), 0.0)
+        spent["total"] = total
+        previous = previous or {}
+        return {k: round(v + float(previous.get(k) or 0.0), 3) for k, v in spent.items()}
 
     def note(self, msg: str):
         """A line for the run's train.log only (the console already gets the same news elsewhere)."""

@@ -261,7 +261,10 @@ class FoldTrainer:
     # -- the loop --------------------------------------------------------------------------------
     def replay_graph(self, name: str):
         if name not in self.graphs:  # capture runs the step once (warm-up): that is this step
+            t0 = time.perf_counter()
             self.graphs[name] = _capture(self.steps[name], self.stream, self.graph)
+            self.stream.synchronize()  # the first run compiles its kernels: its time is the compile entry
+            self.progress.charge("compile", time.perf_counter() - t0)
         else:
             self.graphs[name].replay(self.stream)
 
@@ -333,7 +336,9 @@ class FoldTrainer:
                              f"({bars} bars) {self.progress.bar()} ETA {self.progress.eta()}")
         t0 = time.perf_counter()
         result = self.evaluate(window)
-        self.progress.done("backtest", bars, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.progress.done("backtest", bars, seconds)
+        self.progress.charge("test" if what.startswith("test") else "validation", seconds)
         return result
 
     def validate(self):
@@ -463,6 +468,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                           "data": str(cache.path)}
     # the execution assumption every result of the run rests on, stated where results are shown
     summary.setdefault("fill_assumption", cfg.env.fill_assumption())
+    previous_budget = summary.get("time_budget_s")  # a resumed run adds its time to the killed one's
     progress.log(f"execution: {summary['fill_assumption']}")
     done_folds = {f["fold"] for f in summary["folds"]}
     if resume is not None and all(f.index in done_folds for f in folds):
@@ -542,7 +548,14 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     run.write_csv()
     from numbarl.run.report import write_report
 
+    t_report = time.perf_counter()
     html, png = write_report(run)
+    progress.charge("report", time.perf_counter() - t_report)
+    # the time budget (measured: issue 17's "where a run's wall time goes"), then the report again
+    # would be circular: summary.json gets it, the log prints it
+    summary["time_budget_s"] = progress.time_budget(previous_budget)
+    run.write_summary(summary)
+    progress.log("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["time_budget_s"].items()))
     if len(summary["folds"]) > 1:  # the out-of-sample spread over the folds (numbarl-compare's table)
         from numbarl.run import compare
 
@@ -601,7 +614,9 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
         RunDir.check_destination(out_dir)  # before the data is read or built: a bad --out fails at once
     try:
         # DATA (validated before anything is written)
+        t_data = time.perf_counter()
         cache = prepare_data(cfg.data, log=progress.log)
+        progress.charge("data", time.perf_counter() - t_data)
         make_folds(cache, cfg.train)  # too few sessions → DataError before any output
         if cache.features.shape[1] < 1:
             raise DataError(f"{cache.path}: the cache has no features")

@@ -87,6 +87,13 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
         want = cfg["epsilon_start"] + (cfg["epsilon_end"] - cfg["epsilon_start"]) * min(t / cfg["epsilon_decay_steps"], 1.0)
         assert rec["epsilon"] == pytest.approx(want, rel=1e-6), rec
     assert summary["numbarl_version"] and summary["device"]
+    # the time budget: where the run's wall time went, measured, every entry accounted for
+    budget = summary["time_budget_s"]
+    parts = ("data", "compile", "steps", "validation", "test", "checkpoint", "report", "other")
+    assert set(budget) == set(parts) | {"total"} and all(budget[k] >= 0 for k in budget)
+    assert budget["compile"] > 0 and budget["validation"] > 0 and budget["test"] > 0 and budget["report"] > 0
+    assert sum(budget[k] for k in parts) == pytest.approx(budget["total"], abs=0.01)
+    assert "time: data" in (out / "train.log").read_text()
     # the execution assumption is stated with the results: summary, report, train log
     from numbarl.env.params import EnvParams
 
