@@ -1,5 +1,5 @@
 """numbarl's command-line entry points (click): numbarl-train, numbarl-data, numbarl-backtest,
-numbarl-compare, numbarl-bench.
+numbarl-compare, numbarl-bench, numbarl-sweep.
 
 The CLI only maps options onto the config and turns expected errors (bad data,
 bad config, not a run, an --out that cannot be written) into one line on stderr and exit code 2.

@@ -303,7 +303,7 @@ def test_asha_stops_the_trial_behind_at_its_first_rung_and_resume_keeps_it(cache
     log = tmp_path / "asha.log"
     # one trial at a time: the second reaches rung 1 (epoch 1) with the first's value recorded there;
     # ASHA (reduction factor 3) stops it when its validation Sharpe is below the first's
-    _finish(_start(cache_dir, "--preset", "tiny", *SETS, "--set", "train.epochs=3", "--seeds", "0,1", "--asha",
+    _finish(_start(cache_dir, "--preset", "tiny", *SETS, "--seeds", "0,1", "--asha",
                    "--max-concurrent", "1", "--out", str(out), log=log), log)
     assert not _processes_of(out)
     trials = json.loads((out / "sweep.json").read_text())["trials"]
