@@ -321,3 +321,19 @@ def test_asha_stops_the_trial_behind_at_its_first_rung_and_resume_keeps_it(cache
     _finish(_start(cache_dir, "--out", str(out), "--resume", log=log2), log2)
     again = json.loads((out / "sweep.json").read_text())["trials"]
     assert [(t["status"], t["attempts"]) for t in again] == [(t["status"], 1) for t in trials]
+
+
+def test_a_failing_trial_is_reported_and_the_sweep_exits_1(cache_dir, tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "sweep"
+    log = tmp_path / "failing.log"
+    missing = tmp_path / "nowhere.dbn"  # a valid config whose data the trial cannot read
+    proc = _start(cache_dir, "--preset", "tiny", "--set", f"data.source={missing}", "--seeds", "0", "--out", str(out),
+                  log=log)
+    proc.wait(SWEEP_TIMEOUT_S)
+    assert proc.returncode == 1, log.read_text()[-2000:]
+    (trial,) = json.loads((out / "sweep.json").read_text())["trials"]
+    assert trial["status"] == "failed" and "exited with code 2" in trial["error"] and "no such file" in trial["error"]
+    assert f"error: --data {missing}: no such file or folder" in (out / "logs" / f"{trial['name']}.log").read_text()
+    assert f"not in the table: {trial['name']} (failed)" in (out / "compare.txt").read_text()
+    assert "1 of 1 trials failed" in log.read_text() and "--resume` runs them again" in log.read_text()
