@@ -508,6 +508,7 @@ def main(preset=None, config_file=None, sets=(), grid=(), random=(), samples=1, 
         config_path = None
     ray, tune = _import_ray()
     os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches numbarl-sweep itself
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables, numbarl's own lines
 
     # RAY: a local instance, or the cluster at --address
     init = {"address": address} if address else {"include_dashboard": False}
