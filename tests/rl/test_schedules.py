@@ -100,3 +100,23 @@ def test_agent_wires_the_schedule_and_the_weight_decay_groups():
     with pytest.raises(ValueError, match="no optimizer group head.bogus; this network's groups: trunk, head.value, head.adv"):
         DQNAgent(AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=64, n_step=1,
                              weight_decay_groups="head.bogus"), 6, (3, 2, 2, 2), 2, seed=1)
+
+
+def test_a_checkpoint_from_before_groups_and_new_stats_still_loads():
+    """Resume across this version's changes: a single lr, a shorter optimizer stats vector and a
+    shorter agent stats vector load into the current agent (what they have, then defaults)."""
+    from numbarl.config import AgentConfig
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=64, n_step=1, lr=3e-3)
+    agent = DQNAgent(cfg, 6, (3, 2, 2, 2), 2, seed=1)
+    arrays = agent.state_arrays()
+    old = {k: v for k, v in arrays.items() if k not in ("optim/base_lr", "optim/group_start", "optim/momentum_scale")}
+    old["optim/lr"] = np.array([2e-3], np.float32)
+    old["optim/stats"] = np.arange(5, dtype=np.float32)
+    old["agent/stats"] = np.arange(16, dtype=np.float32)
+    fresh = DQNAgent(cfg, 6, (3, 2, 2, 2), 2, seed=2)
+    fresh.load_state(old)
+    assert fresh.optim.group_values("lr") == pytest.approx({"trunk": 2e-3, "head.value": 2e-3, "head.adv": 2e-3})
+    assert np.array_equal(fresh.optim.state["stats"].copy_to_host()[:5], np.arange(5))
+    assert np.array_equal(fresh.stats.host[:16], np.arange(16))

@@ -501,6 +501,12 @@ class DQNAgent(Agent):
         optim = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optim/")}
         if "lr" in optim and optim["lr"].shape != self.optim.lr.shape:  # a checkpoint from before groups
             optim["lr"] = np.broadcast_to(optim["lr"], self.optim.lr.shape)
+        if "stats" in optim and optim["stats"].shape != self.optim.state["stats"].shape:
+            # a checkpoint from a version with fewer optimizer statistics: the ones it has, then defaults
+            stats = self.optim.state["stats"].copy_to_host()
+            n = min(stats.size, optim["stats"].size)
+            stats[:n] = optim["stats"][:n]
+            optim["stats"] = stats
         self.optim.state.load(optim)
         self.replay.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("replay/")})
         self.scalars.load({k.split("/", 1)[1]: v for k, v in arrays.items()
