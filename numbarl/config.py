@@ -138,6 +138,9 @@ class AgentConfig:
     weight_decay_groups: str = ""
     """Comma-separated optimizer groups that agent.weight_decay applies to (e.g. 'trunk,head.value');
     empty: every group (always only the tensors marked for decay: weights, not biases)."""
+    cql_alpha: float = 0.0
+    """Weight α of the conservative Q-learning regularizer on the online Q-values (numbarl/rl/losses/cql.py,
+    Kumar et al. 2020); 0 = off."""
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
@@ -147,6 +150,7 @@ class AgentConfig:
         _check("agent", "lr_warmup_steps", self.lr_warmup_steps, lo=0, hi=10**9)
         _check("agent", "lr_cycle_steps", self.lr_cycle_steps, lo=0, hi=10**9)
         _check("agent", "lr_min_frac", self.lr_min_frac, lo=0.0, hi=1.0)
+        _check("agent", "cql_alpha", self.cql_alpha, lo=0.0, hi=1e3)
         _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
             groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]

@@ -96,6 +96,13 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_c51_loss.py", "tests/run/test_trainer.py"),
         "lock_masked_frac", "> 0"),
     Component(
+        "cql", "conservative Q-learning regularizer: logsumexp over each branch's actions minus the taken "
+        "action's Q, its gradient added into the C51 loss's",
+        "agent.cql_alpha=0.5",
+        "Kumar, Zhou, Tucker & Levine 2020, Eq. 4 (CQL(H))",
+        ("tests/rl/test_cql.py",),
+        "cql_loss", "> 0"),
+    Component(
         "lr_warmup", "linear learning-rate warm-up of every optimizer group from its start",
         "agent.lr_warmup_steps=500",
         "Goyal et al. 2017, §2.2 (gradual warm-up)",

@@ -23,7 +23,8 @@ FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bar
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
                "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true",
-               "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01"],
+               "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
+               "--set", "agent.cql_alpha=0.5"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
                  "--set", "agent.lr_cycle_steps=2", "--set", "agent.n_step=1", "--set", "agent.weight_decay=0",
                  "--set", "agent.max_grad_norm=0"],

@@ -45,6 +45,7 @@ from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
+from numbarl.rl.losses.cql import CqlLoss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
 from numbarl.rl.nets.mlp import Mlp
@@ -99,6 +100,7 @@ STAT_AGENT_LR_RESTARTS = AGENT_STATS.slot("lr_restarts", 18, kind="int")  # warm
 STAT_AGENT_TARGET_SOFT = AGENT_STATS.slot("target_soft_updates", 19, kind="int")  # liveness of the Polyak target
 STAT_AGENT_DECAY = AGENT_STATS.slot("decay_rate", 20)  # the largest lr x weight decay in force (weight decay live)
 STAT_AGENT_WARMUP = AGENT_STATS.slot("lr_warmup_scale", 21)  # the warm-up part of the lr multiplier (group 0)
+STAT_CQL_LOSS = AGENT_STATS.slot("cql_loss", 22)  # the CQL regularizer's value (before its weight α)
 STAT_NSTEP_LEN = AGENT_STATS.slot("nstep_len_mean", 16)  # mean steps m of the sampled n-step windows (liveness of n-step)
 N_STATS = AGENT_STATS.size
 
@@ -299,6 +301,8 @@ class DQNAgent(Agent):
 
         # LOSS, OPTIMIZER, REPLAY
         self.loss = C51Loss.for_head(self.head, B)
+        # the CQL regularizer on the same logits: its gradient adds into the C51 loss's (loss contract)
+        self.cql = CqlLoss.for_head(self.head, B) if cfg.cql_alpha > 0 else None
         target = (TargetConfig.periodic(cfg.target_period) if cfg.target_update == "periodic"
                   else TargetConfig.polyak(cfg.tau))
         self.optim = Adam(self.store, AdamConfig(lr=cfg.lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
@@ -438,6 +442,9 @@ class DQNAgent(Agent):
                   "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
                   "next_mask": batch.next_mask if cfg.lock_aware_target else None}  # the env's mask of next_obs
         self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
+        if self.cql is not None:  # adds α · ∂L_cql/∂logits into the same buffer (the C51 loss wrote first)
+            self.cql.apply({"logits": inputs["logits"], "lse": self.acts["head.online.lse"], "actions": batch.action},
+                           {"logits": self.loss.d_logits}, stream, weight=cfg.cql_alpha, ledger=self.store)
 
     # BACKWARD (d logits → head → trunk)
     def _backward(self, stream):
@@ -450,6 +457,8 @@ class DQNAgent(Agent):
 
     # STATS
     def _stats(self, stream):
+        if self.cql is not None:
+            stat_copy_kernel[1, 1, stream](self.cql.loss, self.stats.device, np.int64(STAT_CQL_LOSS))
         batch = self.replay.batch
         train_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, self.head.outputs("next").q,
                                                    batch.action, batch.index, batch.next_index,
@@ -547,6 +556,13 @@ class DQNAgent(Agent):
         if invalid:
             bad.append(f"replay:action ({invalid} rows hold an action outside its branch)")
         return bad
+
+
+@_cuda.jit(cache=True)
+def stat_copy_kernel(src, stats, slot):
+    """stats[slot] = src[0] (a loss scalar into the mapped stats)."""
+    if _cuda.grid(1) == 0:
+        stats[slot] = src[0]
 
 
 @_cuda.jit(cache=True)
