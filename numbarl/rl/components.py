@@ -3,10 +3,10 @@ that it runs in training.
 
 A component is only done when a real training run shows it working: each entry names a metrics
 key (a statistic the train step writes on the device, logged to metrics.jsonl every log interval)
-and the condition that key meets when the component is live. The origin of this rule is a system
-that shipped components which silently never ran in the training forward; the registry makes
-that visible, and tests/rl/test_components.py runs a tiny simulator training run with every
-switch on and checks every key.
+and the condition that key meets when the component is live. A component that is configured but
+silently never runs in the training forward is the failure this makes visible:
+tests/rl/test_components.py runs tiny simulator trainings with every switch on and checks every
+key, and checks that it is not met where the switch is off.
 
     python -m numbarl components            # a table
     python -m numbarl components --json     # the same, machine-readable
