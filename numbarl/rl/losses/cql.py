@@ -21,7 +21,8 @@ head's backward sees the sum; no atomics, fixed order.
 
 Thread mapping: `cql_kernel`, one thread per (b, k): the branch's Q from its logits and lse, the
 softmax over its actions, R[b,k] and the gradient row of every action (a loop over the atoms);
-`cql_reduce_kernel`, ONE block: per-sample means and the scalar loss in a fixed order.
+the C51 loss's `c51_loss_reduce_kernel` (ONE block): per-sample means and the scalar loss in a
+fixed order.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import numpy as np
 
 from numbarl.cuda import launch
 from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.losses import c51
 from numbarl.rl.losses.base import Loss
+from numbarl.rl.losses.c51 import c51_loss_reduce_kernel
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
 BLOCK = launch.shape(gpu=128, sim=16)  # threads per block of the (sample, branch) kernel
-REDUCE_BLOCK = launch.shape(gpu=256, sim=16)  # threads of the single-block reduction (power of two)
 
 _ZERO = np.float32(0.0)
 _NEG_INF = np.float32(-np.inf)
@@ -120,31 +122,6 @@ def cql_kernel(logits, lse, actions, support, branch_sizes, grad_scale, reg, d_l
             d_logits[b, k, a, j] = g * p * (support[j] - q)
 
 
-@_cuda.jit(cache=True)
-def cql_reduce_kernel(reg, inv_branches, inv_batch, per_sample, loss):
-    """ONE block: per_sample[b] = mean_k R[b, k]; loss[0] = mean_b (fixed order, no atomics)."""
-    partial = _cuda.shared.array(REDUCE_BLOCK, np.float32)
-    t = _cuda.threadIdx.x
-    acc = _ZERO
-    for b in range(t, reg.shape[0], REDUCE_BLOCK):
-        s = _ZERO
-        for k in range(reg.shape[1]):
-            s += reg[b, k]
-        s = s * inv_branches
-        per_sample[b] = s
-        acc += s
-    partial[t] = acc
-    _cuda.syncthreads()
-    stride = REDUCE_BLOCK // 2
-    while stride > 0:
-        if t < stride:
-            partial[t] += partial[t + stride]
-        _cuda.syncthreads()
-        stride //= 2
-    if t == 0:
-        loss[0] = partial[0] * inv_batch
-
-
 # ---------------------------------------------------------------------------------------------
 # the loss
 # ---------------------------------------------------------------------------------------------
@@ -198,5 +175,7 @@ class CqlLoss(Loss):
         cql_kernel[grid, BLOCK, stream](logits, lse, actions, self.arena["support"], self.arena["branch_sizes"],
                                         np.float32(1.0 / (self.batch * self.n_branches)), self.arena["reg"],
                                         self.arena["d_logits"])
-        cql_reduce_kernel[1, REDUCE_BLOCK, stream](self.arena["reg"], np.float32(1.0 / self.n_branches),
-                                                   np.float32(1.0 / self.batch), self.per_sample, self.loss)
+        # per-sample means over the branches and the batch mean: the C51 loss's fixed-order reduction
+        c51_loss_reduce_kernel[1, c51.REDUCE_BLOCK, stream](
+            self.arena["reg"], self.per_sample, np.int32(0), np.float32(1.0 / self.n_branches),
+            np.float32(1.0 / self.batch), self.per_sample, self.loss)
