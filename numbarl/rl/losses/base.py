@@ -32,6 +32,17 @@ class Loss:
     inputs: tuple = ()
     grad_inputs: tuple = ()
 
+    # every loss owns an Arena (`self.arena`) holding at least "loss" [1] and "per_sample" [B]
+    @property
+    def loss(self):
+        """Device float32 [1]: the loss of the last compute()."""
+        return self.arena["loss"]
+
+    @property
+    def per_sample(self):
+        """Device float32 [B]: each sample's loss (unweighted), e.g. for replay priorities."""
+        return self.arena["per_sample"]
+
     def compute(self, x: dict, stream) -> None:
         raise TypeError(f"{type(self).__name__} does not define compute (see numbarl.rl.losses.base)")
 

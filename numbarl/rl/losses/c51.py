@@ -533,14 +533,6 @@ class C51Loss(Loss):
         return self.arena["d_logits"]
 
     @property
-    def loss(self):
-        return self.arena["loss"]
-
-    @property
-    def per_sample(self):
-        return self.arena["per_sample"]
-
-    @property
     def ce(self):
         """Per (sample, branch) cross-entropy, float32 [B, n_branches]."""
         return self.arena["ce"]

@@ -154,14 +154,6 @@ class CqlLoss(Loss):
     def for_head(cls, head, batch: int) -> "CqlLoss":
         return cls(batch, head.branch_sizes, head.support_host)
 
-    @property
-    def loss(self):
-        return self.arena["loss"]
-
-    @property
-    def per_sample(self):
-        return self.arena["per_sample"]
-
     def grad(self, name: str):
         return self.arena["d_logits"]
 
