@@ -141,9 +141,42 @@ class AgentConfig:
     cql_alpha: float = 0.0
     """Weight α of the conservative Q-learning regularizer on the online Q-values (numbarl/rl/losses/cql.py,
     Kumar et al. 2020); 0 = off."""
+    aux_frequency: int = 4
+    """Train steps per step that also runs the auxiliary losses (today: CQL); the others train the
+    C51 loss alone (origin default 4; 1 = every step)."""
+    iqn: bool = False
+    """Implicit quantile head on the shared trunk (numbarl/rl/nets/iqn_head.py, Dabney et al. 2018),
+    trained by the quantile Huber loss (numbarl/rl/losses/quantile_huber.py, κ = 1) against the target
+    network's quantiles at the C51 double-DQN action, as an auxiliary loss (every agent.aux_frequency
+    train steps); its own optimizer group 'head.iqn'; its gradient reaches the trunk."""
+    iqn_quantiles: int = 32
+    """IQN: quantile fractions per sample, N = N' (online and target)."""
+    iqn_embed: int = 64
+    """IQN: cosine features n of the fraction embedding cos(pi j tau), j < n."""
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
+    support: str = "fixed"
+    """C51 support: 'fixed' (agent.v_min .. agent.v_max) or 'fit': once, after the replay prefill, the
+    support is set to ±v fitted to the replay's n-step returns (numbarl/rl/support.py:
+    v = max(|q_0.001|, |q_0.999|) of R_n times the horizon factor)."""
+    support_horizon_factor: float = 0.0
+    """'fit' only: v = that quantile x this factor; 0 = auto, max(A / sqrt(1 - gamma^(2n)), |mean R_n| /
+    (1 - gamma^n)) (the value is a discounted sum of many n-step windows; numbarl/rl/support.py)."""
+    atom_entropy_max: float = 0.0
+    """beta_max of the adaptive atom-entropy regulariser: beta = beta_max * clip((0.5 - u_ema) / 0.5, 0, 1)
+    with u_ema the EMA of the share of atoms the taken actions' batch-mean distribution uses
+    (numbarl/rl/agents/dqn.py); 0 = off (the spec suggests 1e-2)."""
+    freeze_reset: bool = False
+    """On a detected freeze (numbarl/rl/freeze.py: Q-mean, Q-std and atom utilisation still for
+    agent.freeze_epochs epochs while the gradient norm stays >= agent.freeze_grad_min), zero Adam's
+    moments of the branch-advantage weights (optimizer group 'head.adv')."""
+    freeze_eps: float = 1e-4
+    """Freeze detector: largest per-epoch change of each watched statistic that counts as still."""
+    freeze_epochs: int = 4
+    """Freeze detector: consecutive still epochs before it fires."""
+    freeze_grad_min: float = 1.0
+    """Freeze detector: smallest logged gradient norm at which still Q statistics count as a freeze."""
 
     def validate(self):
         _check("agent", "kind", self.kind, choices=AGENT_KINDS)
@@ -151,9 +184,13 @@ class AgentConfig:
         _check("agent", "lr_cycle_steps", self.lr_cycle_steps, lo=0, hi=10**9)
         _check("agent", "lr_min_frac", self.lr_min_frac, lo=0.0, hi=1.0)
         _check("agent", "cql_alpha", self.cql_alpha, lo=0.0, hi=1e3)
+        _check("agent", "aux_frequency", self.aux_frequency, lo=1, hi=10**6)
+        _check("agent", "iqn_quantiles", self.iqn_quantiles, lo=1, hi=1024)
+        _check("agent", "iqn_embed", self.iqn_embed, lo=1, hi=4096)
         _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
             groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]
+            groups += ["head.iqn"] if self.iqn else []
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
                 raise ConfigError(f"agent.weight_decay_groups = {self.weight_decay_groups!r}: no optimizer group "
@@ -180,6 +217,12 @@ class AgentConfig:
         _check("agent", "target_period", self.target_period, lo=1, hi=10**9)
         _check("agent", "tau", self.tau, lo=0.0, hi=1.0, lo_open=True)
         _check("agent", "compute", self.compute, choices=("fp32", "tf32"))
+        _check("agent", "support", self.support, choices=("fixed", "fit"))
+        _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)
+        _check("agent", "atom_entropy_max", self.atom_entropy_max, lo=0.0, hi=10.0)
+        _check("agent", "freeze_eps", self.freeze_eps, lo=0.0, hi=1e6, lo_open=True)
+        _check("agent", "freeze_epochs", self.freeze_epochs, lo=1, hi=10**6)
+        _check("agent", "freeze_grad_min", self.freeze_grad_min, lo=0.0, hi=1e9)
 
 
 @dataclass(frozen=True)
@@ -222,6 +265,43 @@ class TrainConfig:
     """Model selection: the test window scores the epoch whose validation Sharpe averaged over it
     and the select_window - 1 epochs before it is highest (1 = the best single epoch; a larger
     window does not reward one lucky validation epoch)."""
+    # the validation feedback loop (numbarl/rl/feedback): with any switch on, the validation window
+    # splits into a feedback part the switches read and a selection part the model is chosen on
+    feedback_split: float = 0.5
+    """Share of the validation window (its first bars) the feedback loop reads; the model is
+    selected on the rest, after train.embargo_bars (used only when a feedback switch is on)."""
+    e1_q_reality: float = 0.0
+    """E1 Q reality check: step eta of the reward offset that removes the median gap between the
+    greedy Q at validation entries and the reward those trades realized (0 = off; origin: 0.5)."""
+    e2_adaptive_epsilon: bool = False
+    """E2: after epoch 1 the exploration rate follows the feedback Sharpe (x0.8 when it holds up,
+    x1.25 when it falls; [0.01, 0.3]) instead of the schedule."""
+    e3_dynamic_gamma: bool = False
+    """E3: discount from the feedback trades' mean holding time, clip(1 - 1/(2 avg_hold), 0.95, 0.999)."""
+    e4_trade_autopsy: bool = False
+    """E4: each losing feedback trade blamed on one branch (direction, size, target, stop); each
+    branch's advantage columns learn at agent.lr x clip(its share / the mean share, 0.5, 2)."""
+    e6_winner_boost: float = 0.0
+    """E6 winner distillation: the replay rows of the top e6_top_frac of the training trades (by
+    P&L, threshold from the previous epoch) weigh 1 + this in the loss (0 = off; origin: 1)."""
+    e6_top_frac: float = 0.1
+    """E6: the share of training trades that count as winners."""
+    e7_margin_weight: float = 0.0
+    """E7 hindsight labels: weight lambda_E of the large-margin loss towards 'flat' at the entries of
+    losing training trades, halved each epoch (0 = off; origin: 0.1)."""
+    e7_margin: float = 0.8
+    """E7: the margin l of the large-margin loss (reward units)."""
+    e8_curriculum_kappa: float = 0.0
+    """E8 curriculum: loss weight of a regime bucket clip(1 + kappa (its feedback loss rate - the
+    mean), 0.5, 2) (0 = off; origin: 1)."""
+    e9_tradability_gate: bool = False
+    """E9: no entries in the regime buckets (trend x volatility terciles) whose shrunk mean
+    feedback trade P&L is negative."""
+    e9_min_trades: int = 10
+    """Trades a regime bucket needs before E9 may gate it (and the trade count under which E2
+    raises its exploration floor)."""
+    regime_features: str = "adx_14,rv_32"
+    """The two features whose training-window terciles define the 9 regime buckets (E8, E9)."""
 
     def validate(self):
         _check("train", "n_envs", self.n_envs, lo=1, hi=65536)
@@ -240,6 +320,16 @@ class TrainConfig:
         _check("train", "test_sessions", self.test_sessions, lo=1, hi=100000)
         _check("train", "embargo_bars", self.embargo_bars, lo=0, hi=10**9)
         _check("train", "select_window", self.select_window, lo=1, hi=self.epochs)
+        _check("train", "feedback_split", self.feedback_split, lo=0.0, hi=1.0, lo_open=True)
+        _check("train", "e1_q_reality", self.e1_q_reality, lo=0.0, hi=10.0)
+        _check("train", "e9_min_trades", self.e9_min_trades, lo=1, hi=10**9)
+        _check("train", "e6_winner_boost", self.e6_winner_boost, lo=0.0, hi=100.0)
+        _check("train", "e6_top_frac", self.e6_top_frac, lo=0.0, hi=1.0, lo_open=True)
+        _check("train", "e8_curriculum_kappa", self.e8_curriculum_kappa, lo=0.0, hi=100.0)
+        _check("train", "e7_margin_weight", self.e7_margin_weight, lo=0.0, hi=100.0)
+        _check("train", "e7_margin", self.e7_margin, lo=0.0, hi=1e6)
+        if len([w for w in self.regime_features.split(",") if w.strip()]) != 2:
+            raise ConfigError(f"train.regime_features = {self.regime_features!r} must name two features, comma separated")
 
 
 @dataclass(frozen=True)

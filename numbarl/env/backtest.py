@@ -242,6 +242,19 @@ def policy_bar_kernel(q, mask, branch_sizes, actions, st, grids, mk, k, last_bar
 
 
 @_cuda.jit(cache=True)
+def record_q_kernel(q, cursor, start_bar, q_rec):
+    """q_rec[c - start, p, :] = policy p's direction-branch Q at its decision bar c (the bar its
+    obs was gathered at; a surplus step at a chunk's end rewrites the same row with the same Q)."""
+    p = _cuda.grid(1)
+    if p >= cursor.shape[0]:
+        return
+    r = cursor[p] - start_bar
+    if 0 <= r < q_rec.shape[0]:
+        for a in range(q_rec.shape[2]):
+            q_rec[r, p, a] = q[p, 0, a]
+
+
+@_cuda.jit(cache=True)
 def zero_rows_kernel(pnl, position):
     e = _cuda.grid(1)
     if e >= pnl.shape[0] * pnl.shape[1]:
@@ -267,7 +280,8 @@ class DeviceBacktest:
         bt.set_origin(origin + chunk_bars)          # next chunk
     """
 
-    def __init__(self, data, params: EnvParams, n_policies: int, window, chunk_bars: int | None = None, max_trades: int | None = None):
+    def __init__(self, data, params: EnvParams, n_policies: int, window, chunk_bars: int | None = None,
+                 max_trades: int | None = None, record_q: bool = False):
         market = data if isinstance(data, DeviceMarket) else data.to_device(params.vol_span, params.vol_horizon_bars)
         market.check(params)
         if not isinstance(n_policies, (int, np.integer)) or not 1 <= n_policies <= 1 << 20:
@@ -307,6 +321,8 @@ class DeviceBacktest:
         arena.add("sizes", sizes.shape, np.float32)
         arena.add("targets", targets.shape, np.float32)
         arena.add("stops", stops.shape, np.float32)
+        if record_q:  # the direction branch's Q at every decision bar of the window (q_fn bar steps)
+            arena.add("q_record", (self.n_bars, P, params.branch_sizes[0]), np.float32)
         arena.allocate()
         arena.load({"sizes": sizes, "targets": targets, "stops": stops})
         self.arena = arena
@@ -316,6 +332,7 @@ class DeviceBacktest:
         self.mk = MarketArrays(*(market[name] for name in ("features", "mid", "bid", "ask", "high", "low", "vol")))
         self.trades = TradeArrays(*(arena["trade_" + name] for name, _ in TRADE_FIELDS))
         self.origin = self.start_bar
+        self.record_q = bool(record_q)
 
     # -- host-side control (between chunks; not inside a capture) --------------------------------
     def set_origin(self, origin: int, stream=None) -> None:
@@ -358,6 +375,9 @@ class DeviceBacktest:
         s = _s(stream)
         obs, q = self.arena["obs"], self.arena["q"]
         q_fn(obs, q, s)
+        if self.record_q:
+            record_q_kernel[launch_dims(self.n_policies, BLOCK) + (s,)](
+                q, self.state.cursor, np.int64(self.start_bar), self.arena["q_record"])
         policy_bar_kernel[self.n_policies, POLICY_BLOCK, s](
             q, self.arena["mask"], self.branch_sizes, self.arena["actions"],
             self.state, self.grids, self.mk, self.k, self.last_bar, self.arena["origin"],
@@ -387,6 +407,18 @@ class DeviceBacktest:
         arrays = {name: self.arena["trade_" + name].copy_to_host(stream=s) for name, _ in TRADE_FIELDS}
         s.synchronize()
         return trades_frame(arrays, counts, self.capacity)
+
+    def q_record_to_host(self, stream=None) -> np.ndarray | None:
+        """float32 [P, W, n_directions]: the direction branch's greedy-pass Q at each decision bar
+        (NaN where no decision was taken: the window's last bar), or None without record_q."""
+        if not self.record_q:
+            return None
+        s = _s(stream)
+        rec = self.arena["q_record"].copy_to_host(stream=s)
+        s.synchronize()
+        out = np.ascontiguousarray(np.transpose(rec, (1, 0, 2)))
+        out[:, -1, :] = np.nan
+        return out
 
     def accumulators_to_host(self, stream=None) -> np.ndarray:
         s = _s(stream)
@@ -485,7 +517,8 @@ def _drop(key) -> None:
         runner.close()
 
 
-def policy_bars(market, params: EnvParams, n_policies: int, window, chunk_bars, max_trades, q_fn, graph: bool = True) -> PolicyBars:
+def policy_bars(market, params: EnvParams, n_policies: int, window, chunk_bars, max_trades, q_fn, graph: bool = True,
+                record_q: bool = False) -> PolicyBars:
     """A PolicyBars (with its DeviceBacktest) for this backtest; reused across calls when possible.
 
     With a DeviceMarket and graph=True, the runner is cached per (market, params, n_policies,
@@ -497,16 +530,17 @@ def policy_bars(market, params: EnvParams, n_policies: int, window, chunk_bars, 
     call, as before.
     """
     if not graph or not isinstance(market, DeviceMarket):
-        return PolicyBars(DeviceBacktest(market, params, n_policies, window, chunk_bars, max_trades), q_fn, graph)
+        return PolicyBars(DeviceBacktest(market, params, n_policies, window, chunk_bars, max_trades, record_q), q_fn,
+                          graph)
     owner = getattr(q_fn, "__self__", None)
     func = getattr(q_fn, "__func__", q_fn) if owner is not None else q_fn
-    key = (id(market), id(owner), func, params, int(n_policies), tuple(window), chunk_bars, max_trades)
+    key = (id(market), id(owner), func, params, int(n_policies), tuple(window), chunk_bars, max_trades, bool(record_q))
     runner = _POLICY_CACHE.get(key)
     if runner is not None:
         _POLICY_CACHE.move_to_end(key)
         return runner
     on_death = lambda _ref, key=key: _drop(key)  # noqa: E731 - a weakref callback
-    bt = DeviceBacktest(market, params, n_policies, window, chunk_bars, max_trades)
+    bt = DeviceBacktest(market, params, n_policies, window, chunk_bars, max_trades, record_q)
     callback = _WeakCallback(q_fn, on_death) if owner is not None else q_fn
     runner = PolicyBars(bt, callback, graph=True)
     _POLICY_CACHE[key] = runner
@@ -573,6 +607,7 @@ class BacktestResult:
     bars_per_day: float
     initial_capital: float
     accumulators: np.ndarray  # float64 [N_ACC, P]: the device metric scan
+    q_record: np.ndarray | None = None  # float32 [P, W, n_directions] with record_q (q_fn backtests)
 
     @property
     def n_policies(self) -> int:
@@ -606,6 +641,7 @@ def backtest(
     max_trades: int | None = None,
     stream=None,
     graph: bool = True,
+    record_q: bool = False,
 ) -> BacktestResult:
     """Backtest P policies over window=(start, end) on the device.
 
@@ -615,6 +651,8 @@ def backtest(
     graph: run the q_fn bar steps as replays of a captured CUDA graph (`PolicyBars`; q_fn must then
     be capturable: no allocation, host copy or synchronize), or False: one eager launch sequence
     per bar. Both give bitwise identical results.
+    record_q (q_fn only): also return the direction branch's Q at every decision bar
+    (BacktestResult.q_record [P, W, n_directions]; the validation feedback loop reads it).
     Returns host arrays [P, W]; for windows too large for host memory (e.g. 4,096 x 10^6 bars)
     drive DeviceBacktest chunk by chunk and take the metrics from its device scan instead.
     """
@@ -638,7 +676,7 @@ def backtest(
             raise ValueError("backtest with q_fn needs n_policies")
         n_pol = int(n_policies)
     if packed is None:
-        runner = policy_bars(data, params, n_pol, (start, end), chunk_bars, max_trades, q_fn, graph)
+        runner = policy_bars(data, params, n_pol, (start, end), chunk_bars, max_trades, q_fn, graph, record_q)
         bt = runner.bt
     else:
         bt = DeviceBacktest(data, params, n_pol, (start, end), chunk_bars, max_trades)
@@ -678,6 +716,7 @@ def backtest(
         bars_per_day=host.bars_per_day,
         initial_capital=params.initial_capital,
         accumulators=bt.accumulators_to_host(s),
+        q_record=bt.q_record_to_host(s),
     )
 
 

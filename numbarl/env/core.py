@@ -23,7 +23,8 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
  5. MARK       unrealized = (mid_n - entry price) * position * multiplier; bar P&L = change in
                realized + unrealized (fees are realized when paid).
  6. REWARD     (trade P&L + micro - holding - churn - opportunity + DSR) * conviction, each term
-               its own function below.
+               its own function below; the terms are also returned in StepOut (r_*, conviction)
+               for the training-path telemetry (numbarl/env/telemetry.py).
  7. DONE       position-gated: ep_len >= episode_length and flat with nothing pending; or forced.
                The env then soft-resets to a start drawn from the counter RNG (env_transition).
 
@@ -419,14 +420,15 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
     plan_size = abs(position_held)
     if plan_size == _F0 and t1.reason != EXIT_NONE:
         plan_size = abs(t1.size)
-    reward = (
-        trade_reward(t1.pnl + t2.pnl, k)
-        + micro_reward(position_held, bars.mid_c, bars.mid_n, k)
-        - holding_cost(position_held, k)
-        - churn_penalty(entered, since_entry, k)
-        - opportunity_cost(position_held, preference, k)
-        + k.dsr_scale * d_sum
-    ) * conviction_factor(plan_size, k)
+    # each term once, then the sum in the same order as always (the telemetry reads the terms)
+    r_trade = trade_reward(t1.pnl + t2.pnl, k)
+    r_micro = micro_reward(position_held, bars.mid_c, bars.mid_n, k)
+    r_holding = holding_cost(position_held, k)
+    r_churn = churn_penalty(entered, since_entry, k)
+    r_opportunity = opportunity_cost(position_held, preference, k)
+    r_dsr = k.dsr_scale * d_sum
+    conviction = conviction_factor(plan_size, k)
+    reward = (r_trade + r_micro - r_holding - r_churn - r_opportunity + r_dsr) * conviction
 
     # 7. DONE --------------------------------------------------------------------------------
     done = forced != EXIT_NONE or episode_done(ep_len, pos, p_due, k)
@@ -443,6 +445,13 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
         np.float64(t1.pnl + t2.pnl),
         np.int64(exit_reason),
         np.float64(position_held),
+        np.float64(r_trade),
+        np.float64(r_micro),
+        np.float64(r_holding),
+        np.float64(r_churn),
+        np.float64(r_opportunity),
+        np.float64(r_dsr),
+        np.float64(conviction),
     )
     return s_new, out, t1, t2
 

@@ -6,6 +6,8 @@ Kernels (each runs the row function of numbarl/env/core.py that the CPU referenc
     gather_kernel   obs[i, j] = features[cursor_i, j] | portfolio feature  grid over N * state_dim
                     and the action mask [N, n_branches, max_actions]
     step_kernel     fills, exits, P&L, reward, done, soft reset            grid over N
+                    + the training-path telemetry: env i adds its step to its own column of
+                    telemetry_acc [N_TEL, N] float64 (numbarl/env/telemetry.py)
 
 Actions are chosen outside the env (numbarl/rl/policies.py) from the published mask; the step
 reads the actions and the per-env `preference` (the contract: numbarl/env/__init__.py).
@@ -14,7 +16,8 @@ Every launcher only launches: no allocation, host copy or synchronization, and p
 graph and replayed (the RNG counter is advanced by a kernel, numbarl/cuda/rng.advance).
 
 Memory per env step: ~130 B of state read and written (float64 only where P&L precision needs it,
-see numbarl/env/market.py), 16 B of actions, ~30 B of outputs, ~70 B of bar quotes.
+see numbarl/env/market.py), 16 B of actions, ~30 B of outputs, ~70 B of bar quotes, and ~240 B of
+training-path telemetry sums read and written (15 float64 every step, 4 more per closed trade).
 
 Replay hook: after `step`, `env.transition` holds device views with fixed addresses:
 obs (before the step) [N, state_dim], mask (of obs) [N, 4, max_actions] u8, actions [N, 4],
@@ -35,8 +38,9 @@ from numbarl.cuda.runtime import Arena, cuda
 from numbarl.cuda.runtime import stream as default_stream
 from numbarl.env.market import DeviceMarket, MarketData, check_range
 from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams
-from numbarl.env.rows import env_step_row, gather_row, reset_row
+from numbarl.env.rows import gather_row, reset_row
 from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, StepArrays
+from numbarl.env.telemetry import N_TEL, launch_zero, telemetry_step_row
 
 _cuda = cuda()
 
@@ -47,7 +51,7 @@ BLOCK = 128  # threads per block (one env per thread; the gather maps one obs el
 # ---------------------------------------------------------------------------------------------
 _reset_row = device_function(reset_row)
 _gather_row = device_function(gather_row)
-_env_step_row = device_function(env_step_row)
+_telemetry_step_row = device_function(telemetry_step_row)  # rows.env_step_row + accumulation
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,11 +74,11 @@ def gather_kernel(obs, mask, st, mk, k, branch_sizes):
 
 
 @_cuda.jit(cache=True)
-def step_kernel(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
+def step_kernel(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc):
     i = _cuda.grid(1)
     if i >= st.cursor.shape[0]:
         return
-    _env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed[0], counter[0], out)
+    _telemetry_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed[0], counter[0], out, acc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,8 +108,8 @@ def launch_gather(obs, mask, st, mk, k, branch_sizes, stream):
     gather_kernel[launch_dims(obs.shape[0] * obs.shape[1]) + (stream,)](obs, mask, st, mk, k, branch_sizes)
 
 
-def launch_step(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, stream):
-    step_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, actions, grids, mk, preference, k, np.int64(lo), np.int64(hi), seed, counter, out)
+def launch_step(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc, stream):
+    step_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, actions, grids, mk, preference, k, np.int64(lo), np.int64(hi), seed, counter, out, acc)
 
 
 class Transition(NamedTuple):
@@ -137,6 +141,11 @@ class DeviceEnv:
     Defaults are the arena's own views ("obs", "mask", "actions", "preference"), so the simplest
     graph body is `env.collect(policy, stream)`. The policy (learner side) may key its own random
     draws with the env's `seed_dev` and `counter` (one counter per env step).
+
+    Training-path telemetry: every step also adds each env's bar P&L, closed trades and reward
+    terms to `telemetry_acc` (float64 [N_TEL, N], its own Arena("env.telemetry"), so checkpoints
+    of the env arena are unchanged); numbarl.env.telemetry.TrainPathTelemetry reads and zeroes it
+    once per epoch, reset() zeroes it.
     """
 
     def __init__(self, data, params: EnvParams, n_envs: int, bar_range=None, seed: int = 0):
@@ -193,14 +202,22 @@ class DeviceEnv:
         )
         self.counter = arena["counter"]
         self.seed_dev = arena["seed"]
+        # training-path telemetry (numbarl/env/telemetry.py): running sums, env i in column i
+        telemetry = Arena("env.telemetry")
+        telemetry.add("acc", (N_TEL, n), np.float64)
+        telemetry.allocate()  # zeroed
+        self.telemetry_arena = telemetry
+        self.telemetry_acc = telemetry["acc"]
 
     # -- host-side setup (not for capture) ------------------------------------------------------
     def reset(self, seed: int | None = None, stream=None) -> None:
-        """Start every env at an RNG-drawn bar (Kelly/DSR cleared) and set the RNG counter to 0."""
+        """Start every env at an RNG-drawn bar (Kelly/DSR cleared), set the RNG counter to 0 and
+        zero the training-path telemetry."""
         if seed is not None:
             self._seed = int(seed)
         self.arena.load({"seed": np.array([self._seed], np.uint64), "counter": np.zeros(1, np.int64)})
         launch_reset(self.state, self.lo, self.hi, self.k, self.seed_dev, self.counter, _s(stream))
+        launch_zero(self.telemetry_acc, _s(stream))
 
     def state_to_host(self) -> dict[str, np.ndarray]:
         """Every state field as numpy (synchronizes; tests and checkpoints)."""
@@ -229,7 +246,7 @@ class DeviceEnv:
         _check("preference", preference, (self.n_envs,), np.float32)
         launch_step(
             self.state, actions, self.grids, self.mk, preference, self.k, self.lo, self.hi, self.seed_dev, counter, self.outputs,
-            _s(stream),
+            self.telemetry_acc, _s(stream),
         )  # fmt: skip
         return self.outputs
 

@@ -116,7 +116,9 @@ def store_out(out, i, o, bar, next_bar):
 
 @row_jit
 def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
-    """Training env step of env i: decode actions[i], step, soft reset on done, write outputs."""
+    """Training env step of env i: decode actions[i], step, soft reset on done, write outputs.
+    Returns (StepOut, first closed Trade, second closed Trade) for the training-path telemetry
+    (numbarl/env/telemetry.py); callers that only step ignore it."""
     s = load_row(st, i)
     c = s.cursor
     direction = actions[i, 0]
@@ -127,6 +129,7 @@ def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter
     s2, o, t1, t2 = env_transition(s, direction, size, target_mult, stop_mult, bars, preference[i], k, lo, hi, seed, i, counter)
     store_row(st, i, s2)
     store_out(out, i, o, c, s2.cursor)
+    return o, t1, t2
 
 
 @njit(cache=True)

@@ -182,6 +182,16 @@ class StepOut(NamedTuple):
     trade_pnl: np.float64
     exit_reason: np.int64
     position_held: np.float64  # position held over bar c -> n (after the execution at c)
+    # the reward's terms exactly as step_core adds them (reward = (r_trade + r_micro - r_holding
+    # - r_churn - r_opportunity + r_dsr) * conviction): exposed for the training-path telemetry
+    # (numbarl/env/telemetry.py); costs are positive here and subtracted by the reward
+    r_trade: np.float64  # trade-level P&L attribution of the trades closed in the step
+    r_micro: np.float64  # position x next-bar return x scale
+    r_holding: np.float64  # holding cost (subtracted)
+    r_churn: np.float64  # churn penalty (subtracted)
+    r_opportunity: np.float64  # opportunity cost while flat (subtracted)
+    r_dsr: np.float64  # dsr_scale x differential Sharpe of the trades closed in the step
+    conviction: np.float64  # plan-conviction factor multiplying the whole reward
 
 
 # Row functions and the CPU loops over them only index arrays they are given (they never

@@ -103,6 +103,13 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_cql.py",),
         "cql_loss", "> 0"),
     Component(
+        "iqn", "implicit quantile head on the shared trunk: quantile Huber loss to the target network's quantiles "
+        "at the C51 double-DQN action, an auxiliary loss whose trunk gradient adds to the C51 head's",
+        "agent.iqn=true",
+        "Dabney, Ostrovski, Silver & Munos 2018, Eq. 3-4 (quantile Huber loss, cosine embedding)",
+        ("tests/rl/test_iqn.py",),
+        "iqn_loss", "> 0"),
+    Component(
         "lr_warmup", "linear learning-rate warm-up of every optimizer group from its start",
         "agent.lr_warmup_steps=500",
         "Goyal et al. 2017, §2.2 (gradual warm-up)",
@@ -120,6 +127,80 @@ COMPONENTS: tuple[Component, ...] = (
         "Dauphin et al. 2017, Eq. 1 (gated linear unit); Hu, Shen & Sun 2018, Eq. 3 (feature recalibration)",
         ("tests/rl/test_feature_gate.py", "tests/rl/test_module_contract.py"),
         "grad_norm.trunk.gate", "> 0"),
+    Component(
+        "atom_entropy", "adaptive atom-entropy regulariser: −β·H of the taken action's return distribution, "
+        "β = β_max·clip((0.5 − u_ema)/0.5, 0, 1) from the EMA of the share of atoms the batch-mean distribution uses",
+        "agent.atom_entropy_max=0.01",
+        "numbarl/rl/losses/c51.py (∂H/∂l_i = −p_i(log p_i + H)); Williams & Peng 1991 (entropy regularisation)",
+        ("tests/rl/test_c51_loss.py", "tests/rl/test_c51_stats.py"),
+        "atom_utilization_ema", "> 0"),
+    Component(
+        "support_fit", "C51 support fitted to the n-step returns of the replay prefill, once before the first "
+        "train step (device arrays: no re-capture)",
+        "agent.support=fit",
+        "numbarl/rl/support.py (v = |R_n| tail quantile x the horizon factor of a discounted sum)",
+        ("tests/rl/test_support.py",),
+        "support_fits", "> 0"),
+    Component(
+        "freeze_reset", "freeze detector (Q mean, Q std and atom utilization unchanged for k epochs while the "
+        "gradient flows) resetting Adam's moments of the branch advantages",
+        "agent.freeze_reset=true",
+        "numbarl/rl/freeze.py (origin notes: 'Q-stats FROZEN for 4+ epochs', targeted moment reset)",
+        ("tests/rl/test_freeze.py",),
+        "freeze_resets", "> 0"),
+    Component(
+        "e1_q_reality", "validation feedback E1: the median gap between the greedy Q at validation entries and the "
+        "reward those trades realized, integrated into a reward offset on the sampled returns",
+        "train.e1_q_reality=0.5",
+        "numbarl/rl/feedback/loop.py (origin notes' E1: 'bias correction, replaces drift penalty')",
+        ("tests/rl/test_feedback.py",),
+        "feedback.e1_offset", "!= 0"),
+    Component(
+        "e2_adaptive_epsilon", "validation feedback E2: exploration rate x0.8 / x1.25 from the feedback Sharpe",
+        "train.e2_adaptive_epsilon=true",
+        "numbarl/rl/feedback/loop.py (origin notes' E2: 'performance-driven, replaces schedule')",
+        ("tests/rl/test_feedback.py",),
+        "feedback.e2_updates", "> 0"),
+    Component(
+        "e3_dynamic_gamma", "validation feedback E3: discount from the feedback trades' mean holding time",
+        "train.e3_dynamic_gamma=true",
+        "numbarl/rl/feedback/loop.py (origin notes' E3: 'from trade duration, replaces manual annealing')",
+        ("tests/rl/test_feedback.py",),
+        "feedback.e3_gamma", "> 0"),
+    Component(
+        "e4_trade_autopsy", "validation feedback E4: losing trades blamed per branch; each branch's advantage "
+        "columns get their own learning rate from its share of the blame",
+        "train.e4_trade_autopsy=true",
+        "numbarl/rl/feedback/loop.py (origin notes' E4: 'per-branch LR scaling from error rates')",
+        ("tests/rl/test_feedback.py",),
+        "feedback.e4_updates", "> 0"),
+    Component(
+        "e6_winner_distillation", "validation feedback E6: the replay rows of the top decile of training trades "
+        "weigh 1 + kappa in the loss (normalized batch weights)",
+        "train.e6_winner_boost=1",
+        "Oh, Guo, Singh & Lee 2018 (self-imitation learning); origin notes' E6: 'boost top 10% trades in replay'",
+        ("tests/rl/test_replay_weights.py",),
+        "feedback.e6_trades_logged", "> 0"),
+    Component(
+        "e7_hindsight_labels", "validation feedback E7: entries of losing training trades labelled flat in hindsight; "
+        "a large-margin loss on the direction branch towards the label, halved each epoch",
+        "train.e7_margin_weight=0.1",
+        "Hester et al. 2018 (DQfD), Eq. 2 (large-margin supervised loss); origin notes' E7: 'correct actions for losers'",
+        ("tests/rl/test_hindsight.py",),
+        "feedback.e7_labelled", "> 0"),
+    Component(
+        "e8_curriculum", "validation feedback E8: loss weights per regime bucket from the feedback trades' loss rate",
+        "train.e8_curriculum_kappa=1",
+        "origin notes' E8: 'oversample failure regimes' (importance weights per bucket, numbarl/rl/feedback/curriculum.py)",
+        ("tests/rl/test_curriculum.py",),
+        "feedback.e8_trades", "> 0"),
+    Component(
+        "e9_tradability_gate", "validation feedback E9: no entries in regime buckets whose shrunk mean feedback trade "
+        "P&L is negative (training mask and backtest scores)",
+        "train.e9_tradability_gate=true",
+        "numbarl/rl/feedback/loop.py (origin notes' E9: 'tradability scores from eval')",
+        ("tests/rl/test_feedback.py",),
+        "feedback.e9_evidence", "> 0"),
 )
 
 

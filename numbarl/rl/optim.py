@@ -322,6 +322,34 @@ class Adam:
         self.state = Arena("optim")
         self._n = 0
         self._reducer = None
+        self._splits = {}  # group -> ({tensor name: element labels}, sub-group names): split_group
+        self.parents = {}  # optimizer group -> the tensor group it came from (itself unless split)
+
+    def split_group(self, group: str, labels: dict, names) -> "Adam":
+        """Before allocate(): the elements of tensor group `group` become the optimizer groups
+        `names`, element e of tensor t going to names[labels[t].flat[e]] (every tensor of the group
+        labelled, row-major). Each sub-group gets its own lr and weight decay (e.g. one per branch
+        of the head's advantage GEMM, whose columns are the branches one after the other)."""
+        if self.state.allocated:
+            raise RuntimeError("Adam.split_group must run before allocate()")
+        tensors = [n for n, spec in self.store.specs.items() if spec.group == group]
+        if not tensors or set(labels) != set(tensors):
+            raise ValueError(f"Adam.split_group({group!r}): label every tensor of the group ({tensors}), got {sorted(labels)}")
+        for t in tensors:
+            lab = np.asarray(labels[t])
+            if lab.size != int(np.prod(self.store.specs[t].shape)) or lab.min() < 0 or lab.max() >= len(names):
+                raise ValueError(f"Adam.split_group({group!r}): labels of {t} must be {self.store.specs[t].shape} "
+                                 f"values in [0, {len(names)})")
+        self._splits[group] = ({t: np.asarray(labels[t]).reshape(-1).astype(np.int32) for t in tensors}, list(names))
+        return self
+
+    def _expanded_groups(self, tensor_groups: list) -> list:
+        out = []
+        for g in tensor_groups:
+            subs = self._splits[g][1] if g in self._splits else [g]
+            out += subs
+            self.parents.update({sub: g for sub in subs})
+        return out
 
     def allocate(self) -> "Adam":
         """Plan and allocate the optimizer's device state; one host upload each for the decay mask
@@ -337,7 +365,8 @@ class Adam:
                 raise RuntimeError(f"ParamStore role {role!r} does not mirror params ({n} floats)")
         self._n = n
         self._reducer = Reducer(n)  # owns the fixed partials scratch of the grad-norm reduction
-        self.groups = self.store.optimizer_groups()
+        tensor_groups = self.store.optimizer_groups()
+        self.groups = self._expanded_groups(tensor_groups)
         G = len(self.groups)
         st = self.state
         st.add("step", (1,), np.int64)
@@ -359,8 +388,15 @@ class Adam:
         host_mask = self.store.decay_mask()
         mask[: host_mask.shape[0]] = host_mask
         gid = np.zeros(n, np.int32)
-        host_gid = self.store.group_ids(self.groups)
-        gid[: host_gid.shape[0]] = host_gid
+        host_gid = self.store.group_ids(tensor_groups)
+        first = np.array([self.groups.index(self._splits[g][1][0] if g in self._splits else g) for g in tensor_groups],
+                         np.int32)
+        gid[: host_gid.shape[0]] = first[host_gid]  # the tensor group's (first) optimizer group
+        arena = self.store.arenas["params"]
+        for labels, _ in self._splits.values():  # split groups: each element to its sub-group
+            for t, lab in labels.items():
+                v = arena.views[t]
+                gid[v.offset // 4 : v.offset // 4 + v.size] += lab
         stats0 = np.zeros(N_STATS, np.float32)
         stats0[STAT_LR_SCALE] = 1.0  # the schedule's multipliers: 1 until a schedule writes them
         stats0[STAT_WARMUP_SCALE] = 1.0

@@ -52,9 +52,34 @@ the counter RNG (numbarl.cuda.rng; the step counter is read from device memory),
 τ = τ_lo + u // N, e = u % N. Before n + 1 writes (V ≤ 0) a sample is empty: weight 0, done 1,
 discount 0, zero obs, index −1; the learner starts after ``min_writes`` writes.
 
+Weighted batches (``normalize_weights=True``; off by default, and then nothing below runs): the
+stored weight column is 1.0 for every written row unless something marks rows afterwards (the
+winner distillation of numbarl/rl/feedback/replay_weights.py sets the rows of winning training
+trades to 1 + κ) or write() is given weights (``weights=True``). After the gather, ONE block
+turns the sampled weights into importance weights for the loss (``C51Loss(..., weights=)``)::
+
+    w_b   = weight[τ_b, e_b] · f(obs_b)           f: an optional factor table over the 9 regime
+                                                  buckets of obs (terciles of two obs columns,
+                                                  numbarl/rl/feedback/regimes.py): the E8
+                                                  curriculum (numbarl/rl/feedback/curriculum.py);
+                                                  1 without one
+    batch.weight[b] = w_b · (B / Σ_b' w_b')       mean 1 over the batch (unless Σ = 0: an empty
+                                                  buffer's all-zero weights stay 0)
+
+The sum is fixed-order (thread t of the block folds rows t, t + NORM_BLOCK, ... in order, then a
+fixed shared-memory tree: :func:`normalize_weights_ref` repeats that order in numpy, bit for bit).
+A batch whose weights are all 1 comes out all exactly 1.0 (Σ = B is exact in float32 below 2**24
+rows and B / B = 1), so a loss given these weights computes the same bits as one given none until
+a row is actually boosted. ``Replay.weight_stats`` (device float32 [2]) then holds the batch's
+mean of w_b before the normalization (> 1 once boosted rows are sampled: the liveness of the
+marking) and the largest normalized weight (> 1 once the loss sees unequal weights). The numpy
+model matches bit for bit under the simulator; on a GPU the compiler may fuse w·f into the sum
+(FMA), an ulp away from the model but still the same bits on every run.
+
 Kernels and thread mapping: write (one thread per (env, feature), scalars by feature 0), advance
 (one thread: count += 1), sample index (one thread per batch row: RNG, n-step scan), gather (one
-thread per (row, feature): obs and next_obs). Launchers only launch (no allocation, copy or sync)
+thread per (row, feature): obs and next_obs), weight normalization (one block, only when
+normalize_weights). Launchers only launch (no allocation, copy or sync)
 and read count and the RNG counter from device memory, so write and sample can be captured into
 the collect and train graphs. Measured on an H200 (graph replay): write of 16,384 envs × 64
 features 15.7 µs, sample of 16,384 rows with n = 3 18.4 µs.
@@ -66,12 +91,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numbarl.cuda import rng
+from numbarl.cuda import launch, rng
 from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.rl.feedback.regimes import N_BUCKETS, RegimeBuckets, bucket_of
 
 BLOCK = 128
 SAMPLE_RNG_SLOT = RNG_STREAMS.claim("replay.sample", 200)  # the sampler's draw (numbarl.cuda.registry)
+# threads of the one-block weight normalization (power of two; few simulated threads under the simulator)
+NORM_BLOCK = launch.shape(gpu=256, sim=8)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -92,6 +120,40 @@ def nstep_ref(rewards, dones, gamma: float, n: int):
             done_n, m = 1, k + 1
             break
     return ret, done_n, m, gamma**m
+
+
+def obs_bucket_ref(a, b, edges) -> np.ndarray:
+    """Regime bucket 3·i + j of values a, b (arrays) with tercile edges (lo_a, hi_a, lo_b, hi_b):
+    the rule of numbarl/rl/feedback/regimes.py (float32 compares, NaN in tercile 0)."""
+    rows = np.stack([np.asarray(a, np.float32), np.asarray(b, np.float32)], axis=1)
+    return RegimeBuckets(0, 1, tuple(float(e) for e in np.asarray(edges, np.float32))).of(rows)
+
+
+def normalize_weights_ref(weight, block: int | None = None, factor: np.ndarray | None = None):
+    """Host model of the weight normalization, in the kernel's order (same float32 bits).
+
+    weight: float32 [B] sampled weights; factor: float32 [B] per-row factors or None; block: the
+    kernel's NORM_BLOCK. Returns (normalized weights float32 [B], (raw mean, max normalized)).
+    """
+    block = NORM_BLOCK if block is None else int(block)
+    w = np.asarray(weight, np.float32).copy()
+    if factor is not None:
+        w = (w * np.asarray(factor, np.float32)).astype(np.float32)
+    n = w.shape[0]
+    partial = np.zeros(block, np.float32)
+    for t in range(block):
+        acc = np.float32(0.0)
+        for b in range(t, n, block):
+            acc = np.float32(acc + w[b])
+        partial[t] = acc
+    stride = block // 2
+    while stride > 0:
+        partial[:stride] = partial[:stride] + partial[stride:2 * stride]
+        stride //= 2
+    total = partial[0]
+    scale = np.float32(np.float32(n) / total) if total > 0 else np.float32(1.0)
+    out = (w * scale).astype(np.float32)
+    return out, (np.float32(total / np.float32(n)), np.float32(out.max()) if n else np.float32(0.0))
 
 
 class ReplayRef:
@@ -118,7 +180,23 @@ class ReplayRef:
             self.mask[s] = mask
         self.count += 1
 
-    def sample(self, batch_size: int, counter: int) -> dict:
+    def sample(self, batch_size: int, counter: int, normalize: bool = False, factor=None) -> dict:
+        """The batch Replay.sample draws. normalize: the weighted batch (Replay(normalize_weights=True));
+        factor: (col_a, col_b, edges [4], table [9]) of Replay.sample(factor=) or None. With
+        normalize, out["weight_stats"] = (raw mean, max normalized weight)."""
+        out = self._sample(batch_size, counter)
+        if factor is not None and not normalize:
+            raise ValueError("ReplayRef.sample: a factor needs normalize=True")
+        if normalize:
+            f = None
+            if factor is not None:
+                col_a, col_b, edges, table = factor
+                f = np.asarray(table, np.float32)[obs_bucket_ref(out["obs"][:, col_a], out["obs"][:, col_b], edges)]
+            w, stats = normalize_weights_ref(out["weight"].astype(np.float32), NORM_BLOCK, f)
+            out["weight"], out["weight_stats"] = w, np.array(stats, np.float32)
+        return out
+
+    def _sample(self, batch_size: int, counter: int) -> dict:
         T, N, n = self.n_slots, self.n_envs, self.n_step
         valid = min(self.count, T) - n
         lo = max(0, self.count - T)
@@ -279,6 +357,63 @@ def gather_obs_kernel(obs_store, mask_store, index, next_index, out_obs, out_nex
         m += dim
 
 
+@_cuda.jit(cache=True)
+def weight_norm_kernel(weight, obs, col_a, col_b, edges, table, use_factor, stats):
+    """ONE block of NORM_BLOCK threads: weight[b] ← weight[b]·f_b · B / Σ weight·f (fixed order:
+    thread t folds rows t, t + NORM_BLOCK, ... in order, then a fixed shared-memory tree), with
+    f_b = table[bucket_of(obs[b, col_a], obs[b, col_b], edges)] when use_factor, else 1. stats[0] = the
+    raw mean Σ / B, stats[1] = the largest normalized weight. Σ = 0 (an empty buffer): unchanged."""
+    partial = _cuda.shared.array(NORM_BLOCK, np.float32)
+    t = _cuda.threadIdx.x
+    batch = weight.shape[0]
+    acc = _ZERO
+    for b in range(t, batch, NORM_BLOCK):
+        w = weight[b]
+        if use_factor:
+            w = w * table[bucket_of(obs[b, col_a], obs[b, col_b], edges)]
+            weight[b] = w
+        acc += w
+    partial[t] = acc
+    _cuda.syncthreads()
+    stride = NORM_BLOCK // 2
+    while stride > 0:
+        if t < stride:
+            partial[t] += partial[t + stride]
+        _cuda.syncthreads()
+        stride //= 2
+    total = partial[0]
+    _cuda.syncthreads()  # every thread has read the sum before the max reuses the array
+    scale = _ONE
+    if total > _ZERO:
+        scale = np.float32(batch) / total
+    mx = _ZERO
+    for b in range(t, batch, NORM_BLOCK):
+        w = weight[b] * scale
+        weight[b] = w
+        mx = max(mx, w)
+    partial[t] = mx
+    _cuda.syncthreads()
+    stride = NORM_BLOCK // 2
+    while stride > 0:
+        if t < stride:
+            partial[t] = max(partial[t], partial[t + stride])
+        _cuda.syncthreads()
+        stride //= 2
+    if t == 0:
+        stats[0] = total / np.float32(batch)
+        stats[1] = partial[0]
+
+
+@_cuda.jit(cache=True)
+def weight_stats_copy_kernel(src, stats, slot_mean, slot_max):
+    """stats[slot_mean] = src[0], stats[slot_max] = src[1] (a slot < 0 is skipped)."""
+    if _cuda.grid(1) == 0:
+        if slot_mean >= 0:
+            stats[slot_mean] = src[0]
+        if slot_max >= 0:
+            stats[slot_max] = src[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # launcher
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +431,8 @@ class ReplayBatch:
     done: object        # float32 [B]   1.0 when the episode ended inside the n-step window
     discount: object    # float32 [B]   γ^m, the bootstrap discount (apply (1 − done) on top)
     next_obs: object    # float32 [B, state_dim]
-    weight: object      # float32 [B]   stored per-transition weight (1.0 unless written); 0 when empty
+    weight: object      # float32 [B]   stored per-transition weight (1.0 unless written or marked); 0 when
+                        #               empty; with normalize_weights: × the factor, normalized to mean 1
     index: object       # int64   [B]   slot * n_envs + env of the sampled transition (−1 when empty)
     next_index: object  # int64   [B]   slot * n_envs + env of next_obs
     next_mask: object = None  # uint8 [B, n_branches, max_actions]: the env's mask of next_obs
@@ -313,12 +449,17 @@ class Replay:
     weights=True lets write() take a per-transition float32 weight (stored; 1.0 otherwise); the
     sampled weight comes back in ReplayBatch.weight either way. max_actions: store the env's action
     mask [N, n_branches, max_actions] with every write (write(..., mask=)); each sample then
-    carries next_obs's mask in ReplayBatch.next_mask.
+    carries next_obs's mask in ReplayBatch.next_mask. normalize_weights=True: every sample ends
+    with the weight normalization of the module docstring (ReplayBatch.weight has mean 1: pass it
+    to the loss as its per-sample weights; sample(factor=) multiplies in a bucket table first).
+    It is a plain attribute read by sample() (its buffers are always allocated), so a component
+    attached after construction may switch it on, before the train graph is captured.
     """
 
     def __init__(self, capacity: int, n_envs: int, state_dim: int, n_branches: int, batch_size: int,
                  n_step: int = 1, gamma: float = 0.99, seed: int = 0, weights: bool = False,
-                 rng_slot: int = SAMPLE_RNG_SLOT, max_actions: int | None = None):
+                 rng_slot: int = SAMPLE_RNG_SLOT, max_actions: int | None = None,
+                 normalize_weights: bool = False):
         n_slots = int(capacity) // int(n_envs) if n_envs > 0 else 0
         if n_envs < 1 or state_dim < 1 or n_branches < 1 or batch_size < 1:
             raise ValueError(
@@ -336,6 +477,7 @@ class Replay:
         self.n_slots, self.n_envs, self.state_dim, self.n_branches = n_slots, int(n_envs), int(state_dim), int(n_branches)
         self.batch_size, self.n_step, self.gamma = int(batch_size), int(n_step), float(gamma)
         self.seed, self.rng_slot, self.weights = int(seed), int(rng_slot), bool(weights)
+        self.normalize_weights = bool(normalize_weights)
         if max_actions is not None and int(max_actions) < 1:
             raise ValueError(f"Replay: max_actions must be >= 1 (or None: no masks), got {max_actions}")
         self.max_actions = None if max_actions is None else int(max_actions)
@@ -363,6 +505,8 @@ class Replay:
         self.batch_arena.add("index", (B,), np.int64)
         self.batch_arena.add("next_index", (B,), np.int64)
         self.batch_arena.add("next_mask", ((B,) if self.max_actions else (1,)) + mask_row, np.uint8)
+        self.batch_arena.add("weight_stats", (2,), np.float32)  # (raw mean, max normalized) of the last batch
+        self.batch_arena.add("no_factor", (N_BUCKETS + 4,), np.float32)  # placeholder edges/table (unread)
         self.batch: ReplayBatch | None = None
 
     @property
@@ -378,6 +522,18 @@ class Replay:
     def count(self):
         """Device int64 [1]: collect steps written so far."""
         return self.store["count"]
+
+    @property
+    def weight_store(self):
+        """Device float32 [n_slots, N]: the stored per-transition weights (time-major ring, column =
+        env); a marking kernel may set rows between writes (numbarl.rl.feedback.replay_weights)."""
+        return self.store["weight"]
+
+    @property
+    def weight_stats(self):
+        """Device float32 [2]: (mean weight before the normalization, largest normalized weight) of
+        the last sampled batch; written only with normalize_weights."""
+        return self.batch_arena["weight_stats"]
 
     @property
     def gamma_device(self):
@@ -432,12 +588,20 @@ class Replay:
             obs, action, reward, done, w, use_weight, m, mask is not None)
         advance_kernel[1, 1, stream](s["count"])
 
-    def sample(self, counter, stream) -> ReplayBatch:
+    def sample(self, counter, stream, factor=None) -> ReplayBatch:
         """Draw batch_size transitions uniformly (key: seed, lane = batch row, counter[0], rng_slot)
-        into the fixed batch views and return them. counter: device int64 [1] (the step counter)."""
+        into the fixed batch views and return them. counter: device int64 [1] (the step counter).
+
+        With normalize_weights, the batch's weights are then normalized to mean 1 (module
+        docstring). factor (only with normalize_weights): an object with int attributes col_a, col_b
+        (obs columns) and device float32 arrays edges [4] (lo_a, hi_a, lo_b, hi_b) and table [9]
+        (the factor of each regime bucket, numbarl/rl/feedback/regimes.py), e.g.
+        numbarl.rl.feedback.curriculum.Curriculum; the sampled indices never depend on it."""
         s, out = self.store, self.batch
         if out is None:
             raise RuntimeError("Replay.sample before Replay.allocate()")
+        if factor is not None and not self.normalize_weights:
+            raise ValueError("Replay.sample: a weight factor needs a buffer built with normalize_weights=True")
         sample_index_kernel[_grid(self.batch_size), BLOCK, stream](
             s["reward"], s["done"], s["action"], s["weight"], s["count"], counter,
             np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), s["gamma"],
@@ -445,7 +609,28 @@ class Replay:
         gather_obs_kernel[_grid(self.batch_size * self.state_dim), BLOCK, stream](
             s["obs"], s["mask"], out.index, out.next_index, out.obs, out.next_obs,
             self.batch_arena["next_mask"], bool(self.max_actions))
+        if self.normalize_weights:
+            if factor is not None:
+                col_a, col_b, edges, table = int(factor.col_a), int(factor.col_b), factor.edges, factor.table
+                if not (0 <= col_a < self.state_dim and 0 <= col_b < self.state_dim):
+                    raise ValueError(f"Replay.sample: factor columns ({col_a}, {col_b}) outside obs [0, {self.state_dim})")
+                if tuple(edges.shape) != (4,) or tuple(table.shape) != (N_BUCKETS,):
+                    raise ValueError(f"Replay.sample: factor edges must be [4] and table [{N_BUCKETS}], got "
+                                     f"{tuple(edges.shape)} and {tuple(table.shape)}")
+            else:
+                col_a, col_b = 0, 0
+                edges = table = self.batch_arena["no_factor"]
+            weight_norm_kernel[1, NORM_BLOCK, stream](out.weight, out.obs, np.int64(col_a), np.int64(col_b), edges,
+                                                      table, factor is not None, self.batch_arena["weight_stats"])
         return out
+
+    def copy_weight_stats(self, stats, stream, slot_mean: int = -1, slot_max: int = -1) -> None:
+        """stats[slot_mean], stats[slot_max] (device float32, e.g. the agent's mapped stats) ← the last
+        batch's raw mean weight and largest normalized weight (capturable; normalize_weights only)."""
+        if not self.normalize_weights:
+            raise ValueError("Replay.copy_weight_stats: the buffer was built with normalize_weights=False")
+        weight_stats_copy_kernel[1, 1, stream](self.batch_arena["weight_stats"], stats, np.int64(slot_mean),
+                                               np.int64(slot_max))
 
     def reset(self, stream) -> None:
         """Forget everything written (count = 0); the rows are overwritten by later writes."""

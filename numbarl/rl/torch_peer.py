@@ -412,3 +412,103 @@ def time_train_step(peer: TorchPeer, batch: dict, mode: str = "eager", tf32: boo
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old_tf32
     return {"mode": mode, "tf32": bool(tf32), "ms_median": statistics.median(times), "ms_min": min(times),
             "ms_all": times, "iters": iters}
+
+
+# ---------------------------------------------------------------------------------------------
+# IQN head and quantile Huber loss (agent.iqn; numbarl/rl/nets/iqn_head.py, rl/losses/quantile_huber.py)
+# ---------------------------------------------------------------------------------------------
+def _iqn_class():
+    """nn.Module of the IQN head (defined on first use so that torch stays optional)."""
+    if "iqn" in _CLASSES:
+        return _CLASSES["iqn"]
+    torch = _torch()
+    from torch import nn
+
+    class IqnHeadNet(nn.Module):
+        """φ = ReLU(Linear(cos(π j τ))), x = h ⊙ φ, Z = Linear(x): [B·N, ΣA] (Dabney et al. 2018, Eq. 4)."""
+
+        def __init__(self, n_embed: int, hidden: int, total_actions: int):
+            super().__init__()
+            self.n_embed = n_embed
+            self.phi = nn.Linear(n_embed, hidden)
+            self.out = nn.Linear(hidden, total_actions)
+
+        def forward(self, h, tau):
+            j = torch.arange(self.n_embed, device=tau.device, dtype=tau.dtype)
+            cos = torch.cos((torch.pi * j).unsqueeze(0) * tau.reshape(-1, 1))  # [B·N, n]
+            phi = torch.relu(self.phi(cos))
+            x = h.repeat_interleave(tau.shape[1], dim=0) * phi  # row b·N + i holds h[b]
+            return self.out(x)
+
+    _CLASSES["iqn"] = IqnHeadNet
+    return IqnHeadNet
+
+
+def iqn_quantile_huber_loss(z, tau, z_target, a_star, actions, rewards, dones, discounts, branch_sizes,
+                            kappa: float = 1.0):
+    """The quantile Huber loss in torch (numbarl/rl/losses/quantile_huber.py): z [B·N, ΣA], tau [B, N],
+    z_target [B·N′, ΣA] (detached), a_star / actions [B, n_branches]. Returns (loss, per_sample [B])."""
+    torch = _torch()
+    B, N = tau.shape
+    z = z.view(B, N, -1)
+    z_target = z_target.view(B, -1, z.shape[-1])
+    gamma = discounts * (1.0 - dones)
+    rows = torch.arange(B, device=z.device)
+    ell = []
+    off = 0
+    for k, n in enumerate(branch_sizes):
+        q = z[rows, :, off + actions[:, k]]  # [B, N]
+        theta = rewards.unsqueeze(1) + gamma.unsqueeze(1) * z_target[rows, :, off + a_star[:, k]]  # [B, N′]
+        u = theta.unsqueeze(1) - q.unsqueeze(2)  # [B, N, N′]
+        huber = torch.nn.functional.huber_loss(q.unsqueeze(2).expand_as(u), theta.unsqueeze(1).expand_as(u),
+                                               reduction="none", delta=kappa)
+        rho = (tau.unsqueeze(2) - (u.detach() < 0).float()).abs() * huber / kappa
+        ell.append(rho.mean(dim=2).sum(dim=1))
+        off += n
+    per_sample = torch.stack(ell, dim=1).mean(dim=1)
+    return per_sample.mean(), per_sample.detach()
+
+
+def iqn_loss_and_grads(values: dict, target_values: dict, h, h_next, tau, tau_target, next_q, actions, rewards, dones,
+                       discounts, branch_sizes, next_mask=None, head: str = "iqn", device="cpu", kappa: float = 1.0):
+    """The IQN auxiliary loss on given trunk outputs, the PyTorch way: online head on h with τ, target head
+    (target_values) on h_next with τ′, a* = first argmax of next_q over the allowed actions (the C51 double-DQN
+    action), loss.backward(). Returns {"loss", "per_sample", "dh" [B, H], "grads" {numbarl name: [in, out]}}."""
+    torch = _torch()
+    dev = torch.device(device)
+    f32 = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)), device=dev)  # noqa: E731
+    n_embed, hidden = np.shape(values[f"{head}.phi.w"])
+    total = np.shape(values[f"{head}.out.w"])[1]
+    nets = []
+    for vals in (values, target_values):
+        net = _iqn_class()(int(n_embed), int(hidden), int(total)).to(dev)
+        with torch.no_grad():
+            for part in ("phi", "out"):
+                lin = getattr(net, part)
+                lin.weight.copy_(f32(np.asarray(vals[f"{head}.{part}.w"]).T))
+                lin.bias.copy_(f32(vals[f"{head}.{part}.b"]))
+        nets.append(net)
+    online, target = nets
+    q = np.asarray(next_q, np.float64).copy()
+    a_star = np.zeros((q.shape[0], len(branch_sizes)), np.int64)
+    for k, n in enumerate(branch_sizes):
+        qk = q[:, k, :n]
+        if next_mask is not None:
+            qk[np.asarray(next_mask)[:, k, :n] == 0] = -np.inf
+        a_star[:, k] = np.argmax(qk, axis=1)
+    h_t = f32(h).requires_grad_(True)
+    with torch.no_grad():
+        z_target = target(f32(h_next), f32(tau_target))
+    z = online(h_t, f32(tau))
+    loss, per_sample = iqn_quantile_huber_loss(
+        z, f32(tau), z_target, torch.as_tensor(a_star, device=dev),
+        torch.as_tensor(np.asarray(actions, np.int64), device=dev), f32(rewards),
+        f32(np.asarray(dones) != 0), f32(discounts), tuple(branch_sizes), kappa)
+    loss.backward()
+    grads = {}
+    for part in ("phi", "out"):
+        lin = getattr(online, part)
+        grads[f"{head}.{part}.w"] = lin.weight.grad.detach().cpu().numpy().T.copy()
+        grads[f"{head}.{part}.b"] = lin.bias.grad.detach().cpu().numpy().copy()
+    return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.cpu().numpy(),
+            "dh": h_t.grad.detach().cpu().numpy(), "grads": grads}

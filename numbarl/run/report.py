@@ -10,6 +10,12 @@ What it reads (all written through :class:`numbarl.run.runio.RunDir`) and what i
 - `metrics.jsonl` → training curves per fold: loss, Q mean, epsilon against the step (records of
   kind "train" with keys `loss`, `q_mean`, `epsilon`, `step`, `fold`), and the validation Sharpe
   per epoch (records of kind "val" with `sharpe` and `epoch`; the best epoch is starred).
+- `metrics.jsonl` → training path vs validation (records of kind "train_path", one per fold and
+  epoch, keys of numbarl.env.telemetry.epoch_record: `train_path.sharpe`, `train_path.n_trades`,
+  ..., `reward.<term>.mean/.std/.snr`): the training envs' own per-bar Sharpe beside the
+  validation Sharpe of the same fold and epoch (dashed in the validation Sharpe panel, a table in
+  the HTML with the train / val ratio against the 2x goal), and each reward term's
+  signal-to-noise ratio per epoch. Runs without such records (older numbarl) say so.
 - `trades_<split>.csv` → histogram of net trade P&L (column `pnl`) of the test trades (validation
   trades when no test was run), wins and losses coloured, with count, win rate, payoff and
   profit factor.
@@ -39,7 +45,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from numbarl.run.runio import RunDir, atomic_write_bytes
+from numbarl.run.runio import RunDir, atomic_write_bytes, flatten_record
 
 REPORT_HTML = "report.html"
 REPORT_PNG = "report.png"
@@ -55,6 +61,15 @@ TRAIN_SERIES = (
 VAL_SCORE_KEYS = ("sharpe", "metrics.sharpe", "val.sharpe")  # first present is the val Sharpe
 TRADE_PNL_KEYS = ("pnl", "net_pnl", "trade_pnl")  # first present column is a trade's net P&L
 TRADE_HOLD_KEYS = ("bars_held", "hold_bars", "duration_bars")  # optional holding time in bars
+TRAIN_PATH_KIND = "train_path"  # metrics.jsonl records of the training envs' own results
+TRAIN_PATH_SHARPE = "train_path.sharpe"
+TRAIN_VAL_GOAL = 2.0  # the training-path Sharpe should be within this factor of the validation one
+TRAIN_PATH_COLUMNS = (  # (record key, table header) beside the two Sharpes
+    ("train_path.n_trades", "trades"),
+    ("train_path.win_rate", "win rate"),
+    ("train_path.avg_trade", "avg trade"),
+    ("train_path.trade_sharpe", "trade Sharpe"),
+)
 SPLIT_ORDER = ("train", "val", "test", "oracle_test")
 SPLIT_LABELS = {"train": "train", "val": "validation", "test": "test (out-of-sample)",
                 "oracle_test": "oracle (test windows)"}
@@ -217,6 +232,61 @@ def _first_column(frame: pd.DataFrame, candidates) -> str | None:
 
 def _numeric(frame: pd.DataFrame, column: str) -> np.ndarray:
     return pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=np.float64)
+
+
+def _finite_or_none(value):
+    numeric = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
+    return float(value) if numeric and math.isfinite(float(value)) else None
+
+
+def train_path_rows(records: list[dict]) -> list[dict]:
+    """The "train_path" records of metrics.jsonl (flattened to dotted keys), one per (fold, epoch)
+    (the last one logged wins, as after a resume), sorted by fold then epoch, each with
+    `val_sharpe` (the "val" record of the same fold and epoch; None if none or undefined),
+    `train_over_val` (train-path Sharpe / validation Sharpe, None where either is undefined or
+    the validation Sharpe is 0) and `within_goal` (True when both are positive and the ratio is
+    within [1 / TRAIN_VAL_GOAL, TRAIN_VAL_GOAL]; False when both are defined otherwise; None)."""
+    val, train = {}, {}
+    for record in records:
+        kind = record.get("kind")
+        if kind not in ("val", TRAIN_PATH_KIND):
+            continue
+        flat = flatten_record(record)
+        key = (flat.get("fold"), flat.get("epoch"))
+        if kind == "val":
+            score = next((flat[k] for k in VAL_SCORE_KEYS if k in flat), None)
+            val[key] = _finite_or_none(score)
+        else:
+            train[key] = flat
+    rows = []
+    for key, flat in train.items():
+        row = dict(flat)
+        t, v = _finite_or_none(flat.get(TRAIN_PATH_SHARPE)), val.get(key)
+        row["val_sharpe"] = v
+        row["train_over_val"] = t / v if t is not None and v is not None and v != 0.0 else None
+        if t is None or v is None:
+            row["within_goal"] = None
+        else:
+            ratio = row["train_over_val"]
+            row["within_goal"] = t > 0 and v > 0 and 1.0 / TRAIN_VAL_GOAL <= ratio <= TRAIN_VAL_GOAL
+        rows.append(row)
+
+    def order(row):
+        epoch = row.get("epoch")
+        return _fold_key(row.get("fold")), epoch if isinstance(epoch, (int, float)) else -1
+
+    return sorted(rows, key=order)
+
+
+def reward_terms(rows: list[dict]) -> list[str]:
+    """Reward term names of `reward.<term>.snr` keys, in first-logged order."""
+    terms: list[str] = []
+    for row in rows:
+        for key in row:
+            parts = key.split(".")
+            if len(parts) == 3 and parts[0] == "reward" and parts[2] == "snr" and parts[1] not in terms:
+                terms.append(parts[1])
+    return terms
 
 
 def stitch_equity(segments: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
@@ -449,8 +519,17 @@ def _train_panel(ax, train: pd.DataFrame, key: str, title: str, log_allowed: boo
     _style(ax)
 
 
-def _val_sharpe_panel(ax, val: pd.DataFrame) -> None:
-    ax.set_title("Validation Sharpe per epoch", loc="left", fontsize=10, fontweight="bold")
+def _val_sharpe_panel(ax, val: pd.DataFrame, train_path: pd.DataFrame | None = None) -> None:
+    """Validation Sharpe per epoch and fold (best starred); the training-path Sharpe of the same
+    epochs dashed in the fold's colour when "train_path" records exist."""
+    has_train = (
+        train_path is not None
+        and not train_path.empty
+        and TRAIN_PATH_SHARPE in train_path.columns
+        and np.isfinite(_numeric(train_path, TRAIN_PATH_SHARPE)).any()
+    )
+    title = "Sharpe: val —, train path - -" if has_train else "Validation Sharpe per epoch"
+    ax.set_title(title, loc="left", fontsize=10, fontweight="bold")
     key = _first_column(val, VAL_SCORE_KEYS) if not val.empty else None
     if key is None or not np.isfinite(_numeric(val, key)).any():
         _note(ax, "no validation Sharpe logged")
@@ -483,6 +562,16 @@ def _val_sharpe_panel(ax, val: pd.DataFrame) -> None:
                 markeredgewidth=0.5,
                 linestyle="none",
             )
+    if has_train:
+        folds = [fold for fold, _ in _fold_groups(val)]
+        for fold, group in _fold_groups(train_path):
+            index = folds.index(fold) if fold in folds else len(folds)
+            values = _numeric(group, TRAIN_PATH_SHARPE)
+            epochs = (
+                _numeric(group, "epoch") if "epoch" in group.columns else np.arange(len(values), dtype=np.float64)
+            )
+            ax.plot(epochs, values, color=FOLD_COLORS[index % len(FOLD_COLORS)], linewidth=1.1, linestyle="--",
+                    marker=".", markersize=3)
     ax.axhline(0.0, color="#999999", linewidth=0.7)
     ax.set_xlabel("epoch (★ best)", fontsize=8)
     if n_folds > 1:
@@ -609,6 +698,7 @@ def render_figure(run: RunDir) -> bytes:
     metrics = run.metrics_frame()
     train = metrics[metrics["kind"] == "train"] if "kind" in metrics.columns else metrics.iloc[0:0]
     val = metrics[metrics["kind"] == "val"] if "kind" in metrics.columns else metrics.iloc[0:0]
+    train_path = metrics[metrics["kind"] == TRAIN_PATH_KIND] if "kind" in metrics.columns else metrics.iloc[0:0]
     summary = run.read_summary()
     rows, _ = metric_rows(summary)
     means, what = headline_metrics(summary, rows)
@@ -634,7 +724,7 @@ def render_figure(run: RunDir) -> bytes:
     middle = outer[1].subgridspec(1, 4, wspace=0.28)
     for column, (key, title, log_allowed) in enumerate(TRAIN_SERIES):
         _train_panel(figure.add_subplot(middle[0, column]), train, key, title, log_allowed)
-    _val_sharpe_panel(figure.add_subplot(middle[0, 3]), val)
+    _val_sharpe_panel(figure.add_subplot(middle[0, 3]), val, train_path)
     bottom = outer[2].subgridspec(1, 2, width_ratios=[1.6, 1.0], wspace=0.12)
     _trades_panel(figure.add_subplot(bottom[0, 0]), trades)
     _headline_panel(figure.add_subplot(bottom[0, 1]), means, what)
@@ -782,6 +872,52 @@ def _trades_html(run: RunDir) -> str:
     return table + "".join(parts)
 
 
+def _train_path_html(run: RunDir) -> str:
+    """The "Training path vs validation" section: per fold and epoch the training envs' own
+    Sharpe beside the validation Sharpe, then the reward terms' signal-to-noise ratios."""
+    rows = train_path_rows(run.read_metrics())
+    if not rows:
+        return ('<p class="note">No training-path records (kind "train_path") in metrics.jsonl: '
+                "this run was made before numbarl logged them, or no epoch has finished.</p>")
+    intro = (
+        '<p class="note">Training path: the training envs\' own bar P&amp;L and closed trades during the '
+        "epoch (exploration included, pooled over envs; per-bar Sharpe of the bar P&amp;L annualized with "
+        "sqrt(bars_per_day × 252), per-trade Sharpe not annualized). Validation: the greedy backtest of the "
+        f"validation window after that epoch. Goal: training-path Sharpe within {TRAIN_VAL_GOAL:g}× of the "
+        "validation Sharpe.</p>"
+    )
+    verdict = {True: "yes", False: "no", None: "—"}
+    body = [
+        [format_value(row.get("fold")), format_value(row.get("epoch")), format_value(row.get(TRAIN_PATH_SHARPE)),
+         format_value(row["val_sharpe"]), format_value(row["train_over_val"]), verdict[row["within_goal"]]]
+        + [format_value(row.get(key)) for key, _ in TRAIN_PATH_COLUMNS]
+        for row in rows
+    ]
+    header = ["fold", "epoch", "train-path Sharpe", "validation Sharpe", "train / val",
+              f"within {TRAIN_VAL_GOAL:g}×"] + [label for _, label in TRAIN_PATH_COLUMNS]
+    parts = [intro, _html_table(header, body, numeric_from=2)]
+    terms = reward_terms(rows)
+    if not terms:
+        parts.append('<p class="note">No reward-term statistics in the training-path records.</p>')
+        return "".join(parts)
+    parts.append("<h3>Reward terms: signal-to-noise ratio (mean / std of the term's contribution per env-step)</h3>")
+    snr = [[format_value(row.get("fold")), format_value(row.get("epoch"))]
+           + [format_value(row.get(f"reward.{term}.snr")) for term in terms] for row in rows]
+    parts.append(_html_table(["fold", "epoch"] + terms, snr, numeric_from=2))
+    last = {}
+    for row in rows:  # sorted by fold then epoch: the last one of each fold stays
+        last[row.get("fold")] = row
+    detail = [
+        [format_value(fold), format_value(row.get("epoch")), term]
+        + [format_value(row.get(f"reward.{term}.{stat}")) for stat in ("mean", "std", "snr")]
+        for fold, row in last.items()
+        for term in terms
+    ]
+    parts.append("<h3>Reward terms in the last epoch of each fold</h3>")
+    parts.append(_html_table(["fold", "epoch", "term", "mean", "std", "SNR"], detail, numeric_from=3))
+    return "".join(parts)
+
+
 def _checkpoints_html(run: RunDir) -> str:
     latest, best = run.latest_checkpoint(), run.best_checkpoint()
     checkpoints = run.list_checkpoints()
@@ -838,6 +974,8 @@ def render_html(run: RunDir, png: bytes) -> str:
 <img alt="equity, drawdown, training curves and trade P&amp;L" src="data:image/png;base64,{encoded}">
 <h2>Metrics per fold and split</h2>
 <div class="wide">{_metrics_table_html(rows)}{_nan_notes_html(nan_notes(summary))}{_facts_table_html(facts)}</div>
+<h2>Training path vs validation</h2>
+<div class="wide">{_train_path_html(run)}</div>
 <h2>Trades</h2>
 {_trades_html(run)}
 <h2>Checkpoints</h2>

@@ -42,6 +42,7 @@ from numbarl import __version__
 from numbarl import config as config_mod
 from numbarl.config import Config, ConfigError
 from numbarl.data.errors import DataError
+from numbarl.rl.feedback.split import feedback_on, split_validation
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
 
@@ -219,9 +220,34 @@ class FoldTrainer:
         self.stream = stream()
         self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
         self.agent = make_agent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
-                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps))
+                              eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps),
+                              **({"branch_lr": True} if t.e4_trade_autopsy else {}))
         self.env.reset(self.seed, self.stream)
-        self.steps = self.agent.step_functions(self.env)  # the agent's step functions, by graph name
+        # VALIDATION FEEDBACK (numbarl/rl/feedback): with a switch on, the validation window splits
+        # into the part the loop reads and the part the model is selected on
+        self.loop, self.feedback_window, self.val_window = None, None, fold.val
+        self.gate_in_force = None
+        self.last_stats = {}
+        if feedback_on(t):
+            from numbarl.rl.feedback.loop import FeedbackLoop
+
+            self.feedback_window, self.val_window = split_validation(fold.val, t.feedback_split, t.embargo_bars)
+            self.loop = FeedbackLoop(t, self.agent, cfg.env, market.data, fold.train, run.meta["feature_names"],
+                                     market.tick_size)
+            self.agent.attach_feedback(self.loop)  # before the step functions are captured
+        self.steps = self.agent.step_functions(self.env)
+        # the value support fitted to the prefill's returns, once, before the first train step
+        # (agent.support = "fit"; a resumed fold has it in its checkpoint), and the freeze detector
+        self.support_fitted = cfg.agent.support != "fit" or not hasattr(self.agent, "fit_support")
+        self.freeze = None
+        if cfg.agent.freeze_reset and hasattr(self.agent, "on_freeze"):
+            from numbarl.rl.freeze import FreezeDetector
+
+            self.freeze = FreezeDetector.from_config(cfg.agent)
+        # the training envs' own realized results and reward terms, read once per epoch
+        from numbarl.env.telemetry import TrainPathTelemetry
+
+        self.telemetry = TrainPathTelemetry(self.env, market.bars_per_day)  # the agent's step functions, by graph name
         self.graphs = {}  # each captured on its first use (the capture's warm-up run is that step)
         self.collect_steps = 0  # host mirror of the device collect counter (for scheduling only)
         self.epoch = 0
@@ -238,12 +264,17 @@ class FoldTrainer:
         arrays = self.agent.state_arrays()
         for name, value in self.env.arena.to_host().items():
             arrays[f"env/{name}"] = value
+        if self.loop is not None:  # E6/E8 device state
+            arrays.update({f"feedback/{k}": v for k, v in self.loop.state_arrays().items()})
         # the replay buffer (most of the bytes) only matters to an exact resume: latest checkpoint only
         replay = {name: arrays.pop(name) for name in [n for n in arrays if n.startswith("replay/")]}
         state = {"fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps,
                  "collect_steps": self.collect_steps,
                  "best_sharpe": _finite(self.best_sharpe), "best_tag": self.best_tag,
-                 "val_history": self.val_history, "seed": self.seed}
+                 "val_history": self.val_history, "seed": self.seed, "support_fitted": self.support_fitted}
+        if self.loop is not None:  # the loop's state (resume) and the gate this epoch was validated with
+            state["feedback"] = self.loop.state_dict()
+            state["feedback_gate"] = self.gate_in_force
         tag = self.tag(self.epoch)
         self.run.save_checkpoint(tag, arrays, state, resume_arrays=replay)
         return tag
@@ -257,6 +288,10 @@ class FoldTrainer:
         self.best_tag = state["best_tag"]
         # an undefined validation Sharpe is saved as JSON null
         self.val_history = [float("nan") if x is None else float(x) for x in state.get("val_history", [])]
+        self.support_fitted = bool(state.get("support_fitted", True))  # the checkpoint holds the support
+        if getattr(self, "loop", None) is not None:
+            self.loop.load_state_dict(state.get("feedback"))
+            self.loop.load_arrays({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("feedback/")})
 
     # -- the loop --------------------------------------------------------------------------------
     def replay_graph(self, name: str):
@@ -282,12 +317,17 @@ class FoldTrainer:
             self.collect_once()
             # TRAIN (what the agent runs after this collect step: a train step, or nothing yet)
             for name in self.agent.after_collect(self.collect_steps, t.learning_starts, t.train_every):
+                if not self.support_fitted:  # before the train step's first replay (and its capture)
+                    self.fit_support()
                 self.replay_graph(name)
             # LOG (the only host reads inside an epoch)
             if self.collect_steps % t.log_interval == 0:
                 if "diagnostics" in self.steps:  # what only the log reads, computed only here
                     self.replay_graph("diagnostics")
                 stats = self.agent.read_stats(self.stream)
+                self.last_stats = stats
+                if self.loop is not None:
+                    stats = {**stats, **self.loop.train_stats()}
                 now = time.perf_counter()
                 self.progress.done("step", self.collect_steps - timed_steps, now - timed_at)
                 timed_at, timed_steps = now, self.collect_steps
@@ -306,6 +346,32 @@ class FoldTrainer:
         self.progress.done("step", self.collect_steps - timed_steps, time.perf_counter() - timed_at)
         self.epoch += 1
 
+    def fit_support(self):
+        info = self.agent.fit_support(self.stream)
+        self.support_fitted = True
+        if info is None:
+            self.progress.log(f"fold {self.fold.index}: value support kept at [{self.cfg.agent.v_min:g}, "
+                              f"{self.cfg.agent.v_max:g}] (the prefill holds no non-zero return)")
+        else:
+            self.progress.log(f"fold {self.fold.index}: value support fitted to the prefill's {self.agent.cfg.n_step}-step "
+                              f"returns: [{info['v_min']:.4g}, {info['v_max']:.4g}] (|R_n| quantile "
+                              f"{info['abs_quantile']:.4g} x horizon factor {info['factor']:.3g})")
+
+    def after_epoch(self):
+        """The epoch's training-path record (numbarl/env/telemetry.py: the training envs' realized
+        trades and reward terms since the last epoch), then the freeze detector on the epoch's
+        last train record (agent.freeze_reset)."""
+        from numbarl.env.telemetry import epoch_record
+
+        self.run.log(self.progress.stamp({"kind": "train_path", "fold": self.fold.index, "epoch": self.epoch,
+                                          "step": self.collect_steps,
+                                          **epoch_record(self.telemetry, self.stream, self.market.bars_per_day)}))
+        if self.freeze is not None and self.last_stats and self.freeze.update(self.last_stats):
+            if self.agent.on_freeze(self.stream):
+                self.progress.log(f"fold {self.fold.index} epoch {self.epoch}: Q statistics frozen for "
+                                  f"{self.freeze.epochs} epochs with gradients flowing: Adam moments of the "
+                                  "branch advantages reset")
+
     def stop_nonfinite(self, stats):
         what = {1: "loss", 2: "gradient norm"}.get(stats["nonfinite_what"], "value")
         tensors = self.agent.nonfinite_tensors()
@@ -322,32 +388,43 @@ class FoldTrainer:
             f"{self.epoch + 1}); non-finite tensors: {where}. The run stopped; {kept}.")
 
     # -- evaluation --------------------------------------------------------------------------------
-    def evaluate(self, window):
+    def evaluate(self, window, record_q: bool = False):
         from numbarl.env.backtest import backtest
 
         params = self.cfg.env
         self.agent.reset_eval(self.stream)  # a window starts with no state carried from the last one
-        return backtest(self.market, window, params, q_fn=self.agent.scores, n_policies=1, stream=self.stream)
+        return backtest(self.market, window, params, q_fn=self.agent.scores, n_policies=1, stream=self.stream,
+                        record_q=record_q)
 
-    def backtest_timed(self, window, what: str):
+    def backtest_timed(self, window, what: str, record_q: bool = False):
         """A backtest of `window` with a status line before it and its time counted for the ETA."""
         bars = window[1] - window[0]
         self.progress.status(f"fold {self.fold.index} epoch {self.epoch}/{self.cfg.train.epochs} {what} backtest "
                              f"({bars} bars) {self.progress.bar()} ETA {self.progress.eta()}")
         t0 = time.perf_counter()
-        result = self.evaluate(window)
+        result = self.evaluate(window, record_q)
         seconds = time.perf_counter() - t0
         self.progress.done("backtest", bars, seconds)
         self.progress.charge("test" if what.startswith("test") else "validation", seconds)
         return result
 
     def validate(self):
-        result = self.backtest_timed(self.fold.val, "validation")
+        if self.loop is not None:  # the feedback part first: what the loop reads
+            self.gate_in_force = self.loop.gate_in_force()
+            fb = self.backtest_timed(self.feedback_window, "validation (feedback part)", record_q=self.loop.record_q)
+            fb_m = metrics_dict(fb.metrics())
+            self.run.log(self.progress.stamp({"kind": "val_feedback", "fold": self.fold.index, "epoch": self.epoch,
+                                              "step": self.collect_steps, **fb_m}))
+        result = self.backtest_timed(self.val_window, "validation")
         m = metrics_dict(result.metrics())
         sharpe = m.get("sharpe")
         self.val_history.append(sharpe if sharpe is not None else float("nan"))
         self.run.log(self.progress.stamp(
             {"kind": "val", "fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps, **m}))
+        if self.loop is not None:  # the knobs of the next epoch, from the feedback part only
+            record = self.loop.on_epoch(fb, fb_m, self.last_stats.get("epsilon", self.agent.eps_end))
+            self.run.log(self.progress.stamp({"kind": "feedback", "fold": self.fold.index, "epoch": self.epoch,
+                                              "step": self.collect_steps, **record}))
         return result, m, selection_score(self.val_history, self.cfg.train.select_window)
 
 
@@ -494,6 +571,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             run.truncate_log(-1, fold=fold.index)
         while ft.epoch < cfg.train.epochs:
             ft.run_epoch()
+            ft.after_epoch()
             # VALIDATE (logged before the checkpoint so a resume keeps it)
             val_result, m, score = ft.validate()
             if score > ft.best_sharpe or ft.best_tag is None:
@@ -508,14 +586,18 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                          f"{_num(m.get('sharpe'), '.2f')} | trades {_num(m.get('n_trades'), 'd')} | return "
                          f"{_num(m.get('total_return'), '.3%')} | checkpoint {tag} | ETA {progress.eta()}")
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
-        best_arrays, _ = run.load_checkpoint(ft.best_tag, prefix="params/")
+        best_arrays, best_state = run.load_checkpoint(ft.best_tag, prefix="params/")
         ft.agent.load_params(best_arrays)
-        val_result = ft.best_val if ft.best_val is not None else ft.backtest_timed(fold.val, "validation (best epoch)")
+        if ft.loop is not None:  # the policy includes the E9 gate it was validated with
+            ft.loop.set_gate(best_state.get("feedback_gate"))
+        val_result = ft.best_val if ft.best_val is not None else ft.backtest_timed(ft.val_window, "validation (best epoch)")
         test_result = ft.backtest_timed(fold.test, "test (out-of-sample)")
         val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
         run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m}))
         results = [("val", val_result), ("test", test_result)]
         entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
+                 **({"validation_split": {"feedback": list(ft.feedback_window), "selection": list(ft.val_window)}}
+                    if ft.loop is not None else {}),
                  "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
                  "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history}
         oracle = _oracle_actions(cache, fold.test, cfg.env)
@@ -617,7 +699,13 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
         t_data = time.perf_counter()
         cache = prepare_data(cfg.data, log=progress.log)
         progress.charge("data", time.perf_counter() - t_data)
-        make_folds(cache, cfg.train)  # too few sessions → DataError before any output
+        folds = make_folds(cache, cfg.train)  # too few sessions → DataError before any output
+        if feedback_on(cfg.train):  # a validation window too short to split: before any output too
+            for f in folds:
+                try:
+                    split_validation(f.val, cfg.train.feedback_split, cfg.train.embargo_bars)
+                except ValueError as e:
+                    raise ConfigError(f"train.feedback_split = {cfg.train.feedback_split}: fold {f.index}: {e}") from None
         if cache.features.shape[1] < 1:
             raise DataError(f"{cache.path}: the cache has no features")
         if not resume_dir:
@@ -731,11 +819,22 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
     agent = make_agent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
     rows = []
+    loops = {}
     for tag, f in tags:
         arrays, state = run.load_checkpoint(tag, prefix="params/")
         agent.load_params(arrays)
+        if cfg.train.e9_tradability_gate:  # the policy includes the E9 gate it was validated with
+            from numbarl.rl.feedback.loop import FeedbackLoop
+
+            if f.index not in loops:  # one per fold: a captured backtest graph keeps its loop's tables
+                loops[f.index] = FeedbackLoop(cfg.train, agent, cfg.env, host_market, f.train, cache.feature_names,
+                                              cache.tick_size)
+            loops[f.index].set_gate(state.get("feedback_gate"))
+            agent.attach_feedback(loops[f.index])
         for name in (("val", "test") if split == "all" else (split,)):
             window = getattr(f, name)
+            if name == "val" and feedback_on(cfg.train):  # the run's validation is the selection part
+                window = split_validation(f.val, cfg.train.feedback_split, cfg.train.embargo_bars)[1]
             agent.reset_eval(stream())
             result = backtest(market, window, cfg.env, q_fn=agent.scores, n_policies=1, stream=stream())
             rows.append({"checkpoint": tag, "epoch": state.get("epoch"), "fold": f.index, "split": name,

@@ -138,8 +138,10 @@ def test_cross_entropy_hand_computed():
     np.testing.assert_array_equal(d[0, 0, 1], 0.0)
 
 
-def test_loss_reference_gradient_finite_differences(rng):
-    """∂loss/∂online_logits of the reference against central differences (float64)."""
+@pytest.mark.parametrize("beta", [0.0, 0.7])
+def test_loss_reference_gradient_finite_differences(rng, beta):
+    """∂loss/∂online_logits of the reference against central differences (float64); with beta > 0
+    the loss carries the atom-entropy term −β · mean_{b,k} H(p_bk) of the taken actions (C5)."""
     inputs, weights = _loss_inputs(rng, 4)
     support = c51.make_support(N_ATOMS, V_MIN, V_MAX)
     args = {k: np.asarray(v, np.float64) if v.dtype != np.int32 else v for k, v in inputs.items()}
@@ -147,9 +149,14 @@ def test_loss_reference_gradient_finite_differences(rng):
     w = weights.astype(np.float64)
 
     def loss_of(x):
-        return c51.c51_loss_ref(x, support=support, branch_sizes=SIZES, weights=w, **args)[0]
+        return c51.c51_loss_ref(x, support=support, branch_sizes=SIZES, weights=w, entropy_beta=beta, **args)[0]
 
-    _, _, d_logits, _ = c51.c51_loss_ref(logits, support=support, branch_sizes=SIZES, weights=w, **args)
+    if beta:  # the objective is the β = 0 loss minus β times the mean entropy
+        ce = c51.c51_loss_ref(logits, support=support, branch_sizes=SIZES, weights=w, **args)[0]
+        h = c51.atom_entropy_ref(logits, inputs["actions"])
+        assert np.isclose(loss_of(logits), ce - beta * h.mean(), rtol=1e-12)
+    _, _, d_logits, _ = c51.c51_loss_ref(logits, support=support, branch_sizes=SIZES, weights=w, entropy_beta=beta,
+                                         **args)
     eps = 1e-6
     fd = np.zeros_like(logits)
     for idx in zip(*np.nonzero(np.isfinite(logits))):
@@ -297,3 +304,75 @@ def test_loss_launcher_rejects_bad_shapes():
         c51.C51Loss(3, SIZES, 1, V_MIN, V_MAX)
     with pytest.raises(ValueError, match="v_min"):
         c51.make_support(11, 1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# atom-entropy regulariser (C5) and the device support (set_support)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_weights", [False, True])
+def test_entropy_regularised_kernel_matches_reference(rng, use_weights):
+    batch, beta = 5, 0.37
+    inputs, weights = _loss_inputs(rng, batch)
+    loss_fn = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX, entropy_reg=True)
+    loss_fn.set_entropy_beta(beta)
+    dev = {k: _dev(v) for k, v in inputs.items()}
+    loss_fn(stream=stream(), weights=_dev(weights) if use_weights else None, **dev)
+    w = weights if use_weights else None
+    ce_loss, per_sample, d_logits, _ = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES, weights=w,
+                                                        **inputs)
+    _, _, d_logits_reg, _ = c51.c51_loss_ref(support=loss_fn.support_host, branch_sizes=SIZES, weights=w,
+                                             entropy_beta=beta, **inputs)
+    assert np.abs(d_logits_reg - d_logits).max() > 1e-4  # the term is not negligible here
+    _close(_host(loss_fn.loss)[0], ce_loss, what="loss (the cross-entropy alone)")
+    _close(_host(loss_fn.per_sample), per_sample, what="per_sample")
+    _close(_host(loss_fn.d_logits), d_logits_reg, atol=1e-6, rtol=1e-4, what="d_logits")
+    _close(_host(loss_fn.entropy), c51.atom_entropy_ref(inputs["online_logits"], inputs["actions"]), atol=1e-5,
+           what="entropy")
+    rows = np.arange(batch)
+    for k in range(len(SIZES)):
+        p = np.exp(c51.log_softmax_ref(inputs["online_logits"][rows, k, inputs["actions"][:, k]]))
+        _close(_host(loss_fn.taken_probs)[:, k], p, atol=1e-6, what=f"taken_probs branch {k}")
+
+
+def test_entropy_regulariser_with_beta_zero_is_bitwise_the_plain_loss(rng):
+    batch = 6
+    inputs, _ = _loss_inputs(rng, batch)
+    dev = {k: _dev(v) for k, v in inputs.items()}
+    plain = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX)
+    reg = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX, entropy_reg=True)  # β = 0 until written
+    plain(stream=stream(), **dev)
+    reg(stream=stream(), **dev)
+    for what in ("d_logits", "per_sample", "loss", "target_dist"):
+        assert np.array_equal(_host(getattr(plain, what)), _host(getattr(reg, what))), what
+
+
+def test_set_support_equals_a_loss_built_with_that_support(rng):
+    """A loss built on ±10 and moved to [V_MIN, V_MAX] by set_support computes the bits of one built on
+    [V_MIN, V_MAX]."""
+    batch = 6
+    inputs, weights = _loss_inputs(rng, batch)
+    dev = {k: _dev(v) for k, v in inputs.items()}
+    built = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX)
+    moved = c51.C51Loss(batch, SIZES, N_ATOMS, -10.0, 10.0)
+    moved.set_support(V_MIN, V_MAX)
+    for fn in (built, moved):
+        fn(stream=stream(), weights=_dev(weights), **dev)
+    for what in ("d_logits", "per_sample", "loss", "target_dist"):
+        assert np.array_equal(_host(getattr(built, what)), _host(getattr(moved, what))), what
+
+
+def test_the_loss_reads_its_support_from_device_memory_only(rng):
+    """What a captured graph would replay: the launch reads the support and the projection's
+    (v_min, v_max, 1/Δz) from device arrays, not from Python attributes frozen at capture. Writing
+    only the device arrays (the host attributes keep ±10) gives the reference on the new support."""
+    batch = 5
+    inputs, _ = _loss_inputs(rng, batch)
+    loss_fn = c51.C51Loss(batch, SIZES, N_ATOMS, -10.0, 10.0)
+    support = c51.make_support(N_ATOMS, V_MIN, V_MAX)
+    loss_fn.arena.load({"support": support, "support_scalars": np.array(c51.support_scalars(N_ATOMS, V_MIN, V_MAX),
+                                                                        np.float32)})
+    assert loss_fn.v_min == np.float32(-10.0)  # the host attribute did not move
+    loss_fn(stream=stream(), **{k: _dev(v) for k, v in inputs.items()})
+    _, _, d_logits, target = c51.c51_loss_ref(support=support, branch_sizes=SIZES, **inputs)
+    _close(_host(loss_fn.target_dist), target, atol=2e-6, rtol=1e-5, what="target_dist")
+    _close(_host(loss_fn.d_logits), d_logits, atol=1e-6, rtol=1e-4, what="d_logits")

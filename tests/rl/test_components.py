@@ -24,10 +24,19 @@ RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
                "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true",
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
-               "--set", "agent.cql_alpha=0.5"],
+               "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
+               "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
                  "--set", "agent.lr_cycle_steps=2", "--set", "agent.n_step=1", "--set", "agent.weight_decay=0",
-                 "--set", "agent.max_grad_norm=0"],
+                 "--set", "agent.max_grad_norm=0",
+                 # the validation feedback switches act from the second epoch on, the freeze detector (k = 1) from the third
+                 "--epochs", "3", "--set", "train.e1_q_reality=0.5", "--set", "train.e2_adaptive_epsilon=true",
+                 "--set", "train.e3_dynamic_gamma=true", "--set", "train.e9_tradability_gate=true",
+                 "--set", "train.e4_trade_autopsy=true", "--set", "train.e6_winner_boost=1",
+                 "--set", "train.e8_curriculum_kappa=1", "--set", "train.e7_margin_weight=0.1",
+                 "--set", "agent.support=fit", "--set", "agent.freeze_reset=true", "--set", "agent.freeze_eps=1e6",
+                 "--set", "agent.freeze_epochs=1", "--set", "agent.freeze_grad_min=0",
+                 "--set", "train.e9_min_trades=1"],
 }
 
 
@@ -55,7 +64,10 @@ def test_cli_lists_every_component_as_json():
 
 ON = ("periodic", "polyak")
 # the run each component's switch is on in, the other run has it off (c51 and double DQN: always on)
-ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic"}
+ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q_reality": "periodic",
+          "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
+          "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
+          "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic"}
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
 ALWAYS_ON = ("c51", "double_dqn")
 
@@ -111,3 +123,9 @@ def test_log_records_carry_the_diagnostics(live_runs):
         assert 0.0 <= rec[f"action_entropy.{name}"] <= 1.0
     assert np.isfinite(rec["q_gap_mean"])
     assert {"grad_norm.trunk", "grad_norm.trunk.gate", "grad_norm.head.value", "grad_norm.head.adv"} <= set(rec)
+    # the Q statistics of the last train batch (C6): finite, a spread, one mean per branch
+    assert rec["q_std"] > 0.0 and rec["q_divergence"] >= 0.0 and rec["q_gap_abs_mean"] >= 0.0
+    assert all(np.isfinite(rec[f"q_mean.{name}"]) for name in ("direction", "size", "target", "stop"))
+    assert rec["support_v_min"] == -10.0 and rec["support_v_max"] == 10.0 and rec["support_fits"] == 0
+    # IQN (agent.iqn): its optimizer group's gradient norm and its readiness in [0, 1]
+    assert "grad_norm.head.iqn" in rec and 0.0 <= rec["iqn_readiness"] <= 1.0 and rec["iqn_loss_ema"] > 0.0

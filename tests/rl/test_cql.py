@@ -104,3 +104,23 @@ def test_two_losses_one_head_one_step(rng):
     store.end_step()
     _, _, d_cql = cql_ref(x, actions, SUPPORT, SIZES)
     assert_close(c51.d_logits.copy_to_host(), alone + alpha * d_cql, 1e-6, 1e-4)
+
+
+def test_aux_frequency_runs_the_regularizer_every_kth_train_step():
+    """agent.aux_frequency = 3: train steps k = collect_steps / train_every with k % 3 == 0 run the
+    graph with CQL ("train_aux"), the others the C51 loss alone; without CQL there is one graph."""
+    from dataclasses import replace
+
+    from numbarl.config import PRESETS
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    cfg = replace(PRESETS["tiny"].agent, cql_alpha=0.5, aux_frequency=3)
+    agent = DQNAgent(cfg, 12, (3, 3, 4, 4), 4, seed=1)
+    start = agent.prefill_steps
+    got = [agent.after_collect(t, 0, 2) for t in range(start, start + 12)]
+    want = [() if t % 2 else (("train_aux",) if (t // 2) % 3 == 0 else ("train",)) for t in range(start, start + 12)]
+    assert got == want and ("train_aux",) in got and ("train",) in got
+    assert {"train", "train_aux"} <= set(agent.step_functions(env=None))
+    plain = DQNAgent(replace(cfg, cql_alpha=0.0), 12, (3, 3, 4, 4), 4, seed=1)
+    assert "train_aux" not in plain.step_functions(env=None)
+    assert all(a in ((), ("train",)) for a in (plain.after_collect(t, 0, 1) for t in range(start, start + 6)))

@@ -27,6 +27,31 @@ optimizer. Two step functions, each captured once as a CUDA graph and replayed (
 Nothing in either step allocates, copies to/from the host or synchronizes; every per-step scalar
 (epsilon, RNG counters, optimizer step, learning rate) lives in device memory. The same functions
 run eagerly with ``--no-graph`` and give the same numbers.
+
+``diagnostics_step(stream)`` (replayed at log intervals only) adds, besides the per-group gradient
+norms, atom utilisation and policy entropy, the Q statistics of the last train batch (C6): the std
+of Q at the taken actions (``q_std``), the per-branch means (``q_mean.direction`` ...), the mean
+|Q_online − Q_target| at the taken action (``q_divergence``; one target-network pass on the batch's
+obs, tag "diag") and the mean |q_gap| of the last collect step (``q_gap_abs_mean``; ``q_gap_mean``
+is the signed mean).
+
+Switches with their own device state (all off by default; off, the train step's launches and bits
+are those without them):
+
+* ``agent.atom_entropy_max`` (C5): the C51 loss adds the −β·H gradient (numbarl/rl/losses/c51.py);
+  the stats phase then turns the batch-mean probabilities of the taken actions into the atom
+  utilisation u (fixed-order column sum), its EMA and the next step's β, all on the device.
+* ``agent.support = "fit"``: the trainer calls ``fit_support(stream)`` once after the replay
+  prefill (numbarl/rl/support.py); the support is device memory every graph reads.
+* ``agent.freeze_reset``: the trainer feeds numbarl.rl.freeze.FreezeDetector one record per epoch
+  and calls ``on_freeze(stream)`` when it fires (Adam moments of group 'head.adv' zeroed).
+* ``agent.iqn`` (A1): an implicit quantile head on the trunk output (numbarl/rl/nets/iqn_head.py,
+  optimizer group 'head.iqn'), an auxiliary loss: on the aux train steps the LOSS phase draws τ, τ′,
+  runs the head on the target pass's trunk output (target parameters) and the online one, and the
+  quantile Huber loss at the C51 double-DQN action (numbarl/rl/losses/quantile_huber.py); BACKWARD
+  writes the C51 head's dh and adds the IQN head's into one buffer (the gradient ledger) and runs the
+  trunk's backward once on the sum. On the other train steps the IQN gradients are zeroed (Adam then
+  moves the head by its moments alone). Stats: iqn_loss, iqn_loss_ema, iqn_readiness.
 """
 
 from __future__ import annotations
@@ -41,13 +66,16 @@ from numbarl.cuda.mapped import MappedBuffer
 from numbarl.cuda import reduce
 from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.registry import StatsLayout
+from numbarl.cuda.kernels import elementwise  # IQN (agent.iqn): zeroed gradients on steps without it
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.losses.cql import CqlLoss
+from numbarl.rl.losses.quantile_huber import QuantileHuberLoss, iqn_readiness_kernel  # IQN (agent.iqn)
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
@@ -257,6 +285,145 @@ def action_entropy_kernel(actions, count, branch_sizes, stats, first_slot):
         stats[first_slot + b] = np.float32(h / math.log(np.float64(n_act))) if n_act > 1 else np.float32(0.0)
 
 
+MAX_BRANCHES = len(BRANCH_NAMES)  # per-branch Q-means the diagnostics' Q-stats kernel holds (shared memory)
+# offsets from the first Q-stats slot (consecutive slots, registered by the agent)
+QS_STD, QS_DIVERGENCE, QS_GAP_ABS, QS_BRANCH_MEAN = 0, 1, 2, 3
+
+
+@_cuda.jit(cache=True)
+def q_stats_kernel(q, q_target, actions, preference, train_step, stats, first_slot):
+    """One block, fixed order (diagnostics: log intervals only). Over the last train batch's
+    (sample b, branch k) pairs with a = actions[b, k], Q = q[b, k, a] (the online pass on obs):
+
+        stats[first + QS_STD]             population std of Q over all B·n_branches pairs (two passes)
+        stats[first + QS_DIVERGENCE]      mean |Q − q_target[b, k, a]|   (the target network on obs)
+        stats[first + QS_BRANCH_MEAN + k] mean of Q over the batch for branch k
+        stats[first + QS_GAP_ABS]         mean |preference| over the envs (|Q(long) − Q(short)| of the
+                                          last collect step)
+
+    Before the first train step (train_step[0] == 0) only the |preference| mean is written."""
+    B = q.shape[0]
+    nb = q.shape[1]
+    tid = _cuda.threadIdx.x
+    s_sum = _cuda.shared.array(STATS_BLOCK, np.float32)
+    s_div = _cuda.shared.array(STATS_BLOCK, np.float32)
+    s_gap = _cuda.shared.array(STATS_BLOCK, np.float32)
+    s_br = _cuda.shared.array((MAX_BRANCHES, STATS_BLOCK), np.float32)
+    trained = train_step[0] > 0
+    acc_s = _ZERO
+    acc_d = _ZERO
+    acc_g = _ZERO
+    for j in range(MAX_BRANCHES):
+        s_br[j, tid] = _ZERO
+    if trained:
+        for b in range(tid, B, STATS_BLOCK):
+            for j in range(nb):
+                a = actions[b, j]
+                v = q[b, j, a]
+                acc_s += v
+                s_br[j, tid] += v
+                acc_d += abs(v - q_target[b, j, a])
+    for e in range(tid, preference.shape[0], STATS_BLOCK):
+        acc_g += abs(preference[e])
+    s_sum[tid] = acc_s
+    s_div[tid] = acc_d
+    s_gap[tid] = acc_g
+    _cuda.syncthreads()
+    width = STATS_BLOCK // 2
+    while width > 0:
+        if tid < width:
+            s_sum[tid] += s_sum[tid + width]
+            s_div[tid] += s_div[tid + width]
+            s_gap[tid] += s_gap[tid + width]
+            for j in range(MAX_BRANCHES):
+                s_br[j, tid] += s_br[j, tid + width]
+        _cuda.syncthreads()
+        width //= 2
+    if not trained:
+        if tid == 0:
+            stats[first_slot + QS_GAP_ABS] = s_gap[0] / np.float32(preference.shape[0])
+        return
+    mean = s_sum[0] / np.float32(B * nb)
+    _cuda.syncthreads()  # every thread has read the mean before s_sum is reused
+    acc_v = _ZERO
+    for b in range(tid, B, STATS_BLOCK):
+        for j in range(nb):
+            d = q[b, j, actions[b, j]] - mean
+            acc_v += d * d
+    s_sum[tid] = acc_v
+    _cuda.syncthreads()
+    width = STATS_BLOCK // 2
+    while width > 0:
+        if tid < width:
+            s_sum[tid] += s_sum[tid + width]
+        _cuda.syncthreads()
+        width //= 2
+    if tid == 0:
+        inv = _ONE / np.float32(B * nb)
+        stats[first_slot + QS_STD] = math.sqrt(s_sum[0] * inv)
+        stats[first_slot + QS_DIVERGENCE] = s_div[0] * inv
+        stats[first_slot + QS_GAP_ABS] = s_gap[0] / np.float32(preference.shape[0])
+        for j in range(nb):
+            stats[first_slot + QS_BRANCH_MEAN + j] = s_br[j, 0] / np.float32(B)
+
+
+def q_stats_ref(q, q_target, actions, preference):
+    """float64 reference of q_stats_kernel: (std, divergence, mean |preference|, per-branch means)."""
+    q, q_target = np.asarray(q, np.float64), np.asarray(q_target, np.float64)
+    a = np.asarray(actions, np.int64)
+    rows = np.arange(q.shape[0])[:, None]
+    branches = np.arange(q.shape[1])[None, :]
+    taken, taken_t = q[rows, branches, a], q_target[rows, branches, a]  # [B, n_branches]
+    return (float(taken.std()), float(np.mean(np.abs(taken - taken_t))),
+            float(np.mean(np.abs(np.asarray(preference, np.float64)))), taken.mean(axis=0))
+
+
+# the adaptive atom-entropy controller (agent.atom_entropy_max > 0; numbarl/rl/losses/c51.py)
+UTIL_THRESHOLD = 0.1  # an atom counts as used when the batch-mean probability exceeds 0.1 / Z
+UTIL_EMA = 0.99  # u_ema ← 0.99 u_ema + 0.01 u
+UTIL_TARGET = 0.5  # β ramps up as u_ema falls below one half of the atoms
+
+
+@_cuda.jit(cache=True)
+def atom_entropy_control_kernel(atom_sums, inv_rows, u_ema, beta_max, beta, stats, slot_u, slot_ema, slot_beta):
+    """One thread, float64: p̄_i = atom_sums[i] · inv_rows (the batch- and branch-mean probability of
+    the taken actions), u = #{i: p̄_i > 0.1/Z} / Z, u_ema ← 0.99 u_ema + 0.01 u (the first step sets
+    u_ema = u: u_ema < 0 marks 'none yet'), β = β_max · clip((0.5 − u_ema) / 0.5, 0, 1) into beta[0]
+    (read by the next step's C51 gradient kernel) and the three stats slots."""
+    if _cuda.grid(1) != 0:
+        return
+    n = atom_sums.shape[0]
+    threshold = UTIL_THRESHOLD / np.float64(n)
+    used = 0
+    for i in range(n):
+        if np.float64(atom_sums[i]) * inv_rows > threshold:
+            used += 1
+    u = np.float64(used) / np.float64(n)
+    e = np.float64(u_ema[0])
+    if e < 0.0:
+        e = u
+    else:
+        e = UTIL_EMA * e + (1.0 - UTIL_EMA) * u
+    u_ema[0] = np.float32(e)
+    ramp = min(max((UTIL_TARGET - np.float64(u_ema[0])) / UTIL_TARGET, 0.0), 1.0)
+    b = np.float32(beta_max * ramp)
+    beta[0] = b
+    stats[slot_u] = np.float32(u)
+    stats[slot_ema] = u_ema[0]
+    stats[slot_beta] = b
+
+
+def atom_entropy_control_ref(taken_probs, u_ema: float, beta_max: float):
+    """float64 reference of one controller step: (u, u_ema, β) from taken_probs [B, n_branches, Z]."""
+    p = np.asarray(taken_probs, np.float64)
+    z = p.shape[-1]
+    p_bar = p.reshape(-1, z).mean(axis=0)
+    u = float(np.count_nonzero(p_bar > UTIL_THRESHOLD / z)) / z
+    e = u if u_ema < 0 else UTIL_EMA * u_ema + (1.0 - UTIL_EMA) * u
+    e = float(np.float32(e))
+    return u, e, beta_max * min(max((UTIL_TARGET - e) / UTIL_TARGET, 0.0), 1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent
 # ---------------------------------------------------------------------------------------------
@@ -269,8 +436,12 @@ class DQNAgent(Agent):
     the greedy evaluation pass (policies in a backtest).
     """
 
+    feedback = None  # the validation feedback loop acting inside the steps (attach_feedback)
+    _aux = True  # whether the train step being issued runs the auxiliary losses (train_step)
+    iqn_head = None  # the implicit quantile head (agent.iqn)
+
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
-                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000)):
+                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False):
         self.cfg = cfg
         self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
         self.branch_sizes = tuple(int(b) for b in branch_sizes)
@@ -292,15 +463,24 @@ class DQNAgent(Agent):
         # double-DQN argmax the online Q on next_obs, the projection the target probabilities
         for tag, batch, backward, outputs in (("online", B, True, ("logits", "q")), ("next", B, False, ("q",)),
                                               ("target", B, False, ("probs",)), ("act", self.n_envs, False, ("q",)),
-                                              ("eval", int(eval_batch), False, ("q",))):
+                                              ("eval", int(eval_batch), False, ("q",)),
+                                              ("diag", B, False, ("q",))):  # diagnostics: target net on obs
             self.trunk.declare_acts(self.acts, batch, tag, backward=backward)
             self.head.declare_acts(self.acts, batch, tag, backward=backward, outputs=outputs)
+        # --- IQN (agent.iqn): the head on the trunk's online (backward) and target passes ---------
+        if cfg.iqn:
+            self.iqn_head = IqnHead("iqn", self.trunk.out_dim, self.branch_sizes, n_embed=cfg.iqn_embed,
+                                    compute=cfg.compute)
+            self.iqn_head.declare_params(self.store)
+            self.iqn_head.declare_acts(self.acts, B, "online", backward=True, n_quantiles=cfg.iqn_quantiles)
+            self.iqn_head.declare_acts(self.acts, B, "target", backward=False, n_quantiles=cfg.iqn_quantiles)
+        # --- end IQN ---------------------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
 
         # LOSS, OPTIMIZER, REPLAY
-        self.loss = C51Loss.for_head(self.head, B)
+        self.loss = C51Loss.for_head(self.head, B, entropy_reg=cfg.atom_entropy_max > 0)
         # the CQL regularizer on the same logits: its gradient adds into the C51 loss's (loss contract)
         self.cql = CqlLoss.for_head(self.head, B) if cfg.cql_alpha > 0 else None
         target = (TargetConfig.periodic(cfg.target_period) if cfg.target_update == "periodic"
@@ -308,15 +488,19 @@ class DQNAgent(Agent):
         self.optim = Adam(self.store, AdamConfig(lr=cfg.lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
                                                  weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm),
                           target, schedule=ScheduleConfig(cfg.lr_warmup_steps, cfg.lr_cycle_steps, cfg.lr_min_frac,
-                                                          cfg.restart_momentum_scale)).allocate()
+                                                          cfg.restart_momentum_scale))
+        if branch_lr:  # one optimizer group per branch of the advantage GEMM (E4 scales their rates)
+            self.optim.split_group("head.adv", self._branch_labels("head.adv"),
+                                   [f"head.adv.{name}" for name in BRANCH_NAMES[:self.n_branches]])
+        self.optim.allocate()
         if cfg.weight_decay_groups:  # weight decay only in the named groups (weights only, as always)
             named = [g.strip() for g in cfg.weight_decay_groups.split(",") if g.strip()]
-            unknown = [g for g in named if g not in self.optim.groups]
+            unknown = [g for g in named if g not in self.optim.parents.values()]
             if unknown:
                 raise ValueError(f"agent.weight_decay_groups = {cfg.weight_decay_groups!r}: no optimizer group "
                                  f"{', '.join(unknown)}; this network's groups: {', '.join(self.optim.groups)}")
             for g in self.optim.groups:
-                if g not in named:
+                if self.optim.parents[g] not in named:
                     self.optim.set_weight_decay(0.0, group=g)
         self.replay = Replay(cfg.replay_capacity, self.n_envs, self.state_dim, self.n_branches, B,
                              n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed,
@@ -335,7 +519,7 @@ class DQNAgent(Agent):
         # liveness of every parameter group and the diagnostics' per-group norms
         self.stats_layout = AGENT_STATS.copy()
         self._group_norms = []
-        for group in self.optim.groups:
+        for group in dict.fromkeys(self.optim.parents.values()):  # tensor groups (E4 splits head.adv)
             views = [self.store.grad(n) for n, spec in self.store.specs.items() if spec.group == group]
             slot = self.stats_layout.slot(f"grad_norm.{group}")
             self._group_norms.append((Reducer([v.size for v in views]), views, slot))
@@ -356,9 +540,101 @@ class DQNAgent(Agent):
         self.diag.allocate()
         self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self._qgap_reducer = Reducer(self.n_envs)
+        self._init_c51_extras()
+        if self.iqn_head is not None:  # IQN (agent.iqn): loss, shared dh, readiness state, stats slots
+            self._init_iqn()
         self.stats = MappedBuffer(self.stats_layout.size, np.float32)
         self.stats.reset(0)
         self.stats.host[STAT_NONFINITE_STEP] = -1.0
+        self.stats.host[self._slot_support] = self.head.v_min
+        self.stats.host[self._slot_support + 1] = self.head.v_max
+
+    def _init_c51_extras(self) -> None:
+        """Slots and device state of the Q statistics (C6), the fitted support and the atom-entropy
+        controller (C5); before the mapped stats are sized."""
+        cfg, B = self.cfg, self.cfg.batch_size
+        if self.n_branches > MAX_BRANCHES:
+            raise ValueError(f"{self.n_branches} branches; the Q statistics hold at most {MAX_BRANCHES}")
+        names = ["q_std", "q_divergence", "q_gap_abs_mean"] + [f"q_mean.{n}" for n in BRANCH_NAMES[:self.n_branches]]
+        self._slot_qstats = self.stats_layout.slot(names[0])
+        for i, name in enumerate(names[1:], 1):
+            if self.stats_layout.slot(name) != self._slot_qstats + i:
+                raise RuntimeError("the Q-stats slots are not consecutive")
+        self._slot_support = self.stats_layout.slot("support_v_min")  # the support in force (fitted or config)
+        if self.stats_layout.slot("support_v_max") != self._slot_support + 1:
+            raise RuntimeError("the support slots are not consecutive")
+        self._slot_support_fits = self.stats_layout.slot("support_fits", kind="int")
+        self._slot_freeze = self.stats_layout.slot("freeze_resets", kind="int")
+        self.support_state = Arena("agent.support")
+        self.support_state.add("range", (2,), np.float64)  # (v_min, v_max) in force: checkpointed
+        self.support_state.allocate()
+        self.support_state.load({"range": np.array([cfg.v_min, cfg.v_max], np.float64)})
+        self.atom_reg = None
+        if cfg.atom_entropy_max > 0:
+            self._slot_util = self.stats_layout.slot("atom_utilization_taken")
+            self._slot_util_ema = self.stats_layout.slot("atom_utilization_ema")
+            self._slot_beta = self.stats_layout.slot("atom_entropy_beta")
+            self._slot_entropy_mean = self.stats_layout.slot("atom_entropy_mean")
+            rows = B * self.n_branches
+            self.atom_reg = Arena("agent.atom_entropy")
+            self.atom_reg.add("u_ema", (1,), np.float32)
+            self.atom_reg.add("atom_sums", (cfg.n_atoms,), np.float32)
+            self.atom_reg.add("atom_partials", reduce.col_partials_shape(rows, cfg.n_atoms), np.float32)
+            self.atom_reg.allocate()
+            self.atom_reg.load({"u_ema": np.array([-1.0], np.float32)})  # < 0: no step yet
+            self._entropy_reducer = Reducer(rows)
+
+    # --- IQN (agent.iqn) -----------------------------------------------------------------------------
+    def _init_iqn(self) -> None:
+        """The quantile Huber loss, the dh buffer both heads write, the readiness state (float64
+        (L_first, L_ema), checkpointed; L_first < 0: no step yet) and the stats slots."""
+        cfg, B = self.cfg, self.cfg.batch_size
+        self.iqn_loss = QuantileHuberLoss(B, self.branch_sizes, cfg.iqn_quantiles, cfg.iqn_quantiles)
+        self.iqn_state = Arena("agent.iqn")
+        self.iqn_state.add("dh", (B, self.trunk.out_dim), np.float32)
+        self.iqn_state.add("readiness_state", (2,), np.float64)
+        self.iqn_state.allocate()
+        self.iqn_state.load({"readiness_state": np.array([-1.0, -1.0], np.float64)})
+        self._slot_iqn_loss = self.stats_layout.slot("iqn_loss")
+        self._slot_iqn_ready = self.stats_layout.slot("iqn_readiness")
+        self._slot_iqn_ema = self.stats_layout.slot("iqn_loss_ema")
+        self._iqn_grads = [self.store.grad(n) for n in self.iqn_head.param_names.values()]
+
+    def _iqn_forward_loss(self, stream) -> None:
+        """τ′ and the target head on the target pass's trunk output (target parameters), τ and the
+        online head on the online pass's trunk output, then the quantile Huber loss (aux steps)."""
+        batch, cfg, head = self.replay.batch, self.cfg, self.iqn_head
+        counter = self.optim.step_counter  # fresh fractions every train step, the same in every run
+        head.sample_tau(stream, "target", self.seed, counter, IQN_TAU_SLOT + 1)
+        head.forward(self.trunk.output("target"), stream, tag="target", role="target")
+        head.sample_tau(stream, "online", self.seed, counter, IQN_TAU_SLOT)
+        head.forward(self.trunk.output("online"), stream, tag="online")
+        inputs = {"quantiles": head.output("online"), "tau": head.tau_buffer("online"),
+                  "target_quantiles": head.output("target"), "next_q": self.head.outputs("next").q,
+                  "actions": batch.action, "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
+                  "next_mask": batch.next_mask if cfg.lock_aware_target else None}
+        self.iqn_loss.apply(inputs, {"quantiles": self.iqn_loss.grad("quantiles")}, stream, ledger=self.store)
+
+    def _iqn_backward(self, stream) -> None:
+        """Aux step: C51 head writes dh, the IQN head adds its part, the trunk's backward runs once on
+        the sum. Other steps: the IQN gradients are zeroed (no stale gradient reaches Adam)."""
+        if not self._aux:
+            for g in self._iqn_grads:
+                elementwise.fill(g, 0.0, stream)
+            dh = self.head.backward(self.loss.d_logits, stream, tag="online")
+            self.trunk.backward(dh, stream, tag="online")
+            return
+        dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=self.iqn_state["dh"])
+        self.iqn_head.backward(self.iqn_loss.grad("quantiles"), stream, tag="online", dx_out=dh)
+        self.trunk.backward(dh, stream, tag="online")
+    # --- end IQN -------------------------------------------------------------------------------------
+
+    def _branch_labels(self, group: str) -> dict:
+        """{tensor: branch index of each element} for the tensors of `group` whose last axis is the
+        advantage GEMM's columns (branch k: columns [off_k Z, (off_k + A_k) Z))."""
+        cols = np.repeat(np.arange(self.n_branches), np.asarray(self.branch_sizes) * self.cfg.n_atoms)
+        return {name: np.broadcast_to(cols, spec.shape).copy()
+                for name, spec in self.store.specs.items() if spec.group == group}
 
     def set_epsilon_schedule(self, start: float, end: float, decay_steps: int) -> None:
         """Write the device epsilon schedule (host copy: between replays, never inside capture)."""
@@ -368,6 +644,69 @@ class DQNAgent(Agent):
         self.eps_start, self.eps_end, self.eps_decay = float(start), float(end), int(decay_steps)
         self.scalars.load({"epsilon_schedule": np.array([start, end], np.float32),
                            "epsilon_decay_steps": np.array([decay_steps], np.int64)})
+
+    # -- the value support (C5 support-scale: agent.support = "fit") ------------------------------
+    @property
+    def support_range(self) -> tuple[float, float]:
+        """(v_min, v_max) of the support in force (the config's, or the fitted one)."""
+        return self.head.v_min, self.head.v_max
+
+    def set_support(self, v_min: float, v_max: float) -> None:
+        """Write the support linspace(v_min, v_max, Z) everywhere the steps read it: the head's
+        `support` (every pass's Q), the loss's support and projection scalars (v_min, v_max, 1/Δz),
+        the CQL term's support. Host copies into device memory that the captured graphs read (no
+        kernel argument holds the support): call between graph replays, never inside a capture."""
+        self.head.set_support(v_min, v_max)
+        self.loss.set_support(v_min, v_max)
+        if self.cql is not None:
+            self.cql.arena.load({"support": self.head.support_host})
+        self.support_state.load({"range": np.array([v_min, v_max], np.float64)})
+        self.stats.host[self._slot_support] = np.float32(v_min)
+        self.stats.host[self._slot_support + 1] = np.float32(v_max)
+
+    def fit_support(self, stream) -> dict | None:
+        """agent.support = "fit": set the support to ±v fitted to the n-step returns the replay holds
+        (numbarl/rl/support.py: the sampler's n and the device γ; v = max(|q_0.001|, |q_0.999|) of
+        R_n times the horizon factor). Call ONCE, after the replay prefill and before the first
+        train step, between graph replays (it copies the replay's rewards to the host and syncs
+        `stream`). A resumed run gets the fitted support back from its checkpoint (load_state): do
+        not fit again. Returns {"v_min", "v_max", "abs_quantile", "mean", "factor", "n"}, or None
+        when agent.support is "fixed" or the replay holds no non-zero return (the support stays)."""
+        from numbarl.rl.support import fit_support_range, replay_nstep_returns
+
+        if self.cfg.support != "fit":
+            return None
+        store = self.replay.store
+        reward = store["reward"].copy_to_host(stream=stream)
+        done = store["done"].copy_to_host(stream=stream)
+        count = store["count"].copy_to_host(stream=stream)
+        gamma = self.replay.gamma_device.copy_to_host(stream=stream)
+        stream.synchronize()
+        g = float(gamma[0])
+        returns = replay_nstep_returns(reward, done, int(count[0]), self.replay.n_step, g)
+        fit = fit_support_range(returns, g, self.replay.n_step, self.cfg.support_horizon_factor)
+        if fit["v"] is None:
+            return None
+        v = fit.pop("v")
+        self.set_support(-v, v)
+        self.stats.host[self._slot_support_fits] += 1.0
+        return {"v_min": -v, "v_max": v, **fit}
+
+    # -- the freeze reset (C6 detector → O4; numbarl/rl/freeze.py) -------------------------------
+    FREEZE_GROUP = "head.adv"
+
+    def on_freeze(self, stream) -> bool:
+        """The freeze detector fired (numbarl.rl.freeze.FreezeDetector.update returned True): with
+        agent.freeze_reset, zero Adam's m and v of the branch-advantage weights (group 'head.adv'),
+        count it in the `freeze_resets` slot and return True; otherwise do nothing and return False.
+        Eager launch between graph replays."""
+        if not self.cfg.freeze_reset:
+            return False
+        for g in self.optim.groups:  # the group, or its per-branch parts (E4 splits head.adv)
+            if self.optim.parents[g] == self.FREEZE_GROUP:
+                self.optim.reset_moments(g, stream)
+        self.stats.host[self._slot_freeze] += 1.0
+        return True
 
     # -- network passes ------------------------------------------------------------------------
     def forward(self, obs, stream, tag: str, role: str = "params"):
@@ -379,17 +718,45 @@ class DQNAgent(Agent):
         """Greedy-evaluation Q [eval_batch, n_branches, max_actions] for a backtest's policies."""
         out = self.forward(obs, stream, tag="eval")
         _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
+        if self.feedback is not None:  # E9: no entries in gated regimes (numbarl/rl/feedback)
+            self.feedback.on_scores(obs, q_out, stream)
+
+    def attach_feedback(self, loop) -> None:
+        """Let a validation feedback loop (numbarl.rl.feedback.loop.FeedbackLoop) act inside the
+        step functions: before they are captured (its device tables are read, never re-captured)."""
+        self.feedback = loop
+        if loop.weighted:  # E6/E8: the batch carries normalized loss weights from now on
+            self.replay.normalize_weights = True
 
 
     # -- the agent contract: graphs and their schedule ------------------------------------------
+    @property
+    def aux_every(self) -> int:
+        """Train steps per step with the auxiliary losses (agent.aux_frequency; 1 = every step, and
+        then there is one train graph only)."""
+        aux = self.cql is not None or (self.feedback is not None and self.feedback.has_aux_loss)
+        aux = aux or self.iqn_head is not None  # IQN (agent.iqn) is an auxiliary loss
+        return int(self.cfg.aux_frequency) if aux else 1
+
     def step_functions(self, env) -> dict:
-        return {"collect": lambda s: self.collect_step(env, s), "train": self.train_step,
-                "diagnostics": lambda s: self.diagnostics_step(env, s)}
+        steps = {"collect": lambda s: self.collect_step(env, s), "train": self.train_step,
+                 "diagnostics": lambda s: self.diagnostics_step(env, s)}
+        if self.aux_every > 1:  # the train step without the auxiliary losses, and the one with them
+            steps["train"] = lambda s: self.train_step(s, aux=False)
+            steps["train_aux"] = lambda s: self.train_step(s, aux=True)
+        return steps
 
     def after_collect(self, collect_steps: int, learning_starts: int, train_every: int) -> tuple[str, ...]:
-        """One train step after every `train_every`-th collect step once the replay holds enough."""
+        """One train step after every `train_every`-th collect step once the replay holds enough;
+        with auxiliary losses every aux_every-th of them (collect step k * train_every with k a
+        multiple of aux_every: a rule of the step number alone, so a resume keeps the rhythm) is
+        the train step that also runs them."""
         ready = collect_steps >= max(int(learning_starts), self.prefill_steps)
-        return ("train",) if ready and collect_steps % int(train_every) == 0 else ()
+        if not (ready and collect_steps % int(train_every) == 0):
+            return ()
+        if self.aux_every > 1 and (collect_steps // int(train_every)) % self.aux_every == 0:
+            return ("train_aux",)
+        return ("train",)
 
     @property
     def prefill_steps(self) -> int:
@@ -402,11 +769,15 @@ class DQNAgent(Agent):
                                      self.scalars["epsilon_decay_steps"], self.scalars["epsilon"], self.stats.device)
         t = env.transition
         obs, mask = env.gather(t.obs, t.mask, stream)                  # [N, state_dim], the env's action mask
+        if self.feedback is not None:                                  # E9 gate on the mask (feedback loop)
+            self.feedback.on_mask(obs, mask, stream)
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
         epsilon_greedy(q, mask, self.scalars["epsilon"], env.seed_dev, env.counter, t.actions, preference, stream)
         out = env.step(t.actions, preference, stream=stream)           # fills, reward, done, reset
         self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask)
+        if self.feedback is not None:                                  # E6: rows of winning trades
+            self.feedback.on_written(out, env, self.replay, stream)
         env.advance(stream)
 
     def train_phases(self) -> list:
@@ -416,14 +787,22 @@ class DQNAgent(Agent):
                 ("loss", self._loss), ("backward", self._backward), ("update", self._update),
                 ("stats", self._stats)]
 
-    def train_step(self, stream):
-        self.store.begin_step()  # the gradient rule: this step's first writes overwrite (the update closes it)
-        for _, phase in self.train_phases():
-            phase(stream)
+    def train_step(self, stream, aux: bool = True):
+        """One gradient step; aux=False leaves out the auxiliary losses (CQL) for agent.aux_frequency."""
+        self._aux = aux
+        try:
+            self.store.begin_step()  # the gradient rule: this step's first writes overwrite (the update closes it)
+            for _, phase in self.train_phases():
+                phase(stream)
+        finally:
+            self._aux = True
 
     # SAMPLE
     def _sample(self, stream):
-        self.replay.sample(self.optim.step_counter, stream)
+        factor = self.feedback.sample_factor if self.feedback is not None else None  # E8's bucket weights
+        self.replay.sample(self.optim.step_counter, stream, factor=factor)
+        if self.feedback is not None:  # E1: the sampled returns less the reward offset
+            self.feedback.on_sample(self.replay.batch, stream)
 
     # TARGETS (double DQN: online argmax on next_obs, target-network probabilities)
     def _targets(self, stream):
@@ -440,14 +819,23 @@ class DQNAgent(Agent):
         inputs = {"logits": self.head.outputs("online").logits, "actions": batch.action,
                   "next_q": self.head.outputs("next").q, "target_probs": self.head.outputs("target").probs,
                   "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
-                  "next_mask": batch.next_mask if cfg.lock_aware_target else None}  # the env's mask of next_obs
+                  "next_mask": batch.next_mask if cfg.lock_aware_target else None,  # the env's mask of next_obs
+                  "weights": batch.weight if self.replay.normalize_weights else None}  # E6/E8 loss weights
         self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
-        if self.cql is not None:  # adds α · ∂L_cql/∂logits into the same buffer (the C51 loss wrote first)
+        if self.cql is not None and self._aux:  # adds α · ∂L_cql/∂logits into the same buffer (C51 wrote first)
             self.cql.apply({"logits": inputs["logits"], "lse": self.acts["head.online.lse"], "actions": batch.action},
                            {"logits": self.loss.d_logits}, stream, weight=cfg.cql_alpha, ledger=self.store)
+        if self.feedback is not None and self._aux:  # E7's margin loss on the labelled rows (adds)
+            self.feedback.apply_losses({"logits": inputs["logits"], "lse": self.acts["head.online.lse"]},
+                                       self.loss.d_logits, self.head.support, stream, self.store)
+        if self.iqn_head is not None and self._aux:  # IQN (agent.iqn): its own head's quantile Huber loss
+            self._iqn_forward_loss(stream)
 
     # BACKWARD (d logits → head → trunk)
     def _backward(self, stream):
+        if self.iqn_head is not None:  # IQN (agent.iqn): both heads' dh summed before the trunk
+            self._iqn_backward(stream)
+            return
         dh = self.head.backward(self.loss.d_logits, stream, tag="online")
         self.trunk.backward(dh, stream, tag="online")
 
@@ -467,6 +855,23 @@ class DQNAgent(Agent):
                                                    np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
                                                    self.loss.loss, self.optim.stats, self.scalars["train_step"],
                                                    self.stats.device)
+        if self.atom_reg is not None:  # C5: utilisation of the taken actions' atoms → u_ema → next step's β
+            self._atom_entropy_control(stream)
+        if self.iqn_head is not None and self._aux:  # IQN (agent.iqn): loss, its EMA and readiness, on the device
+            iqn_readiness_kernel[1, 1, stream](self.iqn_loss.loss, self.iqn_state["readiness_state"], self.stats.device,
+                                               np.int64(self._slot_iqn_loss), np.int64(self._slot_iqn_ready),
+                                               np.int64(self._slot_iqn_ema))
+
+    def _atom_entropy_control(self, stream):
+        B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
+        reduce.col_sum(self.loss.taken_probs.reshape(B * nb, Z), self.atom_reg["atom_sums"],
+                       self.atom_reg["atom_partials"], stream)
+        self._entropy_reducer.mean(self.loss.entropy, self.stats.device, stream, at=self._slot_entropy_mean)
+        atom_entropy_control_kernel[1, 1, stream](self.atom_reg["atom_sums"], np.float64(1.0 / (B * nb)),
+                                                  self.atom_reg["u_ema"], np.float64(self.cfg.atom_entropy_max),
+                                                  self.loss.entropy_beta, self.stats.device,
+                                                  np.int64(self._slot_util), np.int64(self._slot_util_ema),
+                                                  np.int64(self._slot_beta))
 
     # DIAGNOSTICS (log intervals only: what the last train and collect steps left in their buffers)
     def diagnostics_step(self, env, stream):
@@ -481,6 +886,12 @@ class DQNAgent(Agent):
         action_entropy_kernel[nb, MAX_BRANCH_ACTIONS, stream](self.replay.store["action"], self.replay.count,
                                                                self.diag["branch_sizes"], self.stats.device,
                                                                np.int64(self._slot_entropy))
+        # Q statistics of the last train batch (C6): the target network on its obs for q_divergence
+        batch = self.replay.batch
+        q_target = self.forward(batch.obs, stream, tag="diag", role="target").q
+        q_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, q_target, batch.action,
+                                               env.arena["preference"], self.scalars["train_step"],
+                                               self.stats.device, np.int64(self._slot_qstats))
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -497,6 +908,12 @@ class DQNAgent(Agent):
         for name, value in self.scalars.to_host().items():
             out[f"agent/{name}"] = value
         out["agent/stats"] = self.stats.host.copy()
+        out["support/range"] = self.support_state["range"].copy_to_host()
+        if self.atom_reg is not None:
+            out["atom_entropy/u_ema"] = self.atom_reg["u_ema"].copy_to_host()
+            out["atom_entropy/beta"] = self.loss.entropy_beta.copy_to_host()
+        if self.iqn_head is not None:  # IQN (agent.iqn): the readiness state
+            out["iqn/readiness_state"] = self.iqn_state["readiness_state"].copy_to_host()
         return out
 
     def optim_state(self) -> dict[str, np.ndarray]:
@@ -524,10 +941,24 @@ class DQNAgent(Agent):
             saved = np.asarray(arrays["agent/stats"], np.float32)
             n = min(saved.size, self.stats.host.size)
             self.stats.host[:n] = saved[:n]
+        self._load_support(arrays)
+        if self.atom_reg is not None and "atom_entropy/u_ema" in arrays:
+            self.atom_reg.load({"u_ema": arrays["atom_entropy/u_ema"]})
+            self.loss.arena.load({"entropy_beta": arrays["atom_entropy/beta"]})
+        if self.iqn_head is not None and "iqn/readiness_state" in arrays:  # IQN (agent.iqn)
+            self.iqn_state.load({"readiness_state": arrays["iqn/readiness_state"]})
+
+    def _load_support(self, arrays) -> None:
+        """The support a checkpoint was trained with (a fitted one), if it saved one."""
+        if "support/range" in arrays:
+            v_min, v_max = (float(x) for x in np.asarray(arrays["support/range"], np.float64))
+            if (v_min, v_max) != self.support_range:
+                self.set_support(v_min, v_max)
 
     def load_params(self, arrays: dict[str, np.ndarray]) -> None:
         """Load the online network's weights from checkpoint arrays ("params/<name>" entries)."""
         self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
+        self._load_support(arrays)  # the Q of a fitted support needs that support
 
     def read_stats(self, stream) -> dict[str, float]:
         """Host read of the mapped stats by name (waits on an event behind the writers; log

@@ -23,6 +23,23 @@ atom splits its mass between the two neighbouring support points),
 
 and zero for every other action and for the padding entries of shorter branches.
 
+Adaptive atom-entropy regularisation (optional, `entropy_reg=True`; docs: the agent's
+`agent.atom_entropy_max`): the objective gains −β · (1/(B·n_branches)) Σ_{b,k} H(p_bk), with
+p_bk = softmax(online_logits[b, k, a_taken]) and H(p) = −Σ_i p_i log p_i. Since
+∂H/∂l_i = −p_i (log p_i + H), its gradient adds
+
+    β / (B · n_branches) · p_i · (log p_i + H)
+
+at the taken action (unweighted by w_b). β is read from device memory (`entropy_beta` [1], written
+by the agent's utilisation controller between or inside steps), so a captured graph follows it.
+The target kernel then also writes H[b, k] (`entropy`) and the grad kernel the taken action's
+probabilities (`taken_probs` [B, n_branches, Z], the utilisation's input). The logged `loss`
+stays the cross-entropy alone. With entropy_reg=False none of this runs: same launches, same bits.
+
+The support (z, and the projection's v_min, v_max, 1/Δz) is read from device memory
+(`support` [Z] and `support_scalars` [3]): `set_support` rewrites both from the host between
+graph replays (e.g. a support fitted to the replay's returns) and the captured graph follows.
+
 The dense form replaces the scatter of Algorithm 1 (floor/ceil + index_add) by a Z×Z hat-function
 product: no atomics, no `l == u` special case (an atom landing exactly on z_i gets weight 1 there
 and 0 on both neighbours), and a thread owns every value it writes.
@@ -176,7 +193,7 @@ def log_softmax_ref(x, axis=-1):
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
-def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None):
+def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None, entropy_beta: float = 0.0):
     """Cross-entropy between the projected targets and the online distribution at the taken action.
 
     Args:
@@ -184,9 +201,12 @@ def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None):
       actions: [B, n_branches] taken actions.
       target_dist: [B, n_branches, Z] projected targets m (constants: no gradient flows into them).
       weights: [B] importance weights or None (all ones).
+      entropy_beta: β of the atom-entropy term −β/(B·n_branches) Σ_{b,k} H(p_bk) (unweighted;
+        module docstring); 0 = none.
 
     Returns:
-      loss: float, (1/B) Σ_b w_b · per_sample[b].
+      loss: float, (1/B) Σ_b w_b · per_sample[b] − β · mean_{b,k} H (the objective d_logits is the
+        gradient of; the device's logged loss is the β = 0 part).
       per_sample: [B] (1/n_branches) Σ_k CE[b, k] (unweighted).
       d_logits: [B, n_branches, max_actions, Z] ∂loss/∂online_logits, zero off the taken actions.
     """
@@ -197,6 +217,7 @@ def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None):
     rows = np.arange(batch)
     d_logits = np.zeros(online_logits.shape)
     ce = np.empty((batch, n_branches))
+    ent = np.zeros((batch, n_branches))
     for k in range(n_branches):
         logits = online_logits[rows, k, actions[:, k]]  # [B, Z]
         logp = log_softmax_ref(logits)
@@ -205,13 +226,30 @@ def cross_entropy_loss_ref(online_logits, actions, target_dist, weights=None):
         # d CE / d logits = softmax · Σm - m  (Σm = 1 for a projected distribution)
         d = np.exp(logp) * np.sum(m, axis=1, keepdims=True) - m
         d_logits[rows, k, actions[:, k]] = (w / (batch * n_branches))[:, None] * d
+        if entropy_beta != 0.0:  # −β H / (B n_br): ∂/∂l_i = β p_i (log p_i + H) / (B n_br)
+            p = np.exp(logp)
+            h = -np.sum(p * logp, axis=1)
+            ent[:, k] = h
+            d_logits[rows, k, actions[:, k]] += entropy_beta / (batch * n_branches) * p * (logp + h[:, None])
     per_sample = ce.mean(axis=1)
-    loss = float(np.mean(w * per_sample))
+    loss = float(np.mean(w * per_sample)) - entropy_beta * float(np.mean(ent))
     return loss, per_sample, d_logits
 
 
+def atom_entropy_ref(online_logits, actions):
+    """H[b, k] = −Σ_i p_i log p_i of softmax(online_logits[b, k, actions[b, k]]), float64 [B, n_branches]."""
+    online_logits = np.asarray(online_logits, np.float64)
+    batch, n_branches = online_logits.shape[:2]
+    rows = np.arange(batch)
+    out = np.empty((batch, n_branches))
+    for k in range(n_branches):
+        logp = log_softmax_ref(online_logits[rows, k, np.asarray(actions)[:, k]])
+        out[:, k] = -np.sum(np.exp(logp) * logp, axis=1)
+    return out
+
+
 def c51_loss_ref(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
-                 branch_sizes, weights=None, next_mask=None):
+                 branch_sizes, weights=None, next_mask=None, entropy_beta: float = 0.0):
     """The whole distributional double-DQN loss: target (double DQN + Eq. 7) then cross-entropy.
 
     Returns (loss, per_sample [B], d_logits [B, n_branches, max_actions, Z], target_dist
@@ -219,7 +257,7 @@ def c51_loss_ref(online_logits, actions, next_q, target_probs, rewards, dones, d
     """
     target_dist = target_distribution_ref(next_q, target_probs, rewards, dones, discounts, support, branch_sizes,
                                           next_mask)
-    loss, per_sample, d_logits = cross_entropy_loss_ref(online_logits, actions, target_dist, weights)
+    loss, per_sample, d_logits = cross_entropy_loss_ref(online_logits, actions, target_dist, weights, entropy_beta)
     return loss, per_sample, d_logits, target_dist
 
 
@@ -300,12 +338,15 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
 
 @_cuda.jit(cache=True)
 def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
-                      branch_sizes, next_mask, use_mask, v_min, v_max, inv_delta_z, target_dist, lse, ce):
+                      branch_sizes, next_mask, use_mask, support_scalars, target_dist, lse, ce, use_entropy,
+                      entropy):
     """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
     Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
     into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
     an out-of-bounds read. With use_mask, the argmax skips the actions next_mask[b, k, :] (the env's
-    mask of next_obs) marks unavailable.
+    mask of next_obs) marks unavailable. support_scalars = (v_min, v_max, 1/Δz) float32 [3] in device
+    memory (never kernel arguments: a captured graph reads the current support). With use_entropy,
+    entropy[b, k] = H(softmax of the taken action's logits).
     """
     b = _cuda.blockIdx.x * BLOCK + _cuda.threadIdx.x
     k = _cuda.blockIdx.y
@@ -334,7 +375,8 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
         best = 0
     gamma = bootstrap_gamma_dev(discounts, dones, b)
     m_row = target_dist[b, k]
-    project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, v_min, v_max, inv_delta_z, m_row)
+    project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars[0], support_scalars[1],
+                    support_scalars[2], m_row)
 
     # log-sum-exp of the online logits at the taken action, then CE = -Σ m_i log p_i
     logits_row = online_logits[b, k, taken]
@@ -350,16 +392,24 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
     for i in range(n_atoms):
         acc -= m_row[i] * (logits_row[i] - log_norm)
     ce[b, k] = acc
+    h = _ZERO
+    if use_entropy != 0:  # H = -Σ p_i log p_i of the taken action's distribution
+        for i in range(n_atoms):
+            logp = logits_row[i] - log_norm
+            h -= math.exp(logp) * logp
+        entropy[b, k] = h
 
 
 @_cuda.jit(cache=True)
 def c51_grad_kernel(online_logits, actions, branch_sizes, target_dist, lse, weights, use_weights, grad_scale,
-                    d_logits):
+                    d_logits, use_entropy, entropy_beta, entropy, taken_probs):
     """Thread row ty of block (EW_ATOMS, EW_ROWS) owns sample b = blockIdx.x · EW_ROWS + ty and
     writes its whole d_logits block [n_branches, max_actions, Z], lanes along z: grad_scale · w_b ·
     (softmax_z - m_z) at the taken action, 0 for every other action, padding and invalid actions.
     A block's stores are one contiguous span (a grid over (action, branch) would write every
-    row in 16 interleaved passes: partial-sector writes, measured 104 us vs this layout's ~25)."""
+    row in 16 interleaved passes: partial-sector writes, measured 104 us vs this layout's ~25).
+    With use_entropy, the taken action's row adds grad_scale · β · p_z (log p_z + H[b, k]) (β =
+    entropy_beta[0], device memory) and taken_probs[b, k, :] = p (zeros for an invalid action)."""
     b = _cuda.blockIdx.x * EW_ROWS + _cuda.threadIdx.y
     if b >= d_logits.shape[0]:
         return
@@ -369,17 +419,36 @@ def c51_grad_kernel(online_logits, actions, branch_sizes, target_dist, lse, weig
     scale = grad_scale
     if use_weights != 0:
         scale = grad_scale * weights[b]
+    ent_scale = _ZERO
+    if use_entropy != 0:
+        ent_scale = grad_scale * entropy_beta[0]
     for k in range(n_branches):
         taken = actions[b, k]
         if taken >= branch_sizes[k]:
             taken = -1
         log_norm = lse[b, k]
+        h = _ZERO
+        if use_entropy != 0:
+            h = entropy[b, k]
+            if taken < 0:
+                z = _cuda.threadIdx.x
+                while z < n_atoms:
+                    taken_probs[b, k, z] = _ZERO
+                    z += EW_ATOMS
         for a in range(max_actions):
             z = _cuda.threadIdx.x
             if a == taken:
-                while z < n_atoms:
-                    d_logits[b, k, a, z] = scale * (math.exp(online_logits[b, k, a, z] - log_norm) - target_dist[b, k, z])
-                    z += EW_ATOMS
+                if use_entropy != 0:
+                    while z < n_atoms:
+                        logp = online_logits[b, k, a, z] - log_norm
+                        p = math.exp(logp)
+                        taken_probs[b, k, z] = p
+                        d_logits[b, k, a, z] = scale * (p - target_dist[b, k, z]) + ent_scale * p * (logp + h)
+                        z += EW_ATOMS
+                else:
+                    while z < n_atoms:
+                        d_logits[b, k, a, z] = scale * (math.exp(online_logits[b, k, a, z] - log_norm) - target_dist[b, k, z])
+                        z += EW_ATOMS
             else:
                 while z < n_atoms:
                     d_logits[b, k, a, z] = _ZERO
@@ -481,8 +550,10 @@ class C51Loss(Loss):
     `support` and `branch_sizes` must match the head's (`C51Loss.for_head(head, batch)`).
     """
 
-    def __init__(self, batch: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0, v_max: float = 10.0):
+    def __init__(self, batch: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0, v_max: float = 10.0,
+                 entropy_reg: bool = False):
         self.batch = int(batch)
+        self.entropy_reg = bool(entropy_reg)
         self.branch_sizes = tuple(int(a) for a in branch_sizes)
         if self.batch < 1:
             raise ValueError(f"C51Loss: batch must be >= 1 (got {batch})")
@@ -505,11 +576,38 @@ class C51Loss(Loss):
         arena.add("per_sample", (self.batch,), np.float32)
         arena.add("loss", (1,), np.float32)
         arena.add("support", (self.n_atoms,), np.float32)
+        arena.add("support_scalars", (3,), np.float32)  # (v_min, v_max, 1/Δz): the projection reads them here
         arena.add("branch_sizes", (self.n_branches,), np.int32)
         arena.add("no_mask", (1, 1, 1), np.uint8)  # the kernel's next_mask when none is given (unread)
+        if self.entropy_reg:  # the atom-entropy regulariser (module docstring)
+            arena.add("entropy", (self.batch, self.n_branches), np.float32)
+            arena.add("taken_probs", (self.batch, self.n_branches, self.n_atoms), np.float32)
+            arena.add("entropy_beta", (1,), np.float32)
+        else:  # stand-ins of the right rank, never read
+            arena.add("entropy", (1, 1), np.float32)
+            arena.add("taken_probs", (1, 1, 1), np.float32)
+            arena.add("entropy_beta", (1,), np.float32)
         arena.allocate()
-        arena.load({"support": self.support_host, "branch_sizes": np.asarray(self.branch_sizes, np.int32)})
+        arena.load({"support": self.support_host, "branch_sizes": np.asarray(self.branch_sizes, np.int32),
+                    "support_scalars": np.array([self.v_min, self.v_max, self.inv_delta_z], np.float32)})
         self.arena = arena
+
+    def set_support(self, v_min: float, v_max: float) -> None:
+        """Write a new support z = linspace(v_min, v_max, Z) and the projection's (v_min, v_max, 1/Δz)
+        into device memory (host copies: between graph replays, never inside a capture). Every later
+        call, eager or replayed, projects onto it."""
+        support = make_support(self.n_atoms, v_min, v_max)
+        self.support_host = support
+        self.v_min, self.v_max, self.inv_delta_z = support_scalars(self.n_atoms, v_min, v_max)
+        self.arena.load({"support": support,
+                         "support_scalars": np.array([self.v_min, self.v_max, self.inv_delta_z], np.float32)})
+
+    def set_entropy_beta(self, beta: float) -> None:
+        """Host write of the device β of the atom-entropy term (tests; the agent's controller writes it
+        on the device)."""
+        if not self.entropy_reg:
+            raise ValueError("C51Loss.set_entropy_beta: built without entropy_reg")
+        self.arena.load({"entropy_beta": np.array([beta], np.float32)})
 
     name = "c51"
     inputs = ("logits", "actions", "next_q", "target_probs", "rewards", "dones", "discounts")
@@ -523,9 +621,9 @@ class C51Loss(Loss):
         return self.d_logits
 
     @classmethod
-    def for_head(cls, head, batch: int) -> "C51Loss":
+    def for_head(cls, head, batch: int, entropy_reg: bool = False) -> "C51Loss":
         """A loss plan matching a `BranchedDuelingC51Head` (same branches and support)."""
-        return cls(batch, head.branch_sizes, head.n_atoms, head.v_min, head.v_max)
+        return cls(batch, head.branch_sizes, head.n_atoms, head.v_min, head.v_max, entropy_reg=entropy_reg)
 
     @property
     def d_logits(self):
@@ -545,6 +643,21 @@ class C51Loss(Loss):
     @property
     def support(self):
         return self.arena["support"]
+
+    @property
+    def entropy(self):
+        """H of the taken action's online distribution, float32 [B, n_branches] (entropy_reg only)."""
+        return self.arena["entropy"]
+
+    @property
+    def taken_probs(self):
+        """The taken action's online probabilities, float32 [B, n_branches, Z] (entropy_reg only)."""
+        return self.arena["taken_probs"]
+
+    @property
+    def entropy_beta(self):
+        """Device float32 [1]: β of the atom-entropy term (entropy_reg only)."""
+        return self.arena["entropy_beta"]
 
     def __call__(self, online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
                  weights=None, next_mask=None) -> None:
@@ -570,10 +683,11 @@ class C51Loss(Loss):
         c51_target_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
             online_logits, actions, next_q, target_probs, rewards, dones, discounts, self.support,
             self.arena["branch_sizes"], self.arena["no_mask"] if next_mask is None else next_mask,
-            np.int32(next_mask is not None), self.v_min, self.v_max,
-            self.inv_delta_z, target_dist, lse, self.ce)
+            np.int32(next_mask is not None), self.arena["support_scalars"], target_dist, lse, self.ce,
+            np.int32(self.entropy_reg), self.entropy)
         c51_grad_kernel[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
-            self.grad_scale, self.d_logits)
+            self.grad_scale, self.d_logits, np.int32(self.entropy_reg), self.entropy_beta, self.entropy,
+            self.taken_probs)
         c51_loss_reduce_kernel[1, REDUCE_BLOCK, stream](
             self.ce, weights, use_weights, self.inv_branches, self.inv_batch, self.per_sample, self.loss)

@@ -422,6 +422,14 @@ class BranchedDuelingC51Head(Module):
         """float32 device [Z] support of the head."""
         return self.layout["support"]
 
+    def set_support(self, v_min: float, v_max: float) -> None:
+        """Write a new support linspace(v_min, v_max, Z) into the device array every pass reads
+        (`dueling_head_kernel` takes it from device memory, so a captured graph follows). A host
+        copy: between graph replays, never inside a capture."""
+        support = make_support(self.n_atoms, v_min, v_max)
+        self.v_min, self.v_max, self.support_host = float(v_min), float(v_max), support
+        self.layout.load({"support": support})
+
     # -- declarations -------------------------------------------------------------------------
     def params(self) -> list[Param]:
         h, z, width = self.hidden, self.n_atoms, self.total_actions * self.n_atoms

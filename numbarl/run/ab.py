@@ -1,0 +1,188 @@
+"""numbarl-ab: an A/B grid of training runs (arms x seeds) and one comparison table.
+
+    python -m numbarl ab --out ab/ --preset default --seeds 0,1,2,3,4 --parallel 8 \\
+        --arm "base" --arm "e2: --set train.e2_adaptive_epsilon=true" --arm "null: --set data.synth_null=true"
+
+Each arm is a name and the numbarl-train options it adds; every (arm, seed) is a normal run folder
+``OUT/<arm>-s<seed>`` trained by ``python -m numbarl train`` in its own process, ``--parallel`` of
+them at once (side by side on one GPU). A finished run (summary.json present) is not run again, so
+an interrupted grid is continued by the same command. Then ``OUT/ab.md`` (and ``ab.json``) holds one
+row per arm with, over its seeds:
+
+* test/oracle: the per-bar test Sharpe over the oracle's on the same window (synthetic markets):
+  mean, sample std, min;
+* val - test: the selected checkpoint's validation Sharpe minus its test Sharpe (how much of the
+  selection score survives out of sample): mean, sample std;
+* last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay):
+  mean, min;
+* |t| max: the largest |t| of the test window, t = daily Sharpe x sqrt(test days / 252) (the null
+  market's check: no seed above 2);
+* atoms: the atom utilization of the last train record (share of atoms the projected targets use).
+
+``--table-only`` rebuilds the table from the run folders without training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """'name: --set a=b --set c=d' -> ('name', ['--set', 'a=b', '--set', 'c=d']); 'name' alone: no options."""
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if not name or any(c in name for c in "/ \\") or name.endswith(tuple(f"-s{i}" for i in range(10))):
+        raise ValueError(f"arm {text!r}: a name is a plain word (no '/', spaces, or a '-s<digit>' ending)")
+    return name, rest.split()
+
+
+def run_folder(out: Path, arm: str, seed: int) -> Path:
+    return out / f"{arm}-s{seed}"
+
+
+def _train(out: Path, preset: str, arm: str, opts: list[str], seed: int, extra: list[str]) -> tuple[str, int, float]:
+    folder = run_folder(out, arm, seed)
+    if (folder / "summary.json").is_file():
+        return str(folder), 0, 0.0
+    if folder.exists() and not (folder / "checkpoints").exists():
+        import shutil
+
+        shutil.rmtree(folder)  # started but nothing to resume: start over
+    cmd = [sys.executable, "-m", "numbarl", "train", "--preset", preset, "--seed", str(seed), "--quiet", *extra, *opts]
+    cmd += ["--resume", str(folder)] if folder.exists() else ["--out", str(folder)]
+    t0 = time.time()
+    with open(out / f"{arm}-s{seed}.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    return str(folder), rc, time.time() - t0
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _std(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def _min(xs):
+    xs = [x for x in xs if x is not None]
+    return min(xs) if xs else None
+
+
+def _max(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def _f(x):
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
+
+
+def run_numbers(folder: Path) -> dict | None:
+    """The A/B numbers of one finished run (None while it has no summary)."""
+    path = folder / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    f = s["folds"][0]
+    test, oracle = f.get("test") or {}, f.get("oracle_test") or {}
+    ratio = None
+    if _f(test.get("sharpe")) is not None and _f(oracle.get("sharpe")):
+        ratio = test["sharpe"] / oracle["sharpe"]
+    hist = [_f(x) for x in f.get("val_sharpe_per_epoch") or []]
+    hist = [x for x in hist if x is not None]
+    decay = hist[-1] / max(hist) if hist and max(hist) > 0 else None
+    days = (f["window"]["test"][1] - f["window"]["test"][0]) / float(s.get("bars_per_day") or 1.0)
+    t = _f(test.get("daily_sharpe"))
+    t = t * math.sqrt(days / 252.0) if t is not None else None
+    atoms = None
+    metrics = folder / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "train" and rec.get("atom_utilization") is not None:
+                atoms = rec["atom_utilization"]
+    return {"run": folder.name, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
+            "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
+            "t": t, "atom_utilization": _f(atoms)}
+
+
+def arm_row(name: str, runs: list[dict]) -> dict:
+    r = {"arm": name, "runs": len(runs)}
+    for key in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization"):
+        xs = [x[key] for x in runs]
+        r[f"{key}_mean"], r[f"{key}_std"], r[f"{key}_min"] = _mean(xs), _std(xs), _min(xs)
+        r[f"{key}_all"] = xs
+    r["abs_t_max"] = _max([abs(x["t"]) for x in runs if x["t"] is not None])
+    return r
+
+
+def _c(x, spec=".2f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
+            "| last/best val mean | min | abs t max | atoms |")
+    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
+    for r in rows:
+        per = ", ".join(_c(x) for x in r["test_over_oracle_all"])
+        lines.append(f"| {r['arm']} | {r['runs']} | {per} | {_c(r['test_over_oracle_mean'])} | "
+                     f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
+                     f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
+                     f"{_c(r['last_over_best_val_min'])} | {_c(r['abs_t_max'])} | {_c(r['atom_utilization_mean'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="numbarl ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder of the grid's run folders and its table")
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated training seeds")
+    ap.add_argument("--arm", action="append", default=[], help="'NAME' or 'NAME: numbarl-train options' (repeat)")
+    ap.add_argument("--parallel", type=int, default=4, help="runs at once")
+    ap.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
+    ap.add_argument("--train-arg", action="append", default=[], help="an option added to every run (repeat)")
+    a = ap.parse_args(argv)
+    try:
+        arms = [parse_arm(x) for x in a.arm]
+        seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not arms or not seeds or len({n for n, _ in arms}) != len(arms):
+        print("error: give at least one --arm (distinct names) and one seed", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab-config.json").write_text(json.dumps({"preset": a.preset, "seeds": seeds, "arms": a.arm,
+                                                    "train_args": a.train_arg}, indent=2))
+    if not a.table_only:
+        jobs = [(arm, opts, seed) for arm, opts in arms for seed in seeds]
+        with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
+            for folder, rc, secs in pool.map(lambda j: _train(out, a.preset, j[0], j[1], j[2], a.train_arg), jobs):
+                print(f"{folder}: rc {rc}, {secs:.0f} s", flush=True)
+    rows = []
+    for arm, _ in arms:
+        runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in seeds) if n is not None]
+        rows.append(arm_row(arm, runs))
+    table = format_table(rows)
+    (out / "ab.md").write_text(table + "\n")
+    (out / "ab.json").write_text(json.dumps(rows, indent=2))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

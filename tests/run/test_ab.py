@@ -1,0 +1,50 @@
+"""numbarl ab: a grid of tiny runs (arms x seeds) and its one table; a finished grid is not re-run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from numbarl.run import ab
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--train-arg=--epochs=2", "--train-arg=--set=data.synth_bars_per_day=30",
+        "--train-arg=--set=train.collect_steps_per_epoch=4", "--train-arg=--set=train.learning_starts=3",
+        "--train-arg=--set=train.log_interval=2"]
+
+
+def test_arm_parsing():
+    assert ab.parse_arm("base") == ("base", [])
+    assert ab.parse_arm("e2: --set train.e2_adaptive_epsilon=true") == ("e2", ["--set", "train.e2_adaptive_epsilon=true"])
+    for bad in ("a/b", "x-s3", ": --set a=b"):
+        try:
+            ab.parse_arm(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+
+
+def test_grid_writes_one_table_and_continues(tmp_path):
+    out = tmp_path / "grid"
+    env = {"NUMBARL_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-m", "numbarl", "ab", "--out", str(out), "--preset", "tiny", "--seeds", "0,1",
+           "--parallel", "2", "--arm", "base", "--arm", "eps: --set train.epsilon_end=0.2", *FAST]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, **env})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((out / "ab.json").read_text())
+    assert [row["arm"] for row in rows] == ["base", "eps"] and all(row["runs"] == 2 for row in rows)
+    for row in rows:  # the tiny market has an oracle: every run has a test/oracle and a decay ratio
+        assert len(row["test_over_oracle_all"]) == 2
+        assert row["last_over_best_val_mean"] is None or row["last_over_best_val_mean"] <= 1.0
+    table = (out / "ab.md").read_text()
+    assert table.count("\n") == 4 and "| base | 2 |" in table
+    for name in ("base-s0", "base-s1", "eps-s0", "eps-s1"):
+        assert (out / name / "summary.json").is_file()
+    cfg = json.loads((out / "eps-s0" / "config.json").read_text()) if (out / "eps-s0" / "config.json").exists() else None
+    if cfg is not None:
+        assert cfg["train"]["epsilon_end"] == 0.2
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, **env})
+    assert again.returncode == 0 and again.stdout.count("rc 0, 0 s") == 4  # finished runs are not run again
+    bad = subprocess.run([sys.executable, "-m", "numbarl", "ab", "--out", str(out), "--arm", "a/b"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
