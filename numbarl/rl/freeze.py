@@ -82,5 +82,13 @@ class FreezeDetector:
             return True
         return False
 
+    def state_dict(self) -> dict:
+        """The detector's memory (JSON-ready) for a checkpoint: a resumed run detects as the uninterrupted one."""
+        return {"streak": int(self.streak), "last": None if self._last is None else {k: float(v) for k, v in self._last.items()}}
+
+    def load_state_dict(self, d: dict | None) -> None:
+        if d:
+            self.streak, self._last = int(d.get("streak", 0)), d.get("last")
+
     def reset(self) -> None:
         self.streak, self._last = 0, None

@@ -272,6 +272,8 @@ class FoldTrainer:
                  "collect_steps": self.collect_steps,
                  "best_sharpe": _finite(self.best_sharpe), "best_tag": self.best_tag,
                  "val_history": self.val_history, "seed": self.seed, "support_fitted": self.support_fitted}
+        if self.freeze is not None:
+            state["freeze"] = self.freeze.state_dict()
         if self.loop is not None:  # the loop's state (resume) and the gate this epoch was validated with
             state["feedback"] = self.loop.state_dict()
             state["feedback_gate"] = self.gate_in_force
@@ -289,6 +291,8 @@ class FoldTrainer:
         # an undefined validation Sharpe is saved as JSON null
         self.val_history = [float("nan") if x is None else float(x) for x in state.get("val_history", [])]
         self.support_fitted = bool(state.get("support_fitted", True))  # the checkpoint holds the support
+        if getattr(self, "freeze", None) is not None:
+            self.freeze.load_state_dict(state.get("freeze"))
         if getattr(self, "loop", None) is not None:
             self.loop.load_state_dict(state.get("feedback"))
             self.loop.load_arrays({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("feedback/")})

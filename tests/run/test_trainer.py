@@ -436,3 +436,46 @@ def test_model_selection_keeps_the_best_validation_epoch(run_cli, tmp_path, monk
     fold = json.loads((out / "summary.json").read_text())["folds"][0]
     assert fold["best_checkpoint"] == "fold0-epoch0002"
     assert RunDir.open(out).best_checkpoint()["tag"] == "fold0-epoch0002"
+
+
+FEEDBACK = ["--set", "train.e1_q_reality=0.5", "--set", "train.e2_adaptive_epsilon=true", "--set", "train.e3_dynamic_gamma=true",
+            "--set", "train.e4_trade_autopsy=true", "--set", "train.e6_winner_boost=1", "--set", "train.e7_margin_weight=0.1",
+            "--set", "train.e8_curriculum_kappa=1", "--set", "train.e9_tradability_gate=true", "--set", "train.e9_min_trades=1",
+            "--set", "agent.support=fit", "--set", "agent.freeze_reset=true", "--set", "agent.freeze_epochs=1",
+            "--set", "agent.freeze_eps=1e6", "--set", "agent.freeze_grad_min=0", "--epochs", "3"]
+
+
+def test_resume_with_the_feedback_loop_equals_uninterrupted(run_cli, cache_dir, tmp_path, monkeypatch):
+    """Every feedback switch, the support fit and the freeze detector on: a run killed in epoch 3
+    and resumed ends with the uninterrupted run's weights, replay, metrics log and summary (the
+    loop's state, E6/E7/E8 device state, the gate and the detector are in the checkpoints)."""
+    args = [*FAST, *FEEDBACK]
+    full = _uninterrupted(cache_dir, tmp_path / "full", args)
+    killed = tmp_path / "killed"
+    original = trainer.FoldTrainer.collect_once
+
+    def dying(self):
+        if self.epoch == 2 and self.collect_steps == 10:
+            raise KeyboardInterrupt("killed")
+        original(self)
+
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", dying)
+    r = run_cli(*args, "--out", str(killed))
+    assert r.exit_code == 130, r.output + repr(r.exception)
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", original)
+    r = run_cli("--resume", str(killed), "--quiet")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    a, state_a = _final_params(full)
+    b, state_b = _final_params(killed)
+    for k in a:
+        assert np.array_equal(a[k], b[k], equal_nan=True), k
+    assert state_a["feedback"] == state_b["feedback"] and state_a["freeze"] == state_b["freeze"]
+    fa, _ = RunDir.open(full).load_checkpoint("latest", prefix="feedback/")
+    fb, _ = RunDir.open(killed).load_checkpoint("latest", prefix="feedback/")
+    assert fa.keys() == fb.keys() and any(k.startswith("feedback/hindsight/") for k in fa)
+    for k in fa:
+        assert np.array_equal(fa[k], fb[k]), k
+    assert _metrics(full) == _metrics(killed)
+    strip = lambda recs: [{k: v for k, v in rec.items() if k not in TIMING} for rec in recs]  # noqa: E731
+    assert strip(RunDir.open(full).read_metrics()) == strip(RunDir.open(killed).read_metrics())
+    assert any(rec["kind"] == "feedback" for rec in RunDir.open(full).read_metrics())

@@ -75,7 +75,7 @@ def margin_kernel(logits, lse, labels, support, branch, n_actions, margin, scale
         for a in range(A):
             for j in range(Z):
                 d_logits[b, k, a, j] = _ZERO
-    aE = labels[b]
+    aE = np.int64(labels[b])
     per[b, 0] = _ZERO
     if aE < 0:
         return
@@ -96,11 +96,12 @@ def margin_kernel(logits, lse, labels, support, branch, n_actions, margin, scale
     if star == aE:
         return
     s = scale[0]
-    for a in (star, aE):
+    for t in range(2):  # a* (+), then the label (-)
+        a = star if t == 0 else aE
         q = _ZERO
         for j in range(Z):
             q += math.exp(logits[b, branch, a, j] - lse[b, branch, a]) * support[j]
-        g = s if a == star else -s
+        g = s if t == 0 else -s
         for j in range(Z):
             p = math.exp(logits[b, branch, a, j] - lse[b, branch, a])
             d_logits[b, branch, a, j] = g * p * (support[j] - q)
