@@ -918,6 +918,53 @@ def _train_path_html(run: RunDir) -> str:
     return "".join(parts)
 
 
+DIAGNOSTIC_KEYS = (  # (key of the train record, column label): the learner's health per epoch
+    ("loss", "loss"), ("q_mean", "Q mean"), ("q_std", "Q std"), ("q_divergence", "|Q − Q target|"),
+    ("q_gap_abs_mean", "|Q gap|"), ("atom_utilization", "atom util."), ("atom_entropy_beta", "entropy β"),
+    ("support_v_max", "support ±"), ("grad_norm", "grad norm"), ("clip_scale", "clip scale"), ("lr", "lr"),
+    ("epsilon", "epsilon"), ("action_entropy.direction", "H(direction)"), ("action_entropy.size", "H(size)"),
+    ("freeze_resets", "freeze resets"), ("iqn_loss", "IQN loss"), ("cql_loss", "CQL"),
+)
+
+
+def diagnostic_rows(records: list[dict]) -> list[dict]:
+    """The last train record of each (fold, epoch): the learner's statistics at the epoch's end."""
+    last = {}
+    for rec in records:
+        if rec.get("kind") == "train":
+            last[(rec.get("fold"), rec.get("epoch"))] = rec
+    return [last[k] for k in sorted(last, key=lambda k: (_fold_key(k[0]), k[1] if k[1] is not None else -1))]
+
+
+def _diagnostics_html(run: RunDir) -> str:
+    """The "Learning diagnostics" section: per epoch the Q statistics, atom utilization, policy
+    entropy, gradient norms (per optimizer group) of the epoch's last log read; then what the
+    validation feedback switches measured and set (records of kind "feedback")."""
+    records = run.read_metrics()
+    rows = diagnostic_rows(records)
+    if not rows:
+        return '<p class="note">No train records yet.</p>'
+    keys = [(k, label) for k, label in DIAGNOSTIC_KEYS if any(r.get(k) is not None for r in rows)]
+    groups = sorted({k for r in rows for k in r if k.startswith("grad_norm.")})
+    keys += [(g, g.replace("grad_norm.", "‖g‖ ")) for g in groups]
+    body = [[format_value(r.get("fold")), format_value(r.get("epoch"))] + [format_value(r.get(k)) for k, _ in keys]
+            for r in rows]
+    parts = ['<p class="note">The last log read of each epoch (numbarl/rl/agents/dqn.py: train and diagnostics '
+             "statistics). Late decay, atom collapse, Q drift and a frozen learner show here first.</p>",
+             _html_table(["fold", "epoch"] + [label for _, label in keys], body, numeric_from=2)]
+    feedback = [r for r in records if r.get("kind") == "feedback"]
+    if feedback:
+        skip = {"kind", "fold", "epoch", "step", "time", "elapsed_s"}
+        cols = [k for k in dict.fromkeys(k for r in feedback for k in r) if k not in skip and not k.startswith("e9.tau_")
+                and not k.startswith("e8.curriculum_w")]
+        parts.append("<h3>Validation feedback (what each switch measured on the feedback part and set for the "
+                     "next epoch; docs/FEEDBACK.md)</h3>")
+        parts.append(_html_table(["fold", "epoch"] + cols,
+                                 [[format_value(r.get("fold")), format_value(r.get("epoch"))]
+                                  + [format_value(r.get(k)) for k in cols] for r in feedback], numeric_from=2))
+    return "".join(parts)
+
+
 def _checkpoints_html(run: RunDir) -> str:
     latest, best = run.latest_checkpoint(), run.best_checkpoint()
     checkpoints = run.list_checkpoints()
@@ -976,6 +1023,8 @@ def render_html(run: RunDir, png: bytes) -> str:
 <div class="wide">{_metrics_table_html(rows)}{_nan_notes_html(nan_notes(summary))}{_facts_table_html(facts)}</div>
 <h2>Training path vs validation</h2>
 <div class="wide">{_train_path_html(run)}</div>
+<h2>Learning diagnostics</h2>
+<div class="wide">{_diagnostics_html(run)}</div>
 <h2>Trades</h2>
 {_trades_html(run)}
 <h2>Checkpoints</h2>

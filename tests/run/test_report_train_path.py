@@ -105,3 +105,26 @@ def test_report_without_train_path_records_says_so(tmp_path):
     assert png_path.read_bytes().startswith(PNG_SIGNATURE)
     text = section(html_path.read_text(encoding="utf-8"), "Training path vs validation")
     assert 'No training-path records (kind "train_path")' in text and "<table>" not in text
+
+
+def test_report_shows_learning_diagnostics_and_the_feedback_records(tmp_path):
+    """One row per epoch from its LAST train record (Q statistics, atom utilization, a norm per
+    optimizer group), then the feedback switches' records."""
+    run = RunDir.create(tmp_path / "run", {"train": {"epochs": 2}})
+    for epoch in (1, 2):
+        for k in range(2):  # two log reads per epoch: the second one is the epoch's
+            run.log({"kind": "train", "fold": 0, "epoch": epoch, "step": 10 * epoch + k, "loss": 2.0 - 0.1 * k,
+                     "q_mean": 0.1 * epoch + k, "q_std": 0.3, "atom_utilization": 0.5 + 0.1 * k,
+                     "grad_norm.trunk": 1.5, "grad_norm.head.adv": 0.25})
+        run.log({"kind": "val", "fold": 0, "epoch": epoch, "step": 10 * epoch + 5, "sharpe": 1.0})
+        run.log({"kind": "feedback", "fold": 0, "epoch": epoch, "step": 10 * epoch + 5, "e2.epsilon": 0.3 * epoch,
+                 "e3.gamma": 0.97, "e9.tau_0": -1.0})
+    html_path, _ = report.write_report(run.path)
+    text = section(html_path.read_text(encoding="utf-8"), "Learning diagnostics")
+    diag, feedback = tables(text)
+    header = diag[0]
+    assert header[:3] == ["fold", "epoch", "loss"] and "atom util." in header and "‖g‖ trunk" in header
+    row = dict(zip(header, diag[2]))  # epoch 2's last read
+    assert row["epoch"] == "2" and row["Q mean"] == report.format_value(1.2) and row["atom util."] == report.format_value(0.6)
+    assert row["‖g‖ head.adv"] == report.format_value(0.25) and "IQN loss" not in header  # never logged: no column
+    assert feedback[0] == ["fold", "epoch", "e2.epsilon", "e3.gamma"] and feedback[2][2] == report.format_value(0.6)
