@@ -61,6 +61,10 @@ class DataConfig:
     """Size of the synthetic market's sessions: 'tiny' (tests, simulator) or 'default'."""
     synth_bars_per_day: int = 0
     """Imbalance bars per synthetic session (0 = the scale's default)."""
+    synth_mode: str = "planted"
+    """Synthetic market: 'planted' (order flow leads the mid) or 'memory' (its sign is a hidden regime: only history pays)."""
+    synth_regime_bars: float = 40.0
+    """Memory mode: mean duration of the hidden regime, in bars."""
     symbol: str = ""
     """Instrument to keep when a DBN file holds several ('' = the only one)."""
     features: str = ""
@@ -71,6 +75,8 @@ class DataConfig:
         _check("data", "synth_signal", self.synth_signal, lo=0.0, hi=100.0)
         _check("data", "synth_scale", self.synth_scale, choices=("tiny", "default"))
         _check("data", "synth_bars_per_day", self.synth_bars_per_day, lo=0, hi=1_000_000)
+        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory"))
+        _check("data", "synth_regime_bars", self.synth_regime_bars, lo=1.0, hi=1_000_000.0)
 
 
 # agent families numbarl trains (the registry numbarl.rl.agents.base.AGENTS; a test keeps them equal)
@@ -153,6 +159,17 @@ class AgentConfig:
     """IQN: quantile fractions per sample, N = N' (online and target)."""
     iqn_embed: int = 64
     """IQN: cosine features n of the fraction embedding cos(pi j tau), j < n."""
+    iql: bool = False
+    """IQL expectile value head on the shared trunk (numbarl/rl/nets/iql_value.py, Kostrikov et al. 2021):
+    V(s), a one-hidden-layer SiLU MLP on the online trunk features, trained by the expectile loss
+    (numbarl/rl/losses/expectile.py) against the target network's Q at the taken actions (mean over
+    branches; one extra target-network pass on obs per aux step), as an auxiliary loss (every
+    agent.aux_frequency train steps); its own optimizer group 'head.iql'; its gradient reaches the
+    trunk. A = Q - V is a diagnostic only (iql_adv_mean): acting stays C51-greedy."""
+    iql_expectile: float = 0.7
+    """IQL: the expectile tau of the value loss |tau - 1{u<0}| u^2 (0.5 = mean regression)."""
+    iql_hidden: int = 256
+    """IQL: hidden width of the value head's SiLU layer."""
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
@@ -177,6 +194,19 @@ class AgentConfig:
     """Freeze detector: consecutive still epochs before it fires."""
     freeze_grad_min: float = 1.0
     """Freeze detector: smallest logged gradient norm at which still Q statistics count as a freeze."""
+    # --- spectral normalization and the CVaR entry gate ---------------------------------------------
+    spectral_norm: str = ""
+    """Comma-separated layers whose weight is spectrally normalized, W_sn = W / sigma(W) with sigma from
+    one power iteration per train step (numbarl/rl/nets/spectral_norm.py, Miyato et al. 2018), e.g.
+    'trunk.fc1,head.value' ('trunk.1' = 'trunk.fc1'); empty = off."""
+    cvar_alpha: float = 0.0
+    """Tail level alpha of the CVaR entry gate (numbarl/rl/cvar_gate.py): a flat env may not enter a side
+    whose direction-branch CVaR_alpha is below -agent.cvar_floor (scaled by the IQN readiness budget);
+    0 = off (e.g. 0.1)."""
+    cvar_floor: float = 1.0
+    """CVaR entry gate: the tolerated tail loss in reward units (>= 0): entry gated when
+    budget * CVaR_alpha < -cvar_floor."""
+    # --- end spectral normalization and the CVaR entry gate -------------------------------------------
 
     def validate(self):
         _check("agent", "kind", self.kind, choices=AGENT_KINDS)
@@ -187,10 +217,15 @@ class AgentConfig:
         _check("agent", "aux_frequency", self.aux_frequency, lo=1, hi=10**6)
         _check("agent", "iqn_quantiles", self.iqn_quantiles, lo=1, hi=1024)
         _check("agent", "iqn_embed", self.iqn_embed, lo=1, hi=4096)
+        _check("agent", "iql_expectile", self.iql_expectile, lo=0.0, hi=1.0, lo_open=True)  # IQL (agent.iql)
+        if self.iql_expectile >= 1.0:
+            raise ConfigError(f"agent.iql_expectile = {self.iql_expectile} must be < 1")
+        _check("agent", "iql_hidden", self.iql_hidden, lo=1, hi=16384)
         _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
             groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]
             groups += ["head.iqn"] if self.iqn else []
+            groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
                 raise ConfigError(f"agent.weight_decay_groups = {self.weight_decay_groups!r}: no optimizer group "
@@ -223,6 +258,11 @@ class AgentConfig:
         _check("agent", "freeze_eps", self.freeze_eps, lo=0.0, hi=1e6, lo_open=True)
         _check("agent", "freeze_epochs", self.freeze_epochs, lo=1, hi=10**6)
         _check("agent", "freeze_grad_min", self.freeze_grad_min, lo=0.0, hi=1e9)
+        # spectral normalization and the CVaR entry gate
+        _check("agent", "cvar_alpha", self.cvar_alpha, lo=0.0, hi=1.0)
+        _check("agent", "cvar_floor", self.cvar_floor, lo=0.0, hi=1e9)
+        if self.spectral_norm and not all(t.strip() for t in self.spectral_norm.split(",")):
+            raise ConfigError(f"agent.spectral_norm = {self.spectral_norm!r}: an empty layer name in the list")
 
 
 @dataclass(frozen=True)

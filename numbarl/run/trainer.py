@@ -78,6 +78,9 @@ def _synth_spec(dcfg) -> dict:
     spec["null"] = dcfg.synth_null
     spec["seed"] = dcfg.synth_seed
     spec["features"] = dcfg.features
+    if dcfg.synth_mode != "planted":  # only then: the planted market's caches keep their keys
+        spec["mode"] = dcfg.synth_mode
+        spec["regime_bars"] = dcfg.synth_regime_bars
     return spec
 
 
@@ -120,7 +123,8 @@ def prepare_data(dcfg, log=print):
                     synth.build_synthetic_cache(path, spec["sessions"], spec["seed"], spec["signal"], spec["null"],
                                                 events_per_session=spec["events_per_session"],
                                                 bars_per_day=spec["bars_per_day"], feature_names=features,
-                                                overwrite=True)
+                                                overwrite=True, mode=spec.get("mode", "planted"),
+                                                regime_bars=spec.get("regime_bars", synth.DEFAULT_REGIME_BARS))
                     log(f"synthetic market built in {time.time() - t0:.1f} s")
         return load_cache(path, expect_features=features)
     p = Path(source)

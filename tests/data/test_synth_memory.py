@@ -1,0 +1,140 @@
+"""Memory mode of the synthetic market: the planted edge shows only through history, its oracle is
+causal, its null has no edge, and the planted market is unchanged."""
+
+import numpy as np
+import pytest
+
+from numbarl.config import ConfigError, DataConfig
+from numbarl.data import synth
+from numbarl.data.errors import DataError
+from numbarl.data.fxcache import load_cache
+from numbarl.data.records import MBP10_DTYPE
+from numbarl.data.synth_probe import after_cost_sharpe, edge_report, memory_predictor
+
+SMALL = {"sessions": 10, "events_per_session": 30_000, "bars_per_day": 200}
+
+
+@pytest.fixture(scope="module")
+def memory_markets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synth_memory")
+    out = {}
+    for null in (False, True):
+        path = synth.build_synthetic_cache(root / f"null_{null}", seed=1, null=null, mode="memory", **SMALL)
+        out[null] = load_cache(path)
+    return out
+
+
+def test_edge_is_invisible_in_one_bar_and_visible_through_history(memory_markets):
+    rep, null = edge_report(memory_markets[False]), edge_report(memory_markets[True])
+    # the best single-bar linear predictor of the planted drift (the oracle) has nothing
+    assert abs(rep["linear_oracle"]) < 0.1  # measured 0.03
+    # against the next mid move it gets what it gets in the null market (the book's mechanics)
+    assert abs(rep["linear_next"] - null["linear_next"]) < 0.1  # measured 0.20 vs 0.25
+    # the memory predictor (the last 16 bars' flow-vs-move products) finds the regime
+    assert rep["memory_oracle"] > 0.25  # measured 0.39
+    assert rep["memory_next"] > 0.15  # measured 0.28
+    assert rep["memory_oracle"] > rep["products_oracle"]  # one bar's window products: 0.25
+    assert rep["oracle_next"] > 0.3 and rep["oracle_sharpe"] > 0.1  # measured 0.50 and 0.15 after costs
+
+
+def test_within_a_regime_the_flow_predicts_with_the_regime_sign(tmp_path):
+    """With the regime frozen (regime_bars huge) one bar's flow predicts the next move, with the
+    regime's sign (seed 1 starts in regime -1, seed 2 in +1): the sign only history can tell."""
+    regimes = []
+    for seed in (1, 2):
+        path = synth.build_synthetic_cache(tmp_path / f"frozen{seed}", seed=seed, mode="memory", regime_bars=1e12,
+                                           sessions=4, events_per_session=30_000, bars_per_day=200)
+        cache = load_cache(path)
+        flow = np.asarray(cache.features[:, cache.feature_names.index("trade_imb_4")], np.float64)
+        oracle, mid, sid = np.asarray(cache.oracle), np.asarray(cache.mid), np.asarray(cache.session_id)
+        same = sid[1:] == sid[:-1]
+        with_oracle = np.corrcoef(flow, oracle)[0, 1]  # its sign is the regime's
+        with_next = np.corrcoef(flow[:-1][same], np.diff(mid)[same])[0, 1]
+        assert abs(with_oracle) > 0.5 and np.sign(with_oracle) * with_next > 0.25, (seed, with_oracle, with_next)
+        regimes.append(np.sign(with_oracle))
+    assert regimes == [-1, 1]
+
+
+def test_null_memory_market_has_no_edge(memory_markets):
+    cache = memory_markets[True]
+    assert np.all(cache.oracle == 0.0) and cache.meta["synthetic"]["null"]
+    assert cache.meta["synthetic"]["mode"] == "memory" and cache.meta["synthetic"]["passive_coupling"] == 0.0
+    mid, sid = np.asarray(cache.mid), np.asarray(cache.session_id)
+    args = (mid, np.asarray(cache.bid), np.asarray(cache.ask), sid)
+    flow = np.asarray(cache.features[:, cache.feature_names.index("trade_imb_4")], np.float64)
+    assert after_cost_sharpe(np.sign(memory_predictor(flow, mid, sid)), *args) < 0.0
+    assert after_cost_sharpe(np.sign(flow), *args) < 0.0 and after_cost_sharpe(-np.sign(flow), *args) < 0.0
+
+
+def _session(mode, n_events, seed=3):
+    """One session straight from the event generator (the memory state as iter_sessions starts it)."""
+    rng = np.random.default_rng(0)
+    times = synth.session_event_times(rng, 4_000, 0)[:n_events]
+    memory = mode == "memory"
+    out = np.zeros(2 * n_events, MBP10_DTYPE)
+    oracle = np.zeros(2 * n_events, np.float64)
+    lagbuf = np.zeros(40 if memory else 1)
+    mstate = np.array([1.0, 0.0, 0.0, 0.0])
+    coupling = synth.MEMORY_COUPLING if memory else synth.PASSIVE_COUPLING
+    k, _, _ = synth._simulate_session(seed, n_events, times, synth.START_PRICE_TICKS, 0.3, 0.2, coupling,
+                                      300.0, synth.ADD_LEVEL_WEIGHTS, out, oracle, memory, 1 / 400, 5.0, lagbuf, mstate)
+    return out[:k], oracle[:k]
+
+
+@pytest.mark.parametrize("mode", ["planted", "memory"])
+def test_oracle_uses_nothing_after_its_record(mode):
+    """Stopping the generator after any event leaves every earlier record and oracle value as it
+    was: the oracle at a record depends on nothing generated after it."""
+    full, full_oracle = _session(mode, 4_000)
+    assert np.any(full_oracle != 0.0)
+    for n in (500, 1_777, 3_001):
+        part, part_oracle = _session(mode, n)
+        assert part.tobytes() == full[: len(part)].tobytes()
+        assert part_oracle.tobytes() == full_oracle[: len(part)].tobytes()
+
+
+def test_appending_a_session_changes_no_earlier_bar(tmp_path):
+    """Cache level: the bars, features and oracle of the first sessions do not change when the
+    market runs one session longer (bars, the target threshold, features, oracle: all causal)."""
+    kw = {"seed": 2, "mode": "memory", "events_per_session": 8_000, "bars_per_day": 80}
+    short = load_cache(synth.build_synthetic_cache(tmp_path / "short", sessions=3, **kw))
+    long = load_cache(synth.build_synthetic_cache(tmp_path / "long", sessions=4, **kw))
+    n = short.n_bars
+    assert long.n_bars > n and np.any(np.asarray(short.oracle) != 0)
+    assert np.asarray(long.features[:n]).tobytes() == np.asarray(short.features).tobytes()
+    assert np.asarray(long.oracle[:n]).tobytes() == np.asarray(short.oracle).tobytes()
+    assert np.asarray(long.mid[:n]).tobytes() == np.asarray(short.mid).tobytes()
+
+
+def test_memory_market_is_deterministic_and_differs_from_planted():
+    a, oa = synth.generate(sessions=2, seed=4, events_per_session=2_000, mode="memory", lag_events=30, regime_events=900)
+    b, ob = synth.generate(sessions=2, seed=4, events_per_session=2_000, mode="memory", lag_events=30, regime_events=900)
+    p, _ = synth.generate(sessions=2, seed=4, events_per_session=2_000)
+    assert a.tobytes() == b.tobytes() and oa.tobytes() == ob.tobytes()
+    assert a.tobytes() != p.tobytes() and np.any(oa > 0) and np.any(oa < 0)
+    assert np.all(np.abs(oa) <= 0.5 * synth.DEFAULT_SIGNAL)
+
+
+def test_bad_memory_arguments():
+    with pytest.raises(DataError, match="mode must be one of"):
+        synth.generate(sessions=1, events_per_session=1_000, mode="regime")
+    with pytest.raises(DataError, match="lag_events must be an integer"):
+        synth.generate(sessions=1, events_per_session=1_000, mode="memory", lag_events=0)
+    with pytest.raises(DataError, match="regime_events must be"):
+        synth.generate(sessions=1, events_per_session=1_000, mode="memory", regime_events=0.5)
+    with pytest.raises(DataError, match="regime_bars must be"):
+        synth.build_synthetic_cache("/nonexistent/never", sessions=1, mode="memory", regime_bars=0)
+
+
+def test_config_fields_and_cache_keys():
+    from numbarl.run.trainer import _synth_spec
+
+    with pytest.raises(ConfigError, match="data.synth_mode = 'regime' is not allowed"):
+        DataConfig(synth_mode="regime").validate()
+    with pytest.raises(ConfigError, match="data.synth_regime_bars = 0.5 is out of range"):
+        DataConfig(synth_mode="memory", synth_regime_bars=0.5).validate()
+    DataConfig(synth_mode="memory", synth_regime_bars=12.0).validate()
+    planted = _synth_spec(DataConfig())
+    assert "mode" not in planted and "regime_bars" not in planted  # today's caches keep their keys
+    memory = _synth_spec(DataConfig(synth_mode="memory", synth_regime_bars=12.0))
+    assert memory == {**planted, "mode": "memory", "regime_bars": 12.0}
