@@ -110,6 +110,14 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_iqn.py",),
         "iqn_loss", "> 0"),
     Component(
+        "iql", "IQL expectile value head V(s) on the shared trunk: expectile loss to the target network's Q at the "
+        "taken actions (mean over branches), an auxiliary loss whose trunk gradient adds to the C51 head's; "
+        "A = Q - V logged as a diagnostic (acting stays C51-greedy)",
+        "agent.iql=true",
+        "Kostrikov, Nair & Levine 2021, Eq. 5 (expectile regression L2^tau(u) = |tau - 1{u<0}| u^2)",
+        ("tests/rl/test_iql.py",),
+        "iql_loss", "> 0"),
+    Component(
         "lr_warmup", "linear learning-rate warm-up of every optimizer group from its start",
         "agent.lr_warmup_steps=500",
         "Goyal et al. 2017, §2.2 (gradual warm-up)",
@@ -201,6 +209,23 @@ COMPONENTS: tuple[Component, ...] = (
         "numbarl/rl/feedback/loop.py (origin notes' E9: 'tradability scores from eval')",
         ("tests/rl/test_feedback.py",),
         "feedback.e9_evidence", "> 0"),
+    # --- spectral normalization and the CVaR entry gate ------------------------------------------------
+    Component(
+        "spectral_norm", "spectral normalization of the named layers' weights, W_sn = W / sigma, sigma by one power "
+        "iteration per train step (u, v persistent, checkpointed); the target network its own sigma from the online "
+        "vectors",
+        "agent.spectral_norm=trunk.fc0,head.value",
+        "Miyato, Kataoka, Koyama & Yoshida 2018, Algorithm 1 and Eq. 12 (lambda = <dW_sn, W_sn>)",
+        ("tests/rl/test_spectral_norm.py",),
+        "spectral_sigma.trunk.fc0", "> 0"),
+    Component(
+        "cvar_gate", "no entry (long / short while flat) whose direction-branch CVaR_alpha is below -agent.cvar_floor, "
+        "scaled by the IQN readiness budget (collect mask and backtest scores)",
+        "agent.cvar_alpha=0.1",
+        "Rockafellar & Uryasev 2000; Acerbi & Tasche 2002 (CVaR of a discrete distribution, fractional boundary atom)",
+        ("tests/rl/test_cvar_gate.py",),
+        "cvar_blocked_frac", "> 0"),
+    # --- end spectral normalization and the CVaR entry gate --------------------------------------------
 )
 
 

@@ -512,3 +512,102 @@ def iqn_loss_and_grads(values: dict, target_values: dict, h, h_next, tau, tau_ta
         grads[f"{head}.{part}.b"] = lin.bias.grad.detach().cpu().numpy().copy()
     return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.cpu().numpy(),
             "dh": h_t.grad.detach().cpu().numpy(), "grads": grads}
+
+
+# ---------------------------------------------------------------------------------------------
+# CQL(H) regularizer (agent.cql_alpha; numbarl/rl/losses/cql.py)
+# ---------------------------------------------------------------------------------------------
+def cql_loss_and_grads(logits, actions, support, branch_sizes, device="cpu"):
+    """The CQL(H) term on given online logits, the PyTorch way (d3rlpy's DiscreteCQL formula per branch on
+    the C51 head's expected values): Q = Σ_z softmax(logits)·z, R[b, k] = logsumexp_a Q[b, k, a] − Q[b, k, a_bk],
+    loss = mean_b mean_k R, loss.backward(). logits [B, n_branches, max_actions, Z] (padding rows are
+    never read), actions [B, n_branches]. Returns {"loss", "per_sample" [B], "d_logits" (same layout, 0 at
+    padding)}."""
+    torch = _torch()
+    dev = torch.device(device)
+    x = torch.as_tensor(np.ascontiguousarray(np.asarray(logits, np.float32)), device=dev).requires_grad_(True)
+    z = torch.as_tensor(np.asarray(support, np.float32), device=dev)
+    a = torch.as_tensor(np.asarray(actions, np.int64), device=dev)
+    rows = torch.arange(x.shape[0], device=dev)
+    reg = []
+    for k, n in enumerate(branch_sizes):
+        q = (torch.softmax(x[:, k, :n, :], dim=-1) * z).sum(-1)  # [B, A_k]
+        reg.append(torch.logsumexp(q, dim=1) - q[rows, a[:, k]])
+    per_sample = torch.stack(reg, dim=1).mean(dim=1)
+    loss = per_sample.mean()
+    loss.backward()
+    return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.detach().cpu().numpy(),
+            "d_logits": x.grad.detach().cpu().numpy()}
+
+
+# ---------------------------------------------------------------------------------------------
+# IQL value head and expectile loss (agent.iql; numbarl/rl/nets/iql_value.py, rl/losses/expectile.py)
+# ---------------------------------------------------------------------------------------------
+def iql_loss_and_grads(values: dict, h, q_target, actions, branch_sizes, expectile: float = 0.7, head: str = "iql",
+                       device="cpu"):
+    """The IQL value loss on given trunk features, the PyTorch way: V = Linear(SiLU(Linear(h))) with numbarl's
+    weights ([in, out], transposed into nn.Linear), Q̂ = mean over branches of q_target [B, n_branches, max_actions]
+    at the taken actions (a constant), u = Q̂ − V, loss = mean |τ − 1{u<0}| u², loss.backward().
+    Returns {"loss", "per_sample" [B], "v" [B], "dh" [B, H], "grads" {numbarl name: [in, out]}}."""
+    torch = _torch()
+    from torch import nn
+
+    dev = torch.device(device)
+    f32 = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)), device=dev)  # noqa: E731
+    hidden_in, hidden = np.shape(values[f"{head}.fc0.w"])
+    fc0, out = nn.Linear(int(hidden_in), int(hidden)).to(dev), nn.Linear(int(hidden), 1).to(dev)
+    with torch.no_grad():
+        for lin, part in ((fc0, "fc0"), (out, "out")):
+            lin.weight.copy_(f32(np.asarray(values[f"{head}.{part}.w"]).T))
+            lin.bias.copy_(f32(values[f"{head}.{part}.b"]))
+    net = nn.Sequential(fc0, nn.SiLU(), out)
+    h_t = f32(h).requires_grad_(True)
+    v = net(h_t).squeeze(1)  # [B]
+    q = f32(q_target)
+    a = torch.as_tensor(np.asarray(actions, np.int64), device=dev)
+    rows = torch.arange(q.shape[0], device=dev)
+    q_hat = torch.stack([q[rows, k, a[:, k]] for k in range(len(branch_sizes))], dim=1).mean(dim=1)
+    u = q_hat - v
+    weight = torch.where(u.detach() < 0, 1.0 - expectile, expectile)
+    per_sample = weight * u * u
+    loss = per_sample.mean()
+    loss.backward()
+    grads = {}
+    for lin, part in ((fc0, "fc0"), (out, "out")):
+        grads[f"{head}.{part}.w"] = lin.weight.grad.detach().cpu().numpy().T.copy()
+        grads[f"{head}.{part}.b"] = lin.bias.grad.detach().cpu().numpy().copy()
+    return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.detach().cpu().numpy(),
+            "v": v.detach().cpu().numpy(), "dh": h_t.grad.detach().cpu().numpy(), "grads": grads}
+
+
+# --- spectral normalization (agent.spectral_norm; numbarl/rl/nets/spectral_norm.py) ----------------------
+def spectral_linear_peer(x, w, b, u, v, dy, n_power_iterations: int = 1):
+    """A dense layer under torch.nn.utils.parametrizations.spectral_norm, with numbarl's vectors.
+
+    x [B, in], w [in, out] (numbarl's layout), b [out], u [out], v [in] (the parametrization's _u, _v:
+    PyTorch's weight is wᵀ [out, in]), dy [B, out]. In training mode the forward runs
+    n_power_iterations power iterations, then y = x·(W/σ)ᵀ + b; backward from dy.
+    Returns float64 numpy {"y", "dw" ([in, out]), "db", "u", "v", "sigma"} (float32 computation, CPU).
+    """
+    torch = _torch()
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    f32 = lambda a: torch.tensor(np.asarray(a, np.float32))  # noqa: E731
+    lin = torch.nn.Linear(w.shape[0], w.shape[1])
+    with torch.no_grad():
+        lin.weight.copy_(f32(w).T)
+        lin.bias.copy_(f32(b))
+    lin = spectral_norm(lin, n_power_iterations=int(n_power_iterations))
+    param = lin.parametrizations.weight
+    with torch.no_grad():  # the registration ran its own 15 iterations from random vectors: ours instead
+        param[0]._u.copy_(f32(u))
+        param[0]._v.copy_(f32(v))
+    lin.train()
+    y = lin(f32(x))
+    y.backward(f32(dy))
+    sn = param[0]
+    sigma = torch.vdot(sn._u, torch.mv(param.original.detach(), sn._v))
+    as64 = lambda t: t.detach().double().numpy()  # noqa: E731
+    return {"y": as64(y), "dw": as64(param.original.grad).T.copy(), "db": as64(lin.bias.grad),
+            "u": as64(sn._u), "v": as64(sn._v), "sigma": float(sigma)}
+# --- end spectral normalization ---------------------------------------------------------------------------

@@ -18,14 +18,15 @@ from numbarl.rl.agents.base import known_kinds
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bars_per_day=30",
         "--set", "train.collect_steps_per_epoch=6", "--set", "train.log_interval=2", "--set", "train.learning_starts=3"]
-# two runs cover every switch (the two target-network updates exclude each other); the clip threshold
+# two runs cover every switch (the two target-network updates exclude each other; a third the CVaR gate); the clip threshold
 # is tiny so that the tiny run's small gradients are clipped
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
                "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true",
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
-               "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8"],
+               "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
+               "--set", "agent.iql=true", "--set", "agent.iql_hidden=8"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
                  "--set", "agent.lr_cycle_steps=2", "--set", "agent.n_step=1", "--set", "agent.weight_decay=0",
                  "--set", "agent.max_grad_norm=0",
@@ -36,7 +37,11 @@ RUNS = {
                  "--set", "train.e8_curriculum_kappa=1", "--set", "train.e7_margin_weight=0.1",
                  "--set", "agent.support=fit", "--set", "agent.freeze_reset=true", "--set", "agent.freeze_eps=1e6",
                  "--set", "agent.freeze_epochs=1", "--set", "agent.freeze_grad_min=0",
-                 "--set", "train.e9_min_trades=1"],
+                 "--set", "train.e9_min_trades=1",
+                 "--set", "agent.spectral_norm=trunk.fc0,head.value"],
+    # the CVaR entry gate at a strict floor gates (nearly) every entry, which would starve the feedback
+    # switches of the periodic run of trades: its own one-epoch run
+    "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0"],
 }
 
 
@@ -67,7 +72,8 @@ ON = ("periodic", "polyak")
 ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q_reality": "periodic",
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
-          "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic"}
+          "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
+          "spectral_norm": "periodic", "cvar_gate": "cvar"}
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
 ALWAYS_ON = ("c51", "double_dqn")
 

@@ -1,10 +1,12 @@
 """The CQL regularizer (numbarl/rl/losses/cql.py): finite differences of the float64 reference, a
 hand-computed case, the kernel against the reference on odd shapes, and its gradient added into the
-C51 loss's buffer by the loss contract (two losses, one head, one step)."""
+C51 loss's buffer by the loss contract (two losses, one head, one step), and the PyTorch peer (autograd of
+the same term; skipped without torch)."""
 
 import math
 
 import numpy as np
+import pytest
 
 from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
@@ -124,3 +126,29 @@ def test_aux_frequency_runs_the_regularizer_every_kth_train_step():
     plain = DQNAgent(replace(cfg, cql_alpha=0.0), 12, (3, 3, 4, 4), 4, seed=1)
     assert "train_aux" not in plain.step_functions(env=None)
     assert all(a in ((), ("train",)) for a in (plain.after_collect(t, 0, 1) for t in range(start, start + 6)))
+
+
+def test_torch_peer_matches_numbarl(rng):
+    """The kernel's loss, per-sample losses and d_logits against torch autograd of the CQL(H) term on the same
+    float32 logits (numbarl/rl/torch_peer.py:cql_loss_and_grads), within 1e-5 relative."""
+    pytest.importorskip("torch")
+    from numbarl.rl.torch_peer import cql_loss_and_grads
+
+    B = 11
+    x = _logits(rng, B) * 1.5
+    actions = np.stack([rng.integers(0, n, B) for n in SIZES], axis=1).astype(np.int32)
+    logits, lse = _head_outputs(x)
+    cql = CqlLoss(B, SIZES, SUPPORT.astype(np.float32))
+    s = stream()
+    cql.compute({"logits": _cuda.to_device(logits), "lse": _cuda.to_device(lse), "actions": _cuda.to_device(actions)}, s)
+    peer = cql_loss_and_grads(logits, actions, SUPPORT.astype(np.float32), SIZES, device="cpu")
+
+    def rel_close(a, b, what):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 1e-5 * max(np.max(np.abs(b)), 1e-30), what
+
+    assert float(cql.loss.copy_to_host()[0]) == pytest.approx(peer["loss"], rel=1e-5)
+    rel_close(cql.per_sample.copy_to_host(), peer["per_sample"], "per_sample")
+    got = cql.grad("logits").copy_to_host()
+    assert np.all(peer["d_logits"][:, 1, 2:, :] == 0) and np.all(got[:, 1, 2:, :] == 0)  # padding
+    rel_close(got, peer["d_logits"], "d_logits")

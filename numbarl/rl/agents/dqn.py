@@ -52,6 +52,27 @@ are those without them):
   writes the C51 head's dh and adds the IQN head's into one buffer (the gradient ledger) and runs the
   trunk's backward once on the sum. On the other train steps the IQN gradients are zeroed (Adam then
   moves the head by its moments alone). Stats: iqn_loss, iqn_loss_ema, iqn_readiness.
+* ``agent.iql`` (A2): an expectile value head V(s) on the trunk output (numbarl/rl/nets/iql_value.py, a
+  one-hidden-layer SiLU MLP, optimizer group 'head.iql'), an auxiliary loss: on the aux train steps the
+  LOSS phase runs the TARGET network on the batch's obs (tag "iql_target": one extra forward per aux
+  step; the paper regresses V on the target Q, and the online pass's Q would make V chase the
+  network it shapes) and V on the online pass's trunk output, then the expectile loss against
+  Q̂ = mean over branches of the target Q at each branch's taken action (numbarl/rl/losses/expectile.py,
+  τ = agent.iql_expectile). BACKWARD: the C51 head writes dh, the IQN head (when on) and the value
+  head add theirs (the gradient ledger), the trunk's backward runs once on the sum. On the other
+  train steps the value head's gradients are zeroed. Stats: iql_loss, iql_v_mean (train step),
+  iql_adv_mean (diagnostics: A = Q̂ − V of the taken plans on the last train batch). A is a
+  diagnostic only: acting stays C51-greedy.
+* ``agent.spectral_norm`` (comma list of layers, e.g. "trunk.fc1,head.value"): every pass reads
+  W_sn = W / σ for those weights (numbarl/rl/nets/spectral_norm.py, the store's substitutes). Two
+  phases join the train step: "spectral_grad" before UPDATE (dW = (dW_sn − ⟨dW_sn, W_sn⟩ v uᵀ) / σ)
+  and "spectral" after STATS (one power iteration on the updated W, W_sn, and the target network's
+  W_sn_target with its own σ from the online vectors). u, v are checkpointed (spectral/<layer>.u|v);
+  stats spectral_sigma.<layer>.
+* ``agent.cvar_alpha`` > 0: the CVaR entry gate (numbarl/rl/cvar_gate.py) on the env's mask after
+  the acting pass (collect) and on the greedy scores (agent.scores): no entry on a side whose
+  direction-branch CVaR_α is below −agent.cvar_floor (budget 1, or the IQN readiness² with
+  agent.iqn). Stats (diagnostics): cvar_blocked_frac, cvar_mean, cvar_budget.
 """
 
 from __future__ import annotations
@@ -76,6 +97,8 @@ from numbarl.rl.losses.quantile_huber import QuantileHuberLoss, iqn_readiness_ke
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
 from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
+from numbarl.rl.losses.expectile import ExpectileLoss  # IQL (agent.iql)
+from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
@@ -439,6 +462,9 @@ class DQNAgent(Agent):
     feedback = None  # the validation feedback loop acting inside the steps (attach_feedback)
     _aux = True  # whether the train step being issued runs the auxiliary losses (train_step)
     iqn_head = None  # the implicit quantile head (agent.iqn)
+    iql_head = None  # the IQL expectile value head (agent.iql)
+    spectral = None  # spectral normalization of chosen layers (agent.spectral_norm)
+    cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
                  eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False):
@@ -475,6 +501,16 @@ class DQNAgent(Agent):
             self.iqn_head.declare_acts(self.acts, B, "online", backward=True, n_quantiles=cfg.iqn_quantiles)
             self.iqn_head.declare_acts(self.acts, B, "target", backward=False, n_quantiles=cfg.iqn_quantiles)
         # --- end IQN ---------------------------------------------------------------------------------
+        # --- IQL (agent.iql): V on the online trunk output (backward) and in the diagnostics; the
+        # target network's Q on obs for the expectile target (its own pass, tag "iql_target") ---------
+        if cfg.iql:
+            self.iql_head = IqlValueHead("iql", self.trunk.out_dim, cfg.iql_hidden, compute=cfg.compute)
+            self.iql_head.declare_params(self.store)
+            self.iql_head.declare_acts(self.acts, B, "online", backward=True)
+            self.iql_head.declare_acts(self.acts, B, "diag", backward=False)
+            self.trunk.declare_acts(self.acts, B, "iql_target", backward=False)
+            self.head.declare_acts(self.acts, B, "iql_target", backward=False, outputs=("q",))
+        # --- end IQL ---------------------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
@@ -543,6 +579,11 @@ class DQNAgent(Agent):
         self._init_c51_extras()
         if self.iqn_head is not None:  # IQN (agent.iqn): loss, shared dh, readiness state, stats slots
             self._init_iqn()
+        if self.iql_head is not None:  # IQL (agent.iql): losses, shared dh, reducer, stats slots
+            self._init_iql()
+        # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
+        self._init_spectral_cvar()
+        # --- end spectral norm + CVaR gate -----------------------------------------------------------------
         self.stats = MappedBuffer(self.stats_layout.size, np.float32)
         self.stats.reset(0)
         self.stats.host[STAT_NONFINITE_STEP] = -1.0
@@ -615,19 +656,75 @@ class DQNAgent(Agent):
                   "next_mask": batch.next_mask if cfg.lock_aware_target else None}
         self.iqn_loss.apply(inputs, {"quantiles": self.iqn_loss.grad("quantiles")}, stream, ledger=self.store)
 
-    def _iqn_backward(self, stream) -> None:
-        """Aux step: C51 head writes dh, the IQN head adds its part, the trunk's backward runs once on
-        the sum. Other steps: the IQN gradients are zeroed (no stale gradient reaches Adam)."""
-        if not self._aux:
-            for g in self._iqn_grads:
-                elementwise.fill(g, 0.0, stream)
-            dh = self.head.backward(self.loss.d_logits, stream, tag="online")
-            self.trunk.backward(dh, stream, tag="online")
-            return
-        dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=self.iqn_state["dh"])
-        self.iqn_head.backward(self.iqn_loss.grad("quantiles"), stream, tag="online", dx_out=dh)
-        self.trunk.backward(dh, stream, tag="online")
     # --- end IQN -------------------------------------------------------------------------------------
+
+    # --- IQL (agent.iql) -----------------------------------------------------------------------------
+    def _init_iql(self) -> None:
+        """The expectile loss (and a second instance for the diagnostics' advantage, so a log interval
+        never touches the train step's gradient), the dh buffer the heads write, the reducer of the V
+        and advantage means and the stats slots; before the mapped stats are sized."""
+        cfg, B = self.cfg, self.cfg.batch_size
+        self.iql_loss = ExpectileLoss(B, self.branch_sizes, cfg.iql_expectile)
+        self.iql_diag = ExpectileLoss(B, self.branch_sizes, cfg.iql_expectile)
+        self.iql_state = Arena("agent.iql")
+        self.iql_state.add("dh", (B, self.trunk.out_dim), np.float32)
+        self.iql_state.allocate()
+        self._slot_iql_loss = self.stats_layout.slot("iql_loss")
+        self._slot_iql_v_mean = self.stats_layout.slot("iql_v_mean")
+        self._slot_iql_adv_mean = self.stats_layout.slot("iql_adv_mean")
+        self._iql_reducer = Reducer(B)
+        self._iql_grads = [self.store.grad(n) for n in self.iql_head.param_names]
+
+    def _iql_forward_loss(self, stream) -> None:
+        """Aux steps: the target network on obs (Q̂'s source), V on the online pass's trunk output, then
+        the expectile loss; its ∂L/∂V stays in the loss's own buffer for the backward."""
+        batch = self.replay.batch
+        q_target = self.forward(batch.obs, stream, tag="iql_target", role="target").q
+        v = self.iql_head.forward(self.trunk.output("online"), stream, tag="online")
+        self.iql_loss.apply({"v": v, "q": q_target, "actions": batch.action}, {"v": self.iql_loss.grad("v")}, stream,
+                            ledger=self.store)
+
+    def _iql_stats(self, stream) -> None:
+        """Aux steps: the expectile loss and the batch mean of V into the mapped stats."""
+        stat_copy_kernel[1, 1, stream](self.iql_loss.loss, self.stats.device, np.int64(self._slot_iql_loss))
+        self._iql_reducer.mean(self.iql_head.output("online"), self.stats.device, stream, at=self._slot_iql_v_mean)
+
+    def _iql_diagnostics(self, q_target, stream) -> None:
+        """Log intervals: A = Q̂ − V of the taken plans on the last train batch (Q̂ from the target
+        network on its obs, the diag pass; V of the online value head on the last online trunk
+        output), its batch mean into iql_adv_mean. A diagnostic only: no action reads it."""
+        v = self.iql_head.forward(self.trunk.output("online"), stream, tag="diag")
+        self.iql_diag.compute({"v": v, "q": q_target, "actions": self.replay.batch.action}, stream)
+        self._iql_reducer.mean(self.iql_diag.adv, self.stats.device, stream, at=self._slot_iql_adv_mean)
+    # --- end IQL -------------------------------------------------------------------------------------
+
+    # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) -------------------------------
+    def _init_spectral_cvar(self) -> None:
+        """Spectral normalization of the layers agent.spectral_norm names (its u, v from the seed, W_sn
+        computed before any pass runs; stats spectral_sigma.<layer>) and the CVaR entry gate (stats
+        cvar_blocked_frac, cvar_mean, cvar_budget; the IQN readiness as its budget when agent.iqn is on).
+        Before the mapped stats are sized."""
+        from numbarl.env.params import PORTFOLIO_FEATURES
+        from numbarl.rl.cvar_gate import CvarGate
+        from numbarl.rl.nets.spectral_norm import SpectralNorm
+
+        cfg = self.cfg
+        if cfg.spectral_norm:
+            self.spectral = SpectralNorm(self.store, cfg.spectral_norm, self.seed)
+            self._slots_sigma = [self.stats_layout.slot(f"spectral_sigma.{layer}") for layer in self.spectral.names]
+        if cfg.cvar_alpha > 0:
+            # the observation's signed-position column: the first portfolio feature after the market's
+            position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
+            readiness = self.iqn_state["readiness_state"] if self.iqn_head is not None else None
+            self.cvar_gate = CvarGate(self.head, cfg.cvar_alpha, cfg.cvar_floor, self.n_envs, position_col, readiness)
+            self._slots_cvar = [self.stats_layout.slot(n) for n in ("cvar_blocked_frac", "cvar_mean", "cvar_budget")]
+
+    def _spectral_grad(self, stream) -> None:
+        self.spectral.transform_grads(stream)
+
+    def _spectral_power(self, stream) -> None:
+        self.spectral.refresh(stream, n_iter=1, stats=self.stats.device, slots=self._slots_sigma)
+    # --- end spectral norm + CVaR gate ---------------------------------------------------------------------
 
     def _branch_labels(self, group: str) -> dict:
         """{tensor: branch index of each element} for the tensors of `group` whose last axis is the
@@ -718,6 +815,8 @@ class DQNAgent(Agent):
         """Greedy-evaluation Q [eval_batch, n_branches, max_actions] for a backtest's policies."""
         out = self.forward(obs, stream, tag="eval")
         _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
+        if self.cvar_gate is not None:  # CVaR entry gate (agent.cvar_alpha): gated entries scored lowest
+            self.cvar_gate.on_scores(obs, q_out, stream, tag="eval")
         if self.feedback is not None:  # E9: no entries in gated regimes (numbarl/rl/feedback)
             self.feedback.on_scores(obs, q_out, stream)
 
@@ -736,6 +835,7 @@ class DQNAgent(Agent):
         then there is one train graph only)."""
         aux = self.cql is not None or (self.feedback is not None and self.feedback.has_aux_loss)
         aux = aux or self.iqn_head is not None  # IQN (agent.iqn) is an auxiliary loss
+        aux = aux or self.iql_head is not None  # IQL (agent.iql) is an auxiliary loss
         return int(self.cfg.aux_frequency) if aux else 1
 
     def step_functions(self, env) -> dict:
@@ -772,6 +872,8 @@ class DQNAgent(Agent):
         if self.feedback is not None:                                  # E9 gate on the mask (feedback loop)
             self.feedback.on_mask(obs, mask, stream)
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
+        if self.cvar_gate is not None:                                 # CVaR entry gate on the mask (agent.cvar_alpha)
+            self.cvar_gate.on_mask(obs, mask, stream, tag="act")
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
         epsilon_greedy(q, mask, self.scalars["epsilon"], env.seed_dev, env.counter, t.actions, preference, stream)
         out = env.step(t.actions, preference, stream=stream)           # fills, reward, done, reset
@@ -783,9 +885,17 @@ class DQNAgent(Agent):
     def train_phases(self) -> list:
         """The train step's phases in program order (train_step opens the gradient ledger's step and
         runs exactly these; a phase run alone, e.g. timed by numbarl-bench, opens its own)."""
-        return [("sample", self._sample), ("targets", self._targets), ("online", self._online),
-                ("loss", self._loss), ("backward", self._backward), ("update", self._update),
-                ("stats", self._stats)]
+        phases = [("sample", self._sample), ("targets", self._targets), ("online", self._online),
+                  ("loss", self._loss), ("backward", self._backward), ("update", self._update),
+                  ("stats", self._stats)]
+        # --- spectral norm (agent.spectral_norm): dW from dW_sn before the update, then one power
+        # iteration and W_sn for the new weights (numbarl/rl/nets/spectral_norm.py) ----------------------
+        if self.spectral is not None:
+            at = [name for name, _ in phases].index("update")
+            phases.insert(at, ("spectral_grad", self._spectral_grad))
+            phases.append(("spectral", self._spectral_power))
+        # --- end spectral norm -------------------------------------------------------------------------------
+        return phases
 
     def train_step(self, stream, aux: bool = True):
         """One gradient step; aux=False leaves out the auxiliary losses (CQL) for agent.aux_frequency."""
@@ -830,12 +940,36 @@ class DQNAgent(Agent):
                                        self.loss.d_logits, self.head.support, stream, self.store)
         if self.iqn_head is not None and self._aux:  # IQN (agent.iqn): its own head's quantile Huber loss
             self._iqn_forward_loss(stream)
+        if self.iql_head is not None and self._aux:  # IQL (agent.iql): the value head's expectile loss
+            self._iql_forward_loss(stream)
 
     # BACKWARD (d logits → head → trunk)
+    def _aux_heads(self) -> list:
+        """[(head, its output gradient, its parameter gradients)] of the auxiliary heads on the
+        trunk (IQN, IQL), in the order their input gradients add into dh."""
+        heads = []
+        if self.iqn_head is not None:
+            heads.append((self.iqn_head, self.iqn_loss.grad("quantiles"), self._iqn_grads))
+        if self.iql_head is not None:
+            heads.append((self.iql_head, self.iql_loss.grad("v"), self._iql_grads))
+        return heads
+
     def _backward(self, stream):
-        if self.iqn_head is not None:  # IQN (agent.iqn): both heads' dh summed before the trunk
-            self._iqn_backward(stream)
+        """C51 head → trunk. With auxiliary heads (IQN, IQL), on an aux step the C51 head writes dh,
+        each auxiliary head adds its part (the gradient ledger, in a fixed order) and the trunk's
+        backward runs once on the sum; on the other steps their parameter gradients are zeroed (no
+        stale gradient reaches Adam) and the backward is the plain one."""
+        heads = self._aux_heads()
+        if heads and self._aux:
+            shared = (self.iqn_state if self.iqn_head is not None else self.iql_state)["dh"]
+            dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=shared)
+            for head, grad, _ in heads:
+                head.backward(grad, stream, tag="online", dx_out=dh)
+            self.trunk.backward(dh, stream, tag="online")
             return
+        for _, _, grads in heads:
+            for g in grads:
+                elementwise.fill(g, 0.0, stream)
         dh = self.head.backward(self.loss.d_logits, stream, tag="online")
         self.trunk.backward(dh, stream, tag="online")
 
@@ -861,6 +995,8 @@ class DQNAgent(Agent):
             iqn_readiness_kernel[1, 1, stream](self.iqn_loss.loss, self.iqn_state["readiness_state"], self.stats.device,
                                                np.int64(self._slot_iqn_loss), np.int64(self._slot_iqn_ready),
                                                np.int64(self._slot_iqn_ema))
+        if self.iql_head is not None and self._aux:  # IQL (agent.iql): its loss and the mean V
+            self._iql_stats(stream)
 
     def _atom_entropy_control(self, stream):
         B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
@@ -892,6 +1028,10 @@ class DQNAgent(Agent):
         q_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, q_target, batch.action,
                                                env.arena["preference"], self.scalars["train_step"],
                                                self.stats.device, np.int64(self._slot_qstats))
+        if self.iql_head is not None:  # IQL (agent.iql): the advantage diagnostic on the same batch
+            self._iql_diagnostics(q_target, stream)
+        if self.cvar_gate is not None:  # CVaR entry gate (agent.cvar_alpha): the last collect step's share gated
+            self.cvar_gate.write_stats(self.stats.device, self._slots_cvar, stream)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -914,6 +1054,8 @@ class DQNAgent(Agent):
             out["atom_entropy/beta"] = self.loss.entropy_beta.copy_to_host()
         if self.iqn_head is not None:  # IQN (agent.iqn): the readiness state
             out["iqn/readiness_state"] = self.iqn_state["readiness_state"].copy_to_host()
+        if self.spectral is not None:  # spectral norm (agent.spectral_norm): the power-iteration vectors
+            out.update(self.spectral.state_arrays())
         return out
 
     def optim_state(self) -> dict[str, np.ndarray]:
@@ -947,6 +1089,8 @@ class DQNAgent(Agent):
             self.loss.arena.load({"entropy_beta": arrays["atom_entropy/beta"]})
         if self.iqn_head is not None and "iqn/readiness_state" in arrays:  # IQN (agent.iqn)
             self.iqn_state.load({"readiness_state": arrays["iqn/readiness_state"]})
+        if self.spectral is not None:  # spectral norm (agent.spectral_norm): vectors, then W_sn of the loaded W
+            self.spectral.load_arrays(arrays)
 
     def _load_support(self, arrays) -> None:
         """The support a checkpoint was trained with (a fitted one), if it saved one."""
@@ -959,6 +1103,8 @@ class DQNAgent(Agent):
         """Load the online network's weights from checkpoint arrays ("params/<name>" entries)."""
         self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
         self._load_support(arrays)  # the Q of a fitted support needs that support
+        if self.spectral is not None:  # spectral norm (agent.spectral_norm): vectors, then W_sn of the loaded W
+            self.spectral.load_arrays(arrays)
 
     def read_stats(self, stream) -> dict[str, float]:
         """Host read of the mapped stats by name (waits on an event behind the writers; log

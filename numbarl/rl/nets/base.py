@@ -85,6 +85,9 @@ class ParamStore:
         # gradient ledger of the open train step (numbarl.rl.nets.module: the gradient rule)
         self._in_step = False
         self._written: set = set()
+        # {(role, name): device view} a module's c.p() reads instead of the arena's view of that
+        # parameter (numbarl/rl/nets/spectral_norm.py: W_sn for a spectrally normalized weight)
+        self.substitutes: dict = {}
 
     # -- the gradient rule ----------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -92,8 +92,12 @@ class Ctx:
         self.dx_beta = 0.0  # how a backward writes its input gradient: 0.0 overwrite, 1.0 add
 
     def p(self, key: str):
-        """Parameter view in this pass's role ("params" or "target")."""
-        return self.module.store.arenas[self.role][self.module.param_names[key]]
+        """Parameter view in this pass's role ("params" or "target"); a view the store substitutes
+        for it where one is registered (a spectrally normalized weight's W_sn)."""
+        store, name = self.module.store, self.module.param_names[key]
+        subs = getattr(store, "substitutes", None)
+        sub = subs.get((self.role, name)) if subs else None
+        return store.arenas[self.role][name] if sub is None else sub
 
     def g(self, key: str):
         """Gradient view."""
