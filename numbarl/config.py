@@ -80,14 +80,15 @@ class DataConfig:
 
 
 # agent families numbarl trains (the registry numbarl.rl.agents.base.AGENTS; a test keeps them equal)
-AGENT_KINDS = ("c51",)
+AGENT_KINDS = ("c51", "ppo")
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     kind: str = "c51"
     """Agent family, a key of numbarl.rl.agents.base.AGENTS ('c51': branched dueling C51 + double
-    DQN); `python -m numbarl components` lists the learning components of each."""
+    DQN; 'ppo': branched categorical actor-critic trained by PPO, numbarl/rl/agents/ppo.py);
+    `python -m numbarl components` lists the learning components of each."""
     trunk: tuple = (512, 512)
     """Hidden widths of the trunk MLP."""
     activation: str = "relu"
@@ -207,6 +208,23 @@ class AgentConfig:
     """CVaR entry gate: the tolerated tail loss in reward units (>= 0): entry gated when
     budget * CVaR_alpha < -cvar_floor."""
     # --- end spectral normalization and the CVaR entry gate -------------------------------------------
+    # --- PPO (agent.kind = "ppo"; numbarl/rl/agents/ppo.py) --------------------------------------------
+    ppo_rollout: int = 128
+    """PPO: collect steps per rollout (T); the update runs after every T-th collect step on the T x n_envs
+    transitions."""
+    ppo_epochs: int = 4
+    """PPO: passes (K) over the rollout per update, each in a fresh deterministic permutation."""
+    ppo_minibatches: int = 4
+    """PPO: minibatches (M) per epoch, of T * n_envs // M transitions each."""
+    gae_lambda: float = 0.95
+    """PPO: lambda of the generalized advantage estimate (Schulman et al. 2016); gamma is agent.gamma."""
+    ppo_clip: float = 0.2
+    """PPO: clip range epsilon of the probability ratio in the surrogate objective."""
+    ppo_value_coef: float = 0.5
+    """PPO: weight of the value loss 1/2 (V - R)^2."""
+    ppo_entropy_coef: float = 0.01
+    """PPO: weight of the entropy bonus (of the joint action: the sum over branches)."""
+    # --- end PPO -----------------------------------------------------------------------------------------
 
     def validate(self):
         _check("agent", "kind", self.kind, choices=AGENT_KINDS)
@@ -258,6 +276,22 @@ class AgentConfig:
         _check("agent", "freeze_eps", self.freeze_eps, lo=0.0, hi=1e6, lo_open=True)
         _check("agent", "freeze_epochs", self.freeze_epochs, lo=1, hi=10**6)
         _check("agent", "freeze_grad_min", self.freeze_grad_min, lo=0.0, hi=1e9)
+        _check("agent", "ppo_rollout", self.ppo_rollout, lo=1, hi=1 << 20)  # PPO (agent.kind = "ppo")
+        _check("agent", "ppo_epochs", self.ppo_epochs, lo=1, hi=1000)
+        _check("agent", "ppo_minibatches", self.ppo_minibatches, lo=1, hi=1 << 20)
+        _check("agent", "gae_lambda", self.gae_lambda, lo=0.0, hi=1.0)
+        _check("agent", "ppo_clip", self.ppo_clip, lo=0.0, hi=10.0, lo_open=True)
+        _check("agent", "ppo_value_coef", self.ppo_value_coef, lo=0.0, hi=1e3)
+        _check("agent", "ppo_entropy_coef", self.ppo_entropy_coef, lo=0.0, hi=1e3)
+        if self.kind == "ppo":  # the switches of the c51 network and loss have no meaning for PPO: never a silent no-op
+            c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
+                        "atom_entropy_max": self.atom_entropy_max > 0, "support": self.support == "fit",
+                        "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
+                        "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate,
+                        "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups)}
+            on = [f"agent.{name}" for name, value in c51_only.items() if value]
+            if on:
+                raise ConfigError(f"agent.kind = 'ppo' does not have {', '.join(on)} (c51 components); turn them off")
         # spectral normalization and the CVaR entry gate
         _check("agent", "cvar_alpha", self.cvar_alpha, lo=0.0, hi=1.0)
         _check("agent", "cvar_floor", self.cvar_floor, lo=0.0, hi=1e9)
@@ -386,6 +420,12 @@ class Config:
         getattr(self.env, "validate", lambda: None)()  # EnvParams validates on construction too
         self.agent.validate()
         self.train.validate()
+        if self.agent.kind == "ppo":
+            from numbarl.rl.feedback.split import feedback_on
+
+            if feedback_on(self.train):
+                raise ConfigError("agent.kind = 'ppo' does not run the validation feedback loop (train.e1_* .. "
+                                  "train.e9_* act on the c51 agent's replay, loss and epsilon); turn them off")
         if self.agent.replay_capacity < self.train.n_envs * (self.agent.n_step + 1):
             raise ConfigError(
                 f"agent.replay_capacity = {self.agent.replay_capacity} is too small for train.n_envs = "

@@ -226,6 +226,22 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_cvar_gate.py",),
         "cvar_blocked_frac", "> 0"),
     # --- end spectral normalization and the CVaR entry gate --------------------------------------------
+    # --- PPO (agent.kind = "ppo"; numbarl/rl/agents/ppo.py) ------------------------------------------------
+    Component(
+        "ppo", "PPO: clipped surrogate + value loss + entropy bonus on a branched masked-categorical policy and a "
+        "value head on the shared trunk, K epochs x M minibatches per rollout (deterministic Feistel permutation)",
+        "agent.kind=ppo",
+        "Schulman, Wolski, Dhariwal, Radford & Klimov 2017, Eq. 7 (L^CLIP) and Eq. 9 (L^CLIP+VF+S)",
+        ("tests/rl/test_ppo.py", "tests/rl/test_gpu_ppo.py"),
+        "approx_kl", "> 0", agent_kinds=("ppo",)),
+    Component(
+        "gae", "generalized advantage estimation on the device rollout (reverse scan per env, bootstrap value of "
+        "the state after the rollout), advantages normalized over the rollout",
+        "agent.kind=ppo",
+        "Schulman, Moritz, Levine, Jordan & Abbeel 2016, Eq. 16 (GAE(gamma, lambda))",
+        ("tests/rl/test_ppo.py",),
+        "adv_std", "> 0", agent_kinds=("ppo",)),
+    # --- end PPO ---------------------------------------------------------------------------------------------
 )
 
 

@@ -611,3 +611,42 @@ def spectral_linear_peer(x, w, b, u, v, dy, n_power_iterations: int = 1):
     return {"y": as64(y), "dw": as64(param.original.grad).T.copy(), "db": as64(lin.bias.grad),
             "u": as64(sn._u), "v": as64(sn._v), "sigma": float(sigma)}
 # --- end spectral normalization ---------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO loss (agent.kind = "ppo"; numbarl/rl/losses/ppo.py)
+# ---------------------------------------------------------------------------------------------
+def ppo_loss_and_grads(logits, value, actions, logp_old, adv, ret, mask, branch_sizes, clip_eps=0.2, vf_coef=0.5,
+                       ent_coef=0.01, dtype="float64", device="cpu"):
+    """The PPO loss the PyTorch way (CleanRL's ppo.py arrangement): per branch a masked log_softmax
+    (masked logits filled with −inf), the joint log-prob the sum over branches, ratio = exp(logp − logp_old),
+    pg = max(−A·ratio, −A·clamp(ratio, 1 − ε, 1 + ε)), v = ½(V − R)², entropy summed over branches,
+    loss = mean(pg + c_v·v − c_e·H), loss.backward(). logits [B, Σ A_k], value [B, 1], mask
+    [B, n_branches, max_actions]. Returns {"loss", "d_logits", "d_value", "per_sample"} (numpy)."""
+    torch = _torch()
+    dev = torch.device(device)
+    dt = getattr(torch, dtype)
+    x = torch.as_tensor(np.asarray(logits, np.float64), dtype=dt, device=dev).requires_grad_(True)
+    v = torch.as_tensor(np.asarray(value, np.float64), dtype=dt, device=dev).requires_grad_(True)
+    a = torch.as_tensor(np.asarray(actions, np.int64), device=dev)
+    m = torch.as_tensor(np.asarray(mask) != 0, device=dev)
+    rows = torch.arange(x.shape[0], device=dev)
+    logp = torch.zeros(x.shape[0], dtype=dt, device=dev)
+    ent = torch.zeros(x.shape[0], dtype=dt, device=dev)
+    o = 0
+    for k, n in enumerate(branch_sizes):
+        mk = m[:, k, :n]
+        lp = torch.log_softmax(x[:, o:o + n].masked_fill(~mk, float("-inf")), dim=1)
+        lp_safe = torch.where(mk, lp, torch.zeros_like(lp))
+        logp = logp + lp_safe[rows, a[:, k]]
+        ent = ent - (lp_safe.exp() * lp_safe * mk).sum(dim=1)
+        o += n
+    ratio = torch.exp(logp - torch.as_tensor(np.asarray(logp_old, np.float64), dtype=dt, device=dev))
+    A = torch.as_tensor(np.asarray(adv, np.float64), dtype=dt, device=dev)
+    pg = torch.max(-A * ratio, -A * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
+    vl = 0.5 * (v[:, 0] - torch.as_tensor(np.asarray(ret, np.float64), dtype=dt, device=dev)) ** 2
+    per_sample = pg + vf_coef * vl - ent_coef * ent
+    loss = per_sample.mean()
+    loss.backward()
+    return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.detach().cpu().numpy(),
+            "d_logits": x.grad.detach().cpu().numpy(), "d_value": v.grad.detach().cpu().numpy()}

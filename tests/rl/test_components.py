@@ -42,6 +42,9 @@ RUNS = {
     # the CVaR entry gate at a strict floor gates (nearly) every entry, which would starve the feedback
     # switches of the periodic run of trades: its own one-epoch run
     "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0"],
+    # PPO (agent.kind = "ppo"): an update after every second collect step
+    "ppo": ["--set", "agent.kind=ppo", "--set", "agent.ppo_rollout=2", "--set", "agent.ppo_epochs=2",
+            "--set", "agent.ppo_minibatches=2"],
 }
 
 
@@ -74,6 +77,7 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
           "spectral_norm": "periodic", "cvar_gate": "cvar"}
+ON_RUN.update({c.name: "ppo" for c in components.COMPONENTS if "c51" not in c.agent_kinds})
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
 ALWAYS_ON = ("c51", "double_dqn")
 

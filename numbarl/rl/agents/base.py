@@ -60,6 +60,7 @@ def known_kinds() -> tuple[str, ...]:
 
 def _load_builtin() -> None:
     from numbarl.rl.agents import dqn  # noqa: F401  (registers "c51")
+    from numbarl.rl.agents import ppo  # noqa: F401  (registers "ppo")
 
 
 class Agent:
