@@ -7,6 +7,9 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_iqn.py -m gpu -q`
 
 import numpy as np
 import pytest
+from gpu_agent_helpers import assert_bitwise as _assert_bitwise
+from gpu_agent_helpers import aux_steps as _steps
+from gpu_agent_helpers import fill_replay as _fill
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
@@ -27,41 +30,12 @@ def _agent(seed=1):
     return DQNAgent(CFG, STATE_DIM, SIZES, N_ENVS, seed=seed)
 
 
-def _fill(agent, rng):
-    n_slots = agent.replay.n_slots
-    actions = np.stack([rng.integers(0, n, (n_slots, N_ENVS)) for n in SIZES], -1).astype(np.int32)
-    mask = np.zeros((n_slots, N_ENVS, len(SIZES), max(SIZES)), np.uint8)
-    for k, n in enumerate(SIZES):
-        mask[..., k, :n] = 1
-    agent.replay.store.load({"obs": rng.normal(0, 1, (n_slots, N_ENVS, STATE_DIM)).astype(np.float32),
-                             "action": actions, "reward": (rng.standard_normal((n_slots, N_ENVS)) * 0.5).astype(np.float32),
-                             "done": (rng.random((n_slots, N_ENVS)) < 0.05).astype(np.uint8),
-                             "weight": np.ones((n_slots, N_ENVS), np.float32), "mask": mask,
-                             "count": np.array([n_slots], np.int64)})
-
-
-def _steps(agent, s, fns=None):
-    """aux step, plain step, aux step (eagerly, or by the given graphs)."""
-    for aux in (True, False, True):
-        if fns is None:
-            agent.train_step(s, aux=aux)
-        else:
-            fns[aux].replay(s)
-    s.synchronize()
-
-
 def _snapshot(agent, s):
     out = dict(agent.state_arrays())
     out["iqn_loss"] = agent.iqn_loss.loss.copy_to_host(stream=s)
     out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
     s.synchronize()
     return out
-
-
-def _assert_bitwise(a, b):
-    assert set(a) == set(b)
-    for k in a:
-        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), f"{k} differs"
 
 
 def test_loss_matches_reference_at_real_size(rng):
