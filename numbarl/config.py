@@ -283,9 +283,13 @@ class AgentConfig:
         _check("agent", "ppo_clip", self.ppo_clip, lo=0.0, hi=10.0, lo_open=True)
         _check("agent", "ppo_value_coef", self.ppo_value_coef, lo=0.0, hi=1e3)
         _check("agent", "ppo_entropy_coef", self.ppo_entropy_coef, lo=0.0, hi=1e3)
-        if self.kind == "ppo":  # the switches of the c51 network and loss have no meaning for PPO: never a silent no-op
+        # the switches of the c51 network and loss have no meaning for PPO: never a silent no-op. (The
+        # C51 distribution's shape — n_atoms, v_min/v_max, agent.support, which the default preset sets
+        # to "fit" — describes the value head PPO does not have and is ignored, so --preset default
+        # --set agent.kind=ppo works.)
+        if self.kind == "ppo":
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
-                        "atom_entropy_max": self.atom_entropy_max > 0, "support": self.support == "fit",
+                        "atom_entropy_max": self.atom_entropy_max > 0,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
                         "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate,
                         "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups)}

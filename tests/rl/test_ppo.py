@@ -265,6 +265,10 @@ def test_config_rejects_c51_switches_with_ppo():
 
     cfg = PRESETS["tiny"]
     replace(cfg, agent=replace(cfg.agent, kind="ppo")).validate()
+    # the default preset's fitted C51 support describes a head PPO does not have: ignored, not an error
+    from numbarl import config as config_mod
+
+    assert config_mod.resolve("default", None, ["agent.kind=ppo"]).agent.kind == "ppo"
     with pytest.raises(ConfigError, match="agent.iqn"):
         replace(cfg, agent=replace(cfg.agent, kind="ppo", iqn=True)).validate()
     with pytest.raises(ConfigError, match="feedback"):
