@@ -185,6 +185,11 @@ class AgentConfig:
     """beta_max of the adaptive atom-entropy regulariser: beta = beta_max * clip((0.5 - u_ema) / 0.5, 0, 1)
     with u_ema the EMA of the share of atoms the taken actions' batch-mean distribution uses
     (numbarl/rl/agents/dqn.py); 0 = off (the spec suggests 1e-2)."""
+    atom_entropy_source: str = "taken"
+    """What the atom-entropy controller measures utilization u on: 'taken' (the share of atoms whose
+    batch-mean online probability at the taken action exceeds 0.1/Z) or 'target' (exp(H) / Z of the
+    batch-mean projected target distribution: the atom_utilization diagnostic, the measure that fell
+    from 0.98 to 0.36 over a default run while 'taken' stayed above 0.63; docs/RESULTS.md)."""
     freeze_reset: bool = False
     """On a detected freeze (numbarl/rl/freeze.py: Q-mean, Q-std and atom utilisation still for
     agent.freeze_epochs epochs while the gradient norm stays >= agent.freeze_grad_min), zero Adam's
@@ -271,6 +276,7 @@ class AgentConfig:
         _check("agent", "tau", self.tau, lo=0.0, hi=1.0, lo_open=True)
         _check("agent", "compute", self.compute, choices=("fp32", "tf32"))
         _check("agent", "support", self.support, choices=("fixed", "fit"))
+        _check("agent", "atom_entropy_source", self.atom_entropy_source, choices=("taken", "target"))
         _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)
         _check("agent", "atom_entropy_max", self.atom_entropy_max, lo=0.0, hi=10.0)
         _check("agent", "freeze_eps", self.freeze_eps, lo=0.0, hi=1e6, lo_open=True)

@@ -408,20 +408,31 @@ UTIL_TARGET = 0.5  # β ramps up as u_ema falls below one half of the atoms
 
 
 @_cuda.jit(cache=True)
-def atom_entropy_control_kernel(atom_sums, inv_rows, u_ema, beta_max, beta, stats, slot_u, slot_ema, slot_beta):
-    """One thread, float64: p̄_i = atom_sums[i] · inv_rows (the batch- and branch-mean probability of
-    the taken actions), u = #{i: p̄_i > 0.1/Z} / Z, u_ema ← 0.99 u_ema + 0.01 u (the first step sets
-    u_ema = u: u_ema < 0 marks 'none yet'), β = β_max · clip((0.5 − u_ema) / 0.5, 0, 1) into beta[0]
-    (read by the next step's C51 gradient kernel) and the three stats slots."""
+def atom_entropy_control_kernel(atom_sums, inv_rows, u_ema, beta_max, beta, stats, slot_u, slot_ema, slot_beta,
+                                perplexity):
+    """One thread, float64: p̄_i = atom_sums[i] · inv_rows (the batch- and branch-mean distribution
+    the agent.atom_entropy_source names: the taken actions' online probabilities, or the projected
+    targets); u = #{i: p̄_i > 0.1/Z} / Z, or with `perplexity` u = exp(H(p̄)) / Z (the
+    atom_utilization diagnostic's measure); u_ema ← 0.99 u_ema + 0.01 u (the first step sets u_ema =
+    u: u_ema < 0 marks 'none yet'), β = β_max · clip((0.5 − u_ema) / 0.5, 0, 1) into beta[0] (read
+    by the next step's C51 gradient kernel) and the three stats slots."""
     if _cuda.grid(1) != 0:
         return
     n = atom_sums.shape[0]
-    threshold = UTIL_THRESHOLD / np.float64(n)
-    used = 0
-    for i in range(n):
-        if np.float64(atom_sums[i]) * inv_rows > threshold:
-            used += 1
-    u = np.float64(used) / np.float64(n)
+    if perplexity != 0:
+        h = 0.0
+        for i in range(n):
+            p = np.float64(atom_sums[i]) * inv_rows
+            if p > 0.0:
+                h -= p * math.log(p)
+        u = math.exp(h) / np.float64(n)
+    else:
+        threshold = UTIL_THRESHOLD / np.float64(n)
+        used = 0
+        for i in range(n):
+            if np.float64(atom_sums[i]) * inv_rows > threshold:
+                used += 1
+        u = np.float64(used) / np.float64(n)
     e = np.float64(u_ema[0])
     if e < 0.0:
         e = u
@@ -436,12 +447,17 @@ def atom_entropy_control_kernel(atom_sums, inv_rows, u_ema, beta_max, beta, stat
     stats[slot_beta] = b
 
 
-def atom_entropy_control_ref(taken_probs, u_ema: float, beta_max: float):
-    """float64 reference of one controller step: (u, u_ema, β) from taken_probs [B, n_branches, Z]."""
+def atom_entropy_control_ref(taken_probs, u_ema: float, beta_max: float, perplexity: bool = False):
+    """float64 reference of one controller step: (u, u_ema, β) from probabilities [B, n_branches, Z]
+    (the taken actions' or the projected targets'; perplexity: u = exp(H(p̄)) / Z)."""
     p = np.asarray(taken_probs, np.float64)
     z = p.shape[-1]
     p_bar = p.reshape(-1, z).mean(axis=0)
-    u = float(np.count_nonzero(p_bar > UTIL_THRESHOLD / z)) / z
+    if perplexity:
+        q = p_bar[p_bar > 0]
+        u = float(np.exp(-np.sum(q * np.log(q)))) / z
+    else:
+        u = float(np.count_nonzero(p_bar > UTIL_THRESHOLD / z)) / z
     e = u if u_ema < 0 else UTIL_EMA * u_ema + (1.0 - UTIL_EMA) * u
     e = float(np.float32(e))
     return u, e, beta_max * min(max((UTIL_TARGET - e) / UTIL_TARGET, 0.0), 1.0)
@@ -612,7 +628,7 @@ class DQNAgent(Agent):
         self.support_state.load({"range": np.array([cfg.v_min, cfg.v_max], np.float64)})
         self.atom_reg = None
         if cfg.atom_entropy_max > 0:
-            self._slot_util = self.stats_layout.slot("atom_utilization_taken")
+            self._slot_util = self.stats_layout.slot("atom_utilization_ctrl")  # u as agent.atom_entropy_source measures it
             self._slot_util_ema = self.stats_layout.slot("atom_utilization_ema")
             self._slot_beta = self.stats_layout.slot("atom_entropy_beta")
             self._slot_entropy_mean = self.stats_layout.slot("atom_entropy_mean")
@@ -1000,14 +1016,15 @@ class DQNAgent(Agent):
 
     def _atom_entropy_control(self, stream):
         B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
-        reduce.col_sum(self.loss.taken_probs.reshape(B * nb, Z), self.atom_reg["atom_sums"],
-                       self.atom_reg["atom_partials"], stream)
+        target = self.cfg.atom_entropy_source == "target"  # the projected targets' perplexity, or the taken probs
+        source = self.loss.target_dist if target else self.loss.taken_probs
+        reduce.col_sum(source.reshape(B * nb, Z), self.atom_reg["atom_sums"], self.atom_reg["atom_partials"], stream)
         self._entropy_reducer.mean(self.loss.entropy, self.stats.device, stream, at=self._slot_entropy_mean)
         atom_entropy_control_kernel[1, 1, stream](self.atom_reg["atom_sums"], np.float64(1.0 / (B * nb)),
                                                   self.atom_reg["u_ema"], np.float64(self.cfg.atom_entropy_max),
                                                   self.loss.entropy_beta, self.stats.device,
                                                   np.int64(self._slot_util), np.int64(self._slot_util_ema),
-                                                  np.int64(self._slot_beta))
+                                                  np.int64(self._slot_beta), np.int64(1 if target else 0))
 
     # DIAGNOSTICS (log intervals only: what the last train and collect steps left in their buffers)
     def diagnostics_step(self, env, stream):
