@@ -7,9 +7,9 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_iqn.py -m gpu -q`
 
 import numpy as np
 import pytest
-from gpu_agent_helpers import assert_bitwise as _assert_bitwise
-from gpu_agent_helpers import aux_steps as _steps
-from gpu_agent_helpers import fill_replay as _fill
+from agent_helpers import assert_bitwise as _assert_bitwise
+from agent_helpers import aux_steps as _steps
+from agent_helpers import fill_replay as _fill
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from agent_helpers import fill_replay
 
 from numbarl.cuda.runtime import Arena, cuda, stream
 from numbarl.cuda.testing import assert_close
@@ -290,16 +291,7 @@ def _agent(**kw):
 
 
 def _fill(agent, rng, count=13):
-    n_slots = agent.replay.n_slots
-    actions = np.stack([rng.integers(0, n, (n_slots, N_ENVS)) for n in AGENT_SIZES], -1).astype(np.int32)
-    mask = np.zeros((n_slots, N_ENVS, len(AGENT_SIZES), max(AGENT_SIZES)), np.uint8)
-    for k, n in enumerate(AGENT_SIZES):
-        mask[..., k, :n] = 1
-    agent.replay.store.load({"obs": rng.normal(0, 1, (n_slots, N_ENVS, STATE_DIM)).astype(np.float32),
-                             "action": actions, "reward": (rng.standard_normal((n_slots, N_ENVS)) * 0.5).astype(np.float32),
-                             "done": (rng.random((n_slots, N_ENVS)) < 0.2).astype(np.uint8),
-                             "weight": np.ones((n_slots, N_ENVS), np.float32), "mask": mask,
-                             "count": np.array([count], np.int64)})
+    fill_replay(agent, rng, done_rate=0.2, count=count)
 
 
 def test_agent_train_step_with_iqn_trains_the_head_and_the_trunk(rng):
