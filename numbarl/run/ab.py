@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from numbarl.run.compare import spread
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -61,26 +62,6 @@ def _train(out: Path, preset: str, arm: str, opts: list[str], seed: int, extra: 
     with open(out / f"{arm}-s{seed}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     return str(folder), rc, time.time() - t0
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
-
-def _std(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.stdev(xs) if len(xs) > 1 else None
-
-
-def _min(xs):
-    xs = [x for x in xs if x is not None]
-    return min(xs) if xs else None
-
-
-def _max(xs):
-    xs = [x for x in xs if x is not None]
-    return max(xs) if xs else None
 
 
 def _f(x):
@@ -120,9 +101,11 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     r = {"arm": name, "runs": len(runs)}
     for key in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization"):
         xs = [x[key] for x in runs]
-        r[f"{key}_mean"], r[f"{key}_std"], r[f"{key}_min"] = _mean(xs), _std(xs), _min(xs)
+        s = spread(xs) or {}
+        r[f"{key}_mean"], r[f"{key}_std"], r[f"{key}_min"] = s.get("mean"), s.get("std"), s.get("min")
         r[f"{key}_all"] = xs
-    r["abs_t_max"] = _max([abs(x["t"]) for x in runs if x["t"] is not None])
+    t = spread(abs(x["t"]) for x in runs if x["t"] is not None)
+    r["abs_t_max"] = t["max"] if t else None
     return r
 
 

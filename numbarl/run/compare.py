@@ -86,18 +86,26 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
     return rows
 
 
+def spread(values) -> dict | None:
+    """n, mean, std (sample; None for one value), min, median, max of the values that are not None
+    (None when there is none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"n": len(values), "mean": statistics.fmean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else None,
+            "min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Spread of each SPREAD column over the fold rows that have it (pooled rows are shown, not
     counted: their folds already are): n, mean, std (sample), min, median, max."""
     rows = [r for r in rows if not r.get("pooled")]
     out = {}
     for key in SPREAD:
-        values = [r[key] for r in rows if r.get(key) is not None]
-        if not values:
-            continue
-        out[key] = {"n": len(values), "mean": statistics.fmean(values),
-                    "std": statistics.stdev(values) if len(values) > 1 else None,
-                    "min": min(values), "median": statistics.median(values), "max": max(values)}
+        s = spread(r.get(key) for r in rows)
+        if s is not None:
+            out[key] = s
     positives = [r["test_sharpe"] for r in rows if r.get("test_sharpe") is not None]
     out["positive_test_sharpe"] = {"count": sum(v > 0 for v in positives), "of": len(positives)}
     return out
