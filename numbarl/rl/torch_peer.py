@@ -540,6 +540,28 @@ def cql_loss_and_grads(logits, actions, support, branch_sizes, device="cpu"):
             "d_logits": x.grad.detach().cpu().numpy()}
 
 
+def margin_loss_and_grads(logits, labels, support, branch: int, n_actions: int, margin: float, scale: float,
+                          device="cpu"):
+    """DQfD's large-margin loss (Hester et al. 2018, Eq. 2) on one branch of given online logits, the
+    PyTorch way: Q = Σ_z softmax(logits)·z, J[b] = max_a (Q[b, a] + l·[a ≠ a_E]) − Q[b, a_E] for the
+    labelled samples (label ≥ 0), loss = scale · Σ_b J[b], loss.backward() (E7, numbarl/rl/losses/margin.py).
+    Returns {"loss", "per_sample" [B], "d_logits" (the logits' layout)}."""
+    torch = _torch()
+    dev = torch.device(device)
+    x = torch.as_tensor(np.ascontiguousarray(np.asarray(logits, np.float32)), device=dev).requires_grad_(True)
+    z = torch.as_tensor(np.asarray(support, np.float32), device=dev)
+    lab = torch.as_tensor(np.asarray(labels, np.int64), device=dev)
+    q = (torch.softmax(x[:, branch, :n_actions, :], dim=-1) * z).sum(-1)  # [B, A]
+    keep = lab >= 0
+    safe = torch.where(keep, lab, torch.zeros_like(lab))
+    lifted = q + margin * (torch.arange(n_actions, device=dev)[None, :] != safe[:, None]).to(q.dtype)
+    per_sample = torch.where(keep, lifted.max(dim=1).values - q.gather(1, safe[:, None])[:, 0], torch.zeros_like(q[:, 0]))
+    loss = scale * per_sample.sum()
+    loss.backward()
+    return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.detach().cpu().numpy(),
+            "d_logits": x.grad.detach().cpu().numpy()}
+
+
 # ---------------------------------------------------------------------------------------------
 # IQL value head and expectile loss (agent.iql; numbarl/rl/nets/iql_value.py, rl/losses/expectile.py)
 # ---------------------------------------------------------------------------------------------

@@ -113,3 +113,26 @@ def test_label_kernel_matches_numpy_model_through_the_ring():
     flat = model_label.reshape(-1)
     want = np.where(index >= 0, flat[np.maximum(index, 0)], NO_LABEL)
     np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+def test_margin_kernel_matches_the_pytorch_peer(rng):
+    """The device loss and d_logits against torch autograd of the same DQfD margin (fp32, 1e-5
+    relative to the largest gradient)."""
+    pytest.importorskip("torch")
+    from numbarl.rl.torch_peer import margin_loss_and_grads
+
+    B, branch_sizes, Z = 11, (3, 3, 4, 4), 7
+    logits = (rng.normal(size=(B, 4, max(branch_sizes), Z)) * 2.0).astype(np.float32)
+    lse = _lse(logits.astype(np.float64)).astype(np.float32)
+    labels = rng.integers(-1, 3, size=B).astype(np.int32)
+    z = np.linspace(-1.5, 1.5, Z).astype(np.float32)
+    loss = MarginLoss(B, branch_sizes, Z, branch=0, margin=0.8)
+    loss.set_weight(0.1)
+    loss.compute({"logits": _cuda.to_device(logits), "lse": _cuda.to_device(lse), "labels": _cuda.to_device(labels),
+                  "support": _cuda.to_device(z)}, 0)
+    peer = margin_loss_and_grads(logits, labels, z, 0, 3, 0.8, np.float32(0.1 / B))
+    d = loss.arena["d_logits"].copy_to_host()
+    assert np.abs(peer["d_logits"]).max() > 0
+    np.testing.assert_allclose(d, peer["d_logits"], rtol=0, atol=1e-5 * np.abs(peer["d_logits"]).max())
+    np.testing.assert_allclose(loss.per_sample.copy_to_host(), peer["per_sample"], rtol=1e-5, atol=1e-6)
+    assert loss.loss.copy_to_host()[0] * 0.1 == pytest.approx(peer["loss"], rel=1e-5)
