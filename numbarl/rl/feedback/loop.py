@@ -269,7 +269,6 @@ class FeedbackLoop:
         self.dev.load({"offset": np.zeros(1, np.float32), "gate": np.zeros(N_BUCKETS, np.uint8),
                        "edges": self.regimes.edges_array() if self.regimes else np.zeros(4, np.float32),
                        "blocked": np.zeros(max(int(agent.n_envs), 1), np.uint8)})
-        self.latest: dict = {}
 
     @property
     def record_q(self) -> bool:
@@ -393,7 +392,6 @@ class FeedbackLoop:
             rec.update({f"e9.tau_{b}": float(x) for b, x in enumerate(tau)})
             rec["e9.gated_buckets"] = int(gate.sum())
         self.apply()
-        self.latest = rec
         return rec
 
     def apply(self) -> None:
