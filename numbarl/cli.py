@@ -197,13 +197,15 @@ def compare_main():
 # numbarl-bench
 # ---------------------------------------------------------------------------------------------
 BENCHES = {"runtime": "numbarl.bench.runtime", "kernels": "numbarl.bench.kernels",
-           "env": "numbarl.bench.env", "head": "numbarl.bench.head", "train": "numbarl.bench.train"}
+           "env": "numbarl.bench.env", "head": "numbarl.bench.head", "train": "numbarl.bench.train",
+           "ppo": "numbarl.bench.ppo"}
 
 
 BENCH_HELP = {"runtime": "Launch overhead (graph vs eager) and GEMM throughput vs torch.matmul.",
               "kernels": "Deterministic reductions.", "env": "Env steps/s and backtest bar-steps/s vs the CPU reference.",
               "head": "The C51 head's dueling softmax per pass.",
               "train": "Train step vs PyTorch (eager, CUDA-graphed) and JAX; --profile lists GPU time per kernel.",
+              "ppo": "PPO env-steps/s including its update, vs a PyTorch PPO on the same shapes.",
               "all": "Every benchmark, one after the other."}
 
 

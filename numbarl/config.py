@@ -80,14 +80,27 @@ class DataConfig:
 
 
 # agent families numbarl trains (the registry numbarl.rl.agents.base.AGENTS; a test keeps them equal)
-AGENT_KINDS = ("c51", "ppo")
+AGENT_KINDS = ("c51", "ppo", "dt")
+
+
+def parse_horizons(text: str) -> tuple[int, ...]:
+    """agent.horizons: '1,5,20' -> (1, 5, 20) (sorted, unique); '' -> () (off)."""
+    items = [w.strip() for w in str(text).split(",") if w.strip()]
+    try:
+        values = [int(w) for w in items]
+    except ValueError:
+        raise ValueError(f"agent.horizons = {text!r}: a comma list of integers (bars), e.g. '1,5,20'") from None
+    return tuple(sorted(set(values)))
+# ICM curiosity (agent.curiosity_weight) is off below this weight: nothing of it is built
+CURIOSITY_MIN_WEIGHT = 1e-3
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     kind: str = "c51"
     """Agent family, a key of numbarl.rl.agents.base.AGENTS ('c51': branched dueling C51 + double
-    DQN; 'ppo': branched categorical actor-critic trained by PPO, numbarl/rl/agents/ppo.py);
+    DQN; 'ppo': branched categorical actor-critic trained by PPO, numbarl/rl/agents/ppo.py; 'dt': Decision
+    Transformer trained on the envs' behavior trajectories, numbarl/rl/agents/dt.py);
     `python -m numbarl components` lists the learning components of each."""
     trunk: tuple = (512, 512)
     """Hidden widths of the trunk MLP."""
@@ -213,6 +226,41 @@ class AgentConfig:
     """CVaR entry gate: the tolerated tail loss in reward units (>= 0): entry gated when
     budget * CVaR_alpha < -cvar_floor."""
     # --- end spectral normalization and the CVaR entry gate -------------------------------------------
+    # --- ICM curiosity (numbarl/rl/nets/icm.py, numbarl/rl/losses/icm.py) --------------------------------
+    curiosity_weight: float = 0.0
+    """ICM curiosity (Pathak et al. 2017): weight w of the intrinsic reward w * e / scale added to the
+    batch reward before the C51 target projection, e = 1/2 ||forward model(phi(s), a) - phi(s')||^2 / H on the
+    (detached) trunk features of width H, scale a running mean of e (agent.curiosity_normalize); the forward and
+    inverse models train in the train step (optimizer groups 'icm.forward', 'icm.inverse'). Off below
+    0.001 (CURIOSITY_MIN_WEIGHT), the default: then nothing of ICM is built."""
+    curiosity_hidden: int = 256
+    """ICM: hidden width of the forward and the inverse model (one ReLU layer each)."""
+    curiosity_beta: float = 0.2
+    """ICM: beta of the model loss beta * L_forward + (1 - beta) * L_inverse (Pathak et al. 2017, Eq. 7)."""
+    curiosity_trunk_grad: bool = False
+    """ICM: the inverse loss also trains the shared trunk (Pathak et al.'s feature learning), through phi(s) on
+    the online pass and phi(s') on a second trunk backward of the next pass; off: the features are detached
+    (ICM never changes how Q is computed; numbarl/rl/nets/icm.py says why that is the default)."""
+    curiosity_normalize: bool = True
+    """ICM: divide the forward error by its running scale (EMA 0.99 of the batch mean), so the mean intrinsic
+    reward is about agent.curiosity_weight reward units; false: the raw error e times the weight."""
+    # --- end ICM curiosity -------------------------------------------------------------------------------
+    # --- multi-horizon C51 (agent.horizons; numbarl/rl/losses/multi_horizon.py) -----------------------------
+    horizons: str = ""
+    """Multi-horizon C51: n-step windows (bars) whose C51 losses are blended per sample, e.g. "1,5,20"; must
+    include agent.n_step and name at least two. Each horizon other than n_step costs two extra forward passes
+    (online and target net on its next state) per train step. Empty (default): the single n_step loss."""
+    horizon_regime_col: int = 53
+    """Multi-horizon C51: obs column of the trend-strength feature that blends the horizons (53 = adx_14,
+    ADX(14)/100, in the default 64-feature set; with another feature list, its index there)."""
+    horizon_trend_lo: float = 0.20
+    """Multi-horizon C51: feature value of no trend (weight on the shortest horizon); ADX 20."""
+    horizon_trend_hi: float = 0.40
+    """Multi-horizon C51: feature value of a strong trend (weight on the longest horizon); ADX 40."""
+    horizon_mix: float = 0.5
+    """Multi-horizon C51: share of each sample's weight the regime places (the rest is spread evenly over the
+    horizons, so every horizon keeps learning); 0 = a plain average of the horizons' losses."""
+    # --- end multi-horizon C51 ------------------------------------------------------------------------------
     # --- PPO (agent.kind = "ppo"; numbarl/rl/agents/ppo.py) --------------------------------------------
     ppo_rollout: int = 128
     """PPO: collect steps per rollout (T); the update runs after every T-th collect step on the T x n_envs
@@ -230,6 +278,43 @@ class AgentConfig:
     ppo_entropy_coef: float = 0.01
     """PPO: weight of the entropy bonus (of the joint action: the sum over branches)."""
     # --- end PPO -----------------------------------------------------------------------------------------
+    # --- Decision Transformer (agent.kind = "dt"; numbarl/rl/agents/dt.py) --------------------------------
+    dt_context: int = 8
+    """DT: steps L per window (3 L tokens: return-to-go, state, action per step)."""
+    dt_embed: int = 64
+    """DT: token width E of the transformer (a multiple of agent.dt_heads)."""
+    dt_heads: int = 2
+    """DT: attention heads per block."""
+    dt_layers: int = 1
+    """DT: transformer blocks (pre-LN; MLP width 4 E with agent.activation)."""
+    dt_rollout: int = 64
+    """DT: collect steps T per dataset: the envs' behavior trajectories of T steps x n_envs, rewritten and
+    trained on after every T-th collect step (>= agent.dt_context)."""
+    dt_updates: int = 16
+    """DT: gradient steps per dataset (each on agent.dt_batch windows drawn by the counter RNG)."""
+    dt_batch: int = 64
+    """DT: windows of L steps per gradient step."""
+    dt_gamma: float = 0.9
+    """DT: discount of the return-to-go G_t = r_t + gamma G_{t+1} (stationary: the backtest has no episodes);
+    windows end where the dataset's truncation weighs < 5 %."""
+    dt_target: float = 1.0
+    """DT: the return-to-go asked for when acting, in std units of the dataset's returns (0 = the mean)."""
+    dt_behavior_noise: float = 0.5
+    """DT: the behavior of env i takes a uniform random allowed action with probability noise * i / (n_envs - 1),
+    else the oracle (the planted signal, or the hindsight move over agent.dt_oracle_horizon bars)."""
+    dt_oracle_horizon: int = 8
+    """DT: bars H of the hindsight oracle sign(mid[bar + H] - mid[bar]) (inside the env's bar range)."""
+    dt_portfolio: bool = False
+    """DT: the state token includes the observation's portfolio features (position, unrealized P&L, bars in
+    trade, ...). Off: market features only. The behavior's portfolio is the trace of its own decisions on
+    the hidden signal, so the DT reads "in a long, stay long" from it; acting, it reads its own position
+    and holds (agents/dt.py, "What the DT sees")."""
+    # --- end Decision Transformer ------------------------------------------------------------------------
+
+    @property
+    def curiosity(self) -> bool:
+        """ICM curiosity is on: agent.curiosity_weight >= CURIOSITY_MIN_WEIGHT."""
+        return self.curiosity_weight >= CURIOSITY_MIN_WEIGHT
 
     def validate(self):
         _check("agent", "kind", self.kind, choices=AGENT_KINDS)
@@ -249,6 +334,7 @@ class AgentConfig:
             groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]
             groups += ["head.iqn"] if self.iqn else []
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
+            groups += ["icm.forward", "icm.inverse"] if self.curiosity else []  # ICM (agent.curiosity_weight)
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
                 raise ConfigError(f"agent.weight_decay_groups = {self.weight_decay_groups!r}: no optimizer group "
@@ -282,6 +368,9 @@ class AgentConfig:
         _check("agent", "freeze_eps", self.freeze_eps, lo=0.0, hi=1e6, lo_open=True)
         _check("agent", "freeze_epochs", self.freeze_epochs, lo=1, hi=10**6)
         _check("agent", "freeze_grad_min", self.freeze_grad_min, lo=0.0, hi=1e9)
+        _check("agent", "curiosity_weight", self.curiosity_weight, lo=0.0, hi=1e3)  # ICM curiosity
+        _check("agent", "curiosity_hidden", self.curiosity_hidden, lo=1, hi=16384)
+        _check("agent", "curiosity_beta", self.curiosity_beta, lo=0.0, hi=1.0)
         _check("agent", "ppo_rollout", self.ppo_rollout, lo=1, hi=1 << 20)  # PPO (agent.kind = "ppo")
         _check("agent", "ppo_epochs", self.ppo_epochs, lo=1, hi=1000)
         _check("agent", "ppo_minibatches", self.ppo_minibatches, lo=1, hi=1 << 20)
@@ -289,19 +378,52 @@ class AgentConfig:
         _check("agent", "ppo_clip", self.ppo_clip, lo=0.0, hi=10.0, lo_open=True)
         _check("agent", "ppo_value_coef", self.ppo_value_coef, lo=0.0, hi=1e3)
         _check("agent", "ppo_entropy_coef", self.ppo_entropy_coef, lo=0.0, hi=1e3)
+        _check("agent", "dt_context", self.dt_context, lo=1, hi=64)  # DT (agent.kind = "dt")
+        _check("agent", "dt_embed", self.dt_embed, lo=1, hi=4096)
+        _check("agent", "dt_heads", self.dt_heads, lo=1, hi=64)
+        if self.dt_embed % self.dt_heads != 0:
+            raise ConfigError(f"agent.dt_embed = {self.dt_embed} must be a multiple of agent.dt_heads = {self.dt_heads}")
+        _check("agent", "dt_layers", self.dt_layers, lo=1, hi=64)
+        _check("agent", "dt_rollout", self.dt_rollout, lo=1, hi=1 << 20)
+        if self.dt_rollout < self.dt_context:
+            raise ConfigError(f"agent.dt_rollout = {self.dt_rollout} must be >= agent.dt_context = {self.dt_context} "
+                              "(a window lies inside one dataset)")
+        _check("agent", "dt_updates", self.dt_updates, lo=1, hi=10000)
+        _check("agent", "dt_batch", self.dt_batch, lo=1, hi=1 << 20)
+        _check("agent", "dt_gamma", self.dt_gamma, lo=0.0, hi=1.0)
+        _check("agent", "dt_target", self.dt_target, lo=-100.0, hi=100.0)
+        _check("agent", "dt_behavior_noise", self.dt_behavior_noise, lo=0.0, hi=1.0)
+        _check("agent", "dt_oracle_horizon", self.dt_oracle_horizon, lo=1, hi=1 << 20)
         # the switches of the c51 network and loss have no meaning for PPO: never a silent no-op. (The
         # C51 distribution's shape — n_atoms, v_min/v_max, agent.support, which the default preset sets
         # to "fit" — describes the value head PPO does not have and is ignored, so --preset default
         # --set agent.kind=ppo works.)
-        if self.kind == "ppo":
+        if self.kind in ("ppo", "dt"):
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
                         "atom_entropy_max": self.atom_entropy_max > 0,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
                         "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate,
-                        "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups)}
+                        "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups),
+                        "curiosity_weight": self.curiosity}  # ICM: the c51 agent's hooks only
             on = [f"agent.{name}" for name, value in c51_only.items() if value]
             if on:
-                raise ConfigError(f"agent.kind = 'ppo' does not have {', '.join(on)} (c51 components); turn them off")
+                raise ConfigError(f"agent.kind = '{self.kind}' does not have {', '.join(on)} (c51 components); turn them off")
+        # multi-horizon C51 (agent.horizons)
+        if self.horizons:
+            try:
+                hs = parse_horizons(self.horizons)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.kind != "c51":
+                raise ConfigError(f"agent.horizons = {self.horizons!r} is a c51 component; agent.kind = '{self.kind}'")
+            if len(hs) < 2 or self.n_step not in hs or not all(1 <= h <= 256 for h in hs):
+                raise ConfigError(f"agent.horizons = {self.horizons!r} must name at least two windows in 1..256 bars, "
+                                  f"one of them agent.n_step = {self.n_step}")
+            _check("agent", "horizon_regime_col", self.horizon_regime_col, lo=0, hi=1 << 20)
+            _check("agent", "horizon_mix", self.horizon_mix, lo=0.0, hi=1.0)
+            if not self.horizon_trend_hi > self.horizon_trend_lo:
+                raise ConfigError(f"agent.horizon_trend_hi = {self.horizon_trend_hi} must be > agent.horizon_trend_lo "
+                                  f"= {self.horizon_trend_lo}")
         # spectral normalization and the CVaR entry gate
         _check("agent", "cvar_alpha", self.cvar_alpha, lo=0.0, hi=1.0)
         _check("agent", "cvar_floor", self.cvar_floor, lo=0.0, hi=1e9)
@@ -430,11 +552,11 @@ class Config:
         getattr(self.env, "validate", lambda: None)()  # EnvParams validates on construction too
         self.agent.validate()
         self.train.validate()
-        if self.agent.kind == "ppo":
+        if self.agent.kind in ("ppo", "dt"):
             from numbarl.rl.feedback.split import feedback_on
 
             if feedback_on(self.train):
-                raise ConfigError("agent.kind = 'ppo' does not run the validation feedback loop (train.e1_* .. "
+                raise ConfigError(f"agent.kind = '{self.agent.kind}' does not run the validation feedback loop (train.e1_* .. "
                                   "train.e9_* act on the c51 agent's replay, loss and epsilon); turn them off")
         if self.agent.replay_capacity < self.train.n_envs * (self.agent.n_step + 1):
             raise ConfigError(
@@ -442,6 +564,13 @@ class Config:
                 f"{self.train.n_envs} and agent.n_step = {self.agent.n_step}: needs at least "
                 f"{self.train.n_envs * (self.agent.n_step + 1)}"
             )
+        if self.agent.horizons:  # multi-horizon C51: the longest window
+            longest = max(parse_horizons(self.agent.horizons))
+            if self.agent.replay_capacity < self.train.n_envs * (longest + 1):
+                raise ConfigError(
+                    f"agent.replay_capacity = {self.agent.replay_capacity} is too small for train.n_envs = "
+                    f"{self.train.n_envs} and the longest of agent.horizons = {longest}: needs at least "
+                    f"{self.train.n_envs * (longest + 1)}")
         return self
 
     def to_dict(self) -> dict:

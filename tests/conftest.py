@@ -7,6 +7,35 @@ from numbarl.cuda import backend
 
 SIMULATOR = backend.select()
 
+if not SIMULATOR:
+    # Kernels run on numbarl's compute stream, which is non-blocking (numbarl.cuda.runtime.stream:
+    # it must be, to be captured), so a plain `copy_to_host()` / `copy_to_device()` on the legacy
+    # default stream does not wait for them: on a busy GPU a test would read a result before the
+    # kernel wrote it, or overwrite an input a queued kernel has not read yet (both seen on the
+    # H200 with training runs sharing the GPU). Tests copy without a stream, so here such a copy
+    # first waits for the compute stream.
+    from numba.cuda.cudadrv.devicearray import DeviceNDArrayBase
+
+    from numbarl.cuda.runtime import stream as _compute_stream
+
+    _copy_to_host = DeviceNDArrayBase.copy_to_host
+
+    def _copy_to_host_after_compute(self, ary=None, stream=0):
+        if not stream:
+            _compute_stream().synchronize()
+        return _copy_to_host(self, ary, stream)
+
+    DeviceNDArrayBase.copy_to_host = _copy_to_host_after_compute
+
+    _copy_to_device = DeviceNDArrayBase.copy_to_device
+
+    def _copy_to_device_after_compute(self, ary, stream=0):
+        if not stream:
+            _compute_stream().synchronize()
+        return _copy_to_device(self, ary, stream)
+
+    DeviceNDArrayBase.copy_to_device = _copy_to_device_after_compute
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a real CUDA GPU")

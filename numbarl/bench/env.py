@@ -18,6 +18,11 @@ Then, on a GPU:
   for 5-36 bars (different per policy), generated on the device, so the env does real work
   (entries, target/stop exits, trade accounting);
   the CPU column's backtest also runs the metric scan (backtest_reference computes both);
+  then the same with --bt-segment-bars (default 1,024; 0 skips it): the segmented kernels
+  (numbarl/env/backtest_segments.py: speculate, carry, replay; segments x policies threads),
+  with one more run timed pass by pass, and a check that its final state and metric
+  accumulators equal the one-thread run's bitwise at the full size (the checks above also
+  compare it with the CPU reference and, bitwise, with the one-thread path on a smaller case);
 * the CPU reference env and backtest on this host (@njit, one core) at smaller sizes, scaled per
   step, and the device/CPU ratios;
 * backtest with a learned policy, bars/s: the default preset's validation window (--val-bars,
@@ -157,17 +162,31 @@ def check_env(n_envs: int, steps: int, seed: int = 1) -> tuple[bool, str]:
     return True, f"{n_envs} envs x {steps} steps, max rel err {worst:.1e}"
 
 
-def check_backtest(n_policies: int, n_bars: int, seed: int = 2) -> tuple[bool, str]:
+def check_backtest(n_policies: int, n_bars: int, seed: int = 2, segment_bars: int | None = None) -> tuple[bool, str]:
+    """Device backtest == CPU reference; with segment_bars the segmented kernels, also checked
+    bitwise against the one-thread device path."""
     data = synthetic_market(n_bars + 10, 4, seed)
     params = bench_params()
     actions = plan_actions_host(params, n_policies, n_bars, seed)
     ref = backtest_reference(data, (5, 5 + n_bars), params, actions)
-    dev = backtest(data, (5, 5 + n_bars), params, actions=actions, chunk_bars=max(2, n_bars // 3))
+    chunk = max(2, n_bars // 3)
+    dev = backtest(data, (5, 5 + n_bars), params, actions=actions, chunk_bars=chunk, segment_bars=segment_bars)
     if not np.allclose(dev.pnl, ref.pnl, rtol=1e-9, atol=1e-8) or not np.array_equal(dev.position, ref.position):
         return False, "per-bar P&L or positions differ"
     if len(dev.trades) != len(ref.trades) or not np.allclose(dev.trades["pnl"], ref.trades["pnl"], rtol=1e-9, atol=1e-8):
         return False, "trade lists differ"
-    return True, f"{n_policies} policies x {n_bars} bars, {len(ref.trades)} trades"
+    for col in ("policy", "entry_bar", "exit_bar", "side", "size", "exit_reason"):
+        if not (dev.trades[col].to_numpy() == ref.trades[col].to_numpy()).all():
+            return False, f"trade {col} differs"
+    detail = f"{n_policies} policies x {n_bars} bars, {len(ref.trades)} trades"
+    if segment_bars is not None:
+        one = backtest(data, (5, 5 + n_bars), params, actions=actions, chunk_bars=chunk)
+        same = (np.array_equal(dev.pnl, one.pnl) and np.array_equal(dev.position, one.position) and dev.trades.equals(one.trades)
+                and np.array_equal(dev.accumulators, one.accumulators, equal_nan=True))
+        if not same:
+            return False, "segmented device backtest differs from the one-thread device backtest (bitwise)"
+        detail += f", segments of {segment_bars} bars, bitwise equal to the one-thread device path"
+    return True, detail
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,14 +246,17 @@ def time_env(n_envs: int, graph_steps: int, n_features: int, n_bars: int, reps: 
     return out
 
 
-def time_backtest(n_policies: int, n_bars: int, chunk: int, reps: int) -> dict:
+def time_backtest(n_policies: int, n_bars: int, chunk: int, reps: int, segment_bars: int | None = None,
+                  event_slots: int | None = None) -> dict:
+    """segment_bars=None: one thread per policy (`actions_kernel`); else the segmented kernels."""
     data = synthetic_market(n_bars, 4, seed=5)
     params = bench_params()
-    bt = DeviceBacktest(data, params, n_policies, (0, n_bars), chunk_bars=chunk, max_trades=0)
+    bt = DeviceBacktest(data, params, n_policies, (0, n_bars), chunk_bars=chunk, max_trades=0, segment_bars=segment_bars,
+                        event_slots=event_slots)
     rows = _cuda.device_array((bt.chunk_bars, n_policies), np.int32)
     sizes = params.branch_sizes
 
-    def run(s, scan=True):
+    def run(s, scan=True, marks=None):
         bt.start(s)
         origin = 0
         while origin < n_bars:
@@ -242,7 +264,7 @@ def time_backtest(n_policies: int, n_bars: int, chunk: int, reps: int) -> dict:
                 bt.set_origin(origin, s)
             total = rows.shape[0] * rows.shape[1]
             plan_rows_kernel[(total + BLOCK - 1) // BLOCK, BLOCK, s](rows, np.uint64(7), np.int64(origin), sizes[1], sizes[2], sizes[3])
-            bt.run_actions(rows, s)
+            bt.run_actions(rows, s, marks)
             if scan:
                 bt.scan(s)
             origin += bt.chunk_bars
@@ -257,8 +279,24 @@ def time_backtest(n_policies: int, n_bars: int, chunk: int, reps: int) -> dict:
     ms_env = _median_ms(lambda s: run(s, scan=False), reps, warmup=1)
     ms = _median_ms(run, reps, warmup=1)
     steps = n_policies * (n_bars - 1)
+    passes = {}
+    if segment_bars is not None:  # one more run, profiled pass by pass (events between the kernels;
+        marks = []  # with the scan, so that the accumulators read below are a full run's)
+        run(default_stream(), scan=True, marks=marks)
+        default_stream().synchronize()
+        for i, name in enumerate(("ms_speculate", "ms_carry", "ms_replay")):
+            passes[name] = sum(m[i].elapsed_time(m[i + 1]) for m in marks)
+    bt.segment_check()
+    if segment_bars is not None:
+        passes["carry_exact_fraction"] = bt.segment_exact_bars() / steps
     counts = bt.arena["trade_count"].copy_to_host()
+    state = {name: bt.arena[name].copy_to_host() for name, _ in STATE_FIELDS}
+    state["metric_accumulators"] = bt.accumulators_to_host()
     return {
+        **passes,
+        "segment_bars": segment_bars,
+        "event_slots": bt.event_slots,
+        "state": state,
         "bar_steps_per_s": steps / (max(ms_env - ms_gen, 1e-6) * 1e-3),
         "bar_steps_per_s_with_metrics": steps / (max(ms - ms_gen, 1e-6) * 1e-3),
         "ms_env": ms_env,
@@ -368,6 +406,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bt-policies", type=int, default=4096)
     ap.add_argument("--bt-bars", type=int, default=1_000_000)
     ap.add_argument("--bt-chunk", type=int, default=65_536)
+    ap.add_argument("--bt-segment-bars", type=str, default="1024",
+                    help="segment bars of the segmented backtest (numbarl/env/backtest_segments.py), or a comma list to "
+                         "time several (the first is the headline); 0: time only the one-thread path")
+    ap.add_argument("--bt-event-slots", type=int, default=None, help="events recorded per segment (default: segment bars)")
     ap.add_argument("--cpu-envs", type=int, default=4096)
     ap.add_argument("--cpu-steps", type=int, default=50)
     ap.add_argument("--cpu-bt-policies", type=int, default=16)
@@ -383,6 +425,8 @@ def main(argv=None) -> int:
     checks = [
         ("device env == CPU reference env", check_env(6 if sim else 512, 12 if sim else 40)),
         ("device backtest == CPU reference backtest", check_backtest(3 if sim else 64, 60 if sim else 5000)),
+        ("segmented device backtest == CPU reference backtest",
+         check_backtest(3 if sim else 64, 60 if sim else 5000, segment_bars=8 if sim else 256)),
     ]
     ok = True
     for name, (passed, detail) in checks:
@@ -409,33 +453,65 @@ def main(argv=None) -> int:
     results["checks"]["learned-policy backtest graph == eager"] = {"pass": pol["identical"], "detail": pol["differs"]}
     env = time_env(args.n_envs, args.graph_steps, args.features, args.env_bars, args.reps)
     bt = time_backtest(args.bt_policies, args.bt_bars, args.bt_chunk, max(1, args.reps // 2))
+    seg_list = [int(x) for x in args.bt_segment_bars.split(",") if int(x) > 0]
+    seg_runs = {}
+    for seg_bars in seg_list:
+        r = time_backtest(args.bt_policies, args.bt_bars, args.bt_chunk, max(1, args.reps // 2), seg_bars, args.bt_event_slots)
+        differs = [name for name, want in bt["state"].items() if not np.array_equal(r["state"][name], want, equal_nan=True)]
+        print(
+            f"  [{'pass' if not differs else 'FAIL'}] segmented backtest ({seg_bars} bars) == one-thread backtest at full size, "
+            f"bitwise: final state and metric accumulators of {args.bt_policies} policies x {args.bt_bars:,} bars"
+            + (f" ({', '.join(differs)} differ)" if differs else "")
+        )
+        results["checks"][f"segmented backtest ({seg_bars} bars) == one-thread backtest (full size)"] = {"pass": not differs, "detail": differs}
+        ok &= not differs
+        r.pop("state")
+        seg_runs[seg_bars] = r
+    bts = seg_runs[seg_list[0]] if seg_list else None
+    bt.pop("state")
     cpu = time_cpu(args.cpu_envs, args.cpu_steps, args.cpu_bt_policies, args.cpu_bt_bars)
     rows = [
         (f"env step, N={args.n_envs} (graph of {args.graph_steps})", "env-steps/s", env["step"], cpu["step"], 1e9),
         ("env collect w/o inference (gather+select+step+gather)", "env-steps/s", env["collect"], cpu["collect"], None),
         ("env step, eager launch", "env-steps/s", env["eager_step"], cpu["step"], None),
-        (f"backtest {args.bt_policies} x {args.bt_bars:,} bars", "bar-steps/s", bt["bar_steps_per_s"], cpu["backtest"], 1e10),
+        (f"backtest {args.bt_policies} x {args.bt_bars:,} bars, one thread per policy", "bar-steps/s", bt["bar_steps_per_s"], cpu["backtest"], 1e10),
         ("backtest + device metric scan per chunk", "bar-steps/s", bt["bar_steps_per_s_with_metrics"], cpu["backtest"], None),
+    ]
+    for seg_bars, r in seg_runs.items():
+        rows += [
+            (f"backtest {args.bt_policies} x {args.bt_bars:,} bars, segments of {seg_bars}", "bar-steps/s",
+             r["bar_steps_per_s"], cpu["backtest"], 1e10),
+            (f"segmented ({seg_bars}) backtest + device metric scan per chunk", "bar-steps/s", r["bar_steps_per_s_with_metrics"],
+             cpu["backtest"], None),
+        ]
+    rows += [
         (f"backtest with a learned policy, {pol['bars']:,} bars (graphs)", "bars/s", pol["bars_per_s_graph"], pol["bars_per_s_eager"], (pol["bars"] - 1) / 0.1),
     ]
-    print(f"\n{'what':<58} {'unit':<12} {'device':>10} {'CPU ref':>10} {'ratio':>8} {'goal':>8}")
+    print(f"\n{'what':<62} {'unit':<12} {'device':>10} {'CPU ref':>10} {'ratio':>8} {'goal':>8}")
     for what, unit, dev, ref, goal in rows:
-        print(f"{what:<58} {unit:<12} {_fmt(dev):>10} {_fmt(ref):>10} {_fmt(dev / ref):>8} {(_fmt(goal) if goal else '-'):>8}")
+        print(f"{what:<62} {unit:<12} {_fmt(dev):>10} {_fmt(ref):>10} {_fmt(dev / ref):>8} {(_fmt(goal) if goal else '-'):>8}")
     print(
         f"\nenv: {env['step_us_per_step']:.1f} us per step, {env['collect_us_per_step']:.1f} us per collect step; "
         f"backtest: {bt['ms_env']:.0f} ms ({bt['ms_with_metrics']:.0f} ms with metrics) incl. {bt['ms_action_gen']:.0f} ms of action "
         f"generation (subtracted), {bt['trades']:,} trades; "
-        f"CPU reference: one core, {args.cpu_envs} envs x {args.cpu_steps} steps, backtest {args.cpu_bt_policies} x {args.cpu_bt_bars:,} bars"
+        + "".join(f"segmented backtest ({b} bars): {r['ms_env']:.0f} ms ({r['ms_with_metrics']:.0f} ms with metrics; passes: "
+                  f"speculate {r['ms_speculate']:.0f} ms, carry {r['ms_carry']:.0f} ms stepping {r['carry_exact_fraction']:.2%} of the bars "
+                  f"serially, replay {r['ms_replay']:.0f} ms), "
+                  f"{r['trades']:,} trades, {r['event_slots']} event slots per segment; " for b, r in seg_runs.items())
+        + f"CPU reference: one core, {args.cpu_envs} envs x {args.cpu_steps} steps, backtest {args.cpu_bt_policies} x {args.cpu_bt_bars:,} bars"
     )
     print(
         f"learned-policy backtest ({pol['bars']:,} bars, 1 policy, trunk {pol['trunk']}, {pol['n_atoms']} atoms; its 'CPU ref' "
         f"column is the eager device loop): {pol['s_graph'] * 1e3:.1f} ms per call with graphs (goal 100 ms), "
         f"{pol['s_graph_first'] * 1e3:.0f} ms for the first call (capture), {pol['s_eager'] * 1e3:.0f} ms eager"
     )
-    results.update({"env": env, "backtest": bt, "cpu": cpu, "policy_backtest": pol, "args": vars(args)})
+    results.update({"env": env, "backtest": bt, "backtest_segmented": bts, "backtest_segmented_all": {str(b): r for b, r in seg_runs.items()},
+                    "cpu": cpu, "policy_backtest": pol, "args": vars(args)})
     results["ratios"] = {"env_step": env["step"] / cpu["step"], "env_collect": env["collect"] / cpu["collect"], "backtest": bt["bar_steps_per_s"] / cpu["backtest"]}
+    if bts is not None:
+        results["ratios"]["backtest_segmented"] = bts["bar_steps_per_s"] / cpu["backtest"]
     _write(args.json, results)
-    return 0 if pol["identical"] else 1
+    return 0 if pol["identical"] and ok else 1
 
 
 def _write(path, results):

@@ -35,6 +35,16 @@ def blocks(n: int, block: int) -> int:
     return max(1, (int(n) + int(block) - 1) // int(block))
 
 
+def row_block(n_rows: int, width: int, threads: int) -> tuple[int, tuple[int, int]]:
+    """(blocks, (lanes, rows)) for a kernel with a thread row per item (blockIdx.x · rows +
+    threadIdx.y) and lanes along its ``width`` elements: lanes = min(width, threads), rows =
+    threads // lanes. A block then covers whole consecutive rows of a row-major [n, width] array
+    (coalesced), with no division of a flat index."""
+    lanes = max(1, min(int(width), int(threads)))
+    rows = max(1, int(threads) // lanes)
+    return blocks(n_rows, rows), (lanes, rows)
+
+
 def device_function(fn):
     """The @njit function ``fn`` as a function kernels call (see the module docstring)."""
     if not SIMULATOR:

@@ -16,6 +16,8 @@ Two ways to choose actions:
   actions  int [P, W, 4] (or [W, 4] for every policy): branch indices decided at each bar
            (the last bar's are unused). The kernel `actions_kernel` loops over a chunk of bars
            inside one thread per policy, reading packed int32 actions (time-major [rows, P]).
+           With segment_bars, the chunk runs as segments x policies threads instead (speculate,
+           carry, replay: numbarl/env/backtest_segments.py), with identical results.
   q_fn     q_fn(obs [P, state_dim], q_out [P, 4, max_actions], stream) fills greedy Q for a batch
            of observations; each bar runs q_fn -> `policy_bar_kernel` (greedy action over the env's
            mask, the step `bar_row`, the next bar's obs and mask), the first ones gathered by `start`.
@@ -281,7 +283,8 @@ class DeviceBacktest:
     """
 
     def __init__(self, data, params: EnvParams, n_policies: int, window, chunk_bars: int | None = None,
-                 max_trades: int | None = None, record_q: bool = False):
+                 max_trades: int | None = None, record_q: bool = False, segment_bars: int | None = None,
+                 event_slots: int | None = None):
         market = data if isinstance(data, DeviceMarket) else data.to_device(params.vol_span, params.vol_horizon_bars)
         market.check(params)
         if not isinstance(n_policies, (int, np.integer)) or not 1 <= n_policies <= 1 << 20:
@@ -323,6 +326,12 @@ class DeviceBacktest:
         arena.add("stops", stops.shape, np.float32)
         if record_q:  # the direction branch's Q at every decision bar of the window (q_fn bar steps)
             arena.add("q_record", (self.n_bars, P, params.branch_sizes[0]), np.float32)
+        self.segment_bars = self.event_slots = None
+        if segment_bars is not None:  # run_actions in segments (numbarl/env/backtest_segments.py)
+            from numbarl.env import backtest_segments as _seg
+
+            self.segment_bars, self.event_slots = _seg.check_params(segment_bars, event_slots, self.k)
+            _seg.add_buffers(arena, P, self.chunk_bars, self.segment_bars, self.event_slots)
         arena.allocate()
         arena.load({"sizes": sizes, "targets": targets, "stops": stops})
         self.arena = arena
@@ -333,6 +342,11 @@ class DeviceBacktest:
         self.trades = TradeArrays(*(arena["trade_" + name] for name, _ in TRADE_FIELDS))
         self.origin = self.start_bar
         self.record_q = bool(record_q)
+        self.segment_views = None
+        if self.segment_bars is not None:
+            from numbarl.env import backtest_segments as _seg
+
+            self.segment_views = _seg.views(arena)
 
     # -- host-side control (between chunks; not inside a capture) --------------------------------
     def set_origin(self, origin: int, stream=None) -> None:
@@ -357,17 +371,52 @@ class DeviceBacktest:
         pnl, pos = self.arena["pnl_rows"], self.arena["position_rows"]
         zero_rows_kernel[launch_dims(pnl.shape[0] * pnl.shape[1], 256) + (_s(stream),)](pnl, pos)
 
-    def run_actions(self, packed_rows, stream=None) -> None:
+    def run_actions(self, packed_rows, stream=None, marks=None) -> None:
         """All bars of the current chunk. packed_rows: device int32 [chunk_bars, P or 1], row r =
-        packed decision at bar origin + r - 1 (numbarl.env.params.pack_actions)."""
+        packed decision at bar origin + r - 1 (numbarl.env.params.pack_actions). marks (segmented
+        only): a list that gets the chunk's per-pass CUDA events (backtest_segments.launch)."""
         if packed_rows.shape[0] != self.chunk_bars or packed_rows.shape[1] not in (1, self.n_policies):
             raise ValueError(
                 f"packed actions must be int32 [{self.chunk_bars}, {self.n_policies} or 1], got {list(packed_rows.shape)}"
             )
+        if self.segment_bars is not None:
+            # segments x policies threads, the same results (numbarl/env/backtest_segments.py); the
+            # chunk's decisions come from the host's origin: every policy's cursor must be at the
+            # chunk's first decision (start(), then whole chunks of run_actions)
+            from numbarl.env import backtest_segments as _seg
+
+            _seg.launch(self, packed_rows, _s(stream), marks)
+            return
         actions_kernel[launch_dims(self.n_policies, BLOCK) + (_s(stream),)](
             self.state, packed_rows, self.grids, self.mk, self.k, self.last_bar, self.arena["origin"],
             self.arena["pnl_rows"], self.arena["position_rows"], self.trades,
         )  # fmt: skip
+
+    def segment_check(self, stream=None) -> None:
+        """Raise if a segmented run_actions found a segment whose replayed end state differs from
+        the next segment's carried start (an internal error; never expected), or was called on a
+        chunk whose policies were not at its first decision bar (synchronizes)."""
+        if self.segment_bars is None:
+            return
+        s = _s(stream)
+        bad = self.arena["seg_bad"].copy_to_host(stream=s)
+        s.synchronize()
+        if bad[0] == 2:
+            raise RuntimeError("segmented backtest: a policy's cursor was not at the chunk's first decision bar; "
+                               "run_actions runs each chunk once, after start() or set_origin()")
+        if bad[0]:
+            raise RuntimeError("segmented backtest: a segment's replayed end state differs from the carried start of "
+                               "the next one (internal error; segment_bars=None runs one thread per policy)")
+
+    def segment_exact_bars(self, stream=None) -> int:
+        """Bars the carry pass stepped exactly (serially) over the window so far, all policies
+        (segmented run_actions; the rest ran in parallel passes). Synchronizes."""
+        if self.segment_bars is None:
+            return 0
+        s = _s(stream)
+        exact = self.arena["seg_exact"].copy_to_host(stream=s)
+        s.synchronize()
+        return int(exact.sum())
 
     def bar_step(self, q_fn, stream=None) -> None:
         """One bar for every policy: q_fn(obs) -> greedy actions over the mask -> step -> next obs
@@ -642,6 +691,8 @@ def backtest(
     stream=None,
     graph: bool = True,
     record_q: bool = False,
+    segment_bars: int | None = None,
+    event_slots: int | None = None,
 ) -> BacktestResult:
     """Backtest P policies over window=(start, end) on the device.
 
@@ -653,6 +704,9 @@ def backtest(
     per bar. Both give bitwise identical results.
     record_q (q_fn only): also return the direction branch's Q at every decision bar
     (BacktestResult.q_record [P, W, n_directions]; the validation feedback loop reads it).
+    segment_bars (actions only): run each chunk as segments of this many bars, segments x policies
+    threads (numbarl/env/backtest_segments.py; event_slots: events recorded per segment, default
+    segment_bars); the results are identical to segment_bars=None (one thread per policy).
     Returns host arrays [P, W]; for windows too large for host memory (e.g. 4,096 x 10^6 bars)
     drive DeviceBacktest chunk by chunk and take the metrics from its device scan instead.
     """
@@ -674,12 +728,15 @@ def backtest(
     else:
         if n_policies is None:
             raise ValueError("backtest with q_fn needs n_policies")
+        if segment_bars is not None:
+            raise ValueError("segment_bars is for backtests of given actions (a q_fn policy decides bar by bar)")
         n_pol = int(n_policies)
     if packed is None:
         runner = policy_bars(data, params, n_pol, (start, end), chunk_bars, max_trades, q_fn, graph, record_q)
         bt = runner.bt
     else:
-        bt = DeviceBacktest(data, params, n_pol, (start, end), chunk_bars, max_trades)
+        bt = DeviceBacktest(data, params, n_pol, (start, end), chunk_bars, max_trades,
+                            segment_bars=segment_bars, event_slots=event_slots)
     s = _s(stream)
     pnl = np.zeros((n_pol, n_bars), np.float64)
     pos = np.zeros((n_pol, n_bars), np.float32)
@@ -706,6 +763,7 @@ def backtest(
         pnl[:, origin - start : origin - start + rows] = c_pnl.T
         pos[:, origin - start : origin - start + rows] = c_pos.T
         origin += bt.chunk_bars
+    bt.segment_check(s)
     trades = bt.trades_to_host(s)
     return BacktestResult(
         window=(start, end),
@@ -720,8 +778,10 @@ def backtest(
     )
 
 
-def backtest_reference(data: MarketData, window, params: EnvParams, actions, max_trades: int | None = None) -> BacktestResult:
-    """The same backtest on the CPU (@njit loops of the same row functions); actions only."""
+def backtest_reference(data: MarketData, window, params: EnvParams, actions, max_trades: int | None = None,
+                       return_state: bool = False):
+    """The same backtest on the CPU (@njit loops of the same row functions); actions only.
+    return_state: (result, the final StateArrays) instead of the result."""
     _check_trade_list(max_trades)
     start, end = check_range("window", window, data.n_bars)
     n_bars = end - start
@@ -744,7 +804,7 @@ def backtest_reference(data: MarketData, window, params: EnvParams, actions, max
         _metrics.init_row(acc, p, np.float64(params.initial_capital))
     _metrics.scan_ref(acc, pnl_tp, pos_tp, data.session_id, start, n_bars)
     arrays = {name: getattr(tr, name) for name, _ in TRADE_FIELDS}
-    return BacktestResult(
+    result = BacktestResult(
         window=(start, end),
         pnl=np.ascontiguousarray(pnl_tp.T),
         position=np.ascontiguousarray(pos_tp.T),
@@ -754,3 +814,4 @@ def backtest_reference(data: MarketData, window, params: EnvParams, actions, max
         initial_capital=params.initial_capital,
         accumulators=acc,
     )
+    return (result, st) if return_state else result

@@ -118,6 +118,23 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_iql.py",),
         "iql_loss", "> 0"),
     Component(
+        "icm_curiosity", "ICM curiosity: forward and inverse models on the detached trunk features of obs and "
+        "next_obs, trained every train step; intrinsic reward w x forward error / its running scale added to the "
+        "batch reward before the C51 projection (0 where the window ended the episode)",
+        "agent.curiosity_weight=0.1",
+        "Pathak, Agrawal, Efros & Darrell 2017, Eq. 2-7 (inverse loss, forward loss, r_i = eta/2 ||phi_hat - phi||^2)",
+        ("tests/rl/test_icm.py", "tests/rl/test_gpu_icm.py"),
+        "intrinsic_reward_mean", "> 0"),
+    Component(
+        "multi_horizon_c51", "multi-horizon C51: n-step windows of several horizons from the same replay draw, one "
+        "C51 loss each (own gamma^m bootstrap from the target net at that horizon's next state), blended per sample "
+        "by a trend-strength (ADX) regime weight, gradients accumulated into one d_logits",
+        "agent.horizons=1,3,4",
+        "Bellemare, Dabney & Munos 2017, Eq. 7 per horizon; Sutton & Barto 2018, Eq. 7.1 (n-step return); "
+        "Wilder 1978 (ADX); L = (1/B) sum_b sum_i beta_i(s_b) CE_i[b]",
+        ("tests/rl/test_mh.py", "tests/rl/test_gpu_mh.py"),
+        "mh_ce_longest", "> 0"),
+    Component(
         "lr_warmup", "linear learning-rate warm-up of every optimizer group from its start",
         "agent.lr_warmup_steps=500",
         "Goyal et al. 2017, §2.2 (gradual warm-up)",
@@ -242,6 +259,17 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_ppo.py",),
         "adv_std", "> 0", agent_kinds=("ppo",)),
     # --- end PPO ---------------------------------------------------------------------------------------------
+    # --- Decision Transformer (agent.kind = "dt"; numbarl/rl/agents/dt.py) -----------------------------------
+    Component(
+        "decision_transformer", "Decision Transformer: causal multi-head attention over (return-to-go, state, "
+        "action) tokens of L steps, branch cross-entropy at the state tokens, trained on the device envs' "
+        "behavior trajectories (oracle + noise), acting with a target return",
+        "agent.kind=dt",
+        "Chen, Lu, Rajeswaran, Lee, Grover, Laskin, Abbeel, Srinivas & Mordatch 2021, §3; Vaswani et al. 2017, "
+        "Eq. 1 (attention)",
+        ("tests/rl/test_dt.py", "tests/rl/test_gpu_dt.py", "tests/rl/test_module_contract.py"),
+        "dt_action_acc", "> 0", agent_kinds=("dt",)),
+    # --- end Decision Transformer -----------------------------------------------------------------------------
 )
 
 

@@ -76,6 +76,13 @@ marking) and the largest normalized weight (> 1 once the loss sees unequal weigh
 model matches bit for bit under the simulator; on a GPU the compiler may fuse w·f into the sum
 (FMA), an ulp away from the model but still the same bits on every run.
 
+Extra horizons (``horizons=(1, 20)``; empty by default, and then nothing below runs): the same
+draw (τ, e) also gets the window of every extra horizon h — R_h, done_h, γ^{m_h}, next_obs_h and
+next_mask_h by the same scan with n = h — in ``ReplayBatch.horizons[i]`` (the multi-horizon C51
+loss, numbarl/rl/losses/multi_horizon.py). The valid range then uses the longest window,
+w = max(n_step, horizons): τ ∈ [τ_lo, c − 1 − w] and min_writes = w + 1, so every horizon's
+window is complete; with no extra horizon w = n_step and the draw is the one without them.
+
 Kernels and thread mapping: write (one thread per (env, feature), scalars by feature 0), advance
 (one thread: count += 1), sample index (one thread per batch row: RNG, n-step scan), gather (one
 thread per (row, feature): obs and next_obs), weight normalization (one block, only when
@@ -100,6 +107,7 @@ BLOCK = 128
 SAMPLE_RNG_SLOT = RNG_STREAMS.claim("replay.sample", 200)  # the sampler's draw (numbarl.cuda.registry)
 # threads of the one-block weight normalization (power of two; few simulated threads under the simulator)
 NORM_BLOCK = launch.shape(gpu=256, sim=8)
+ROW_THREADS = launch.shape(gpu=256, sim=32)  # threads per block of the batch gather (a thread row per sample)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -159,8 +167,11 @@ def normalize_weights_ref(weight, block: int | None = None, factor: np.ndarray |
 class ReplayRef:
     """Host model of :class:`Replay` (float64 n-step returns; same layout, same sampling keys)."""
 
-    def __init__(self, n_slots, n_envs, state_dim, n_branches, n_step, gamma, seed, rng_slot=SAMPLE_RNG_SLOT):
+    def __init__(self, n_slots, n_envs, state_dim, n_branches, n_step, gamma, seed, rng_slot=SAMPLE_RNG_SLOT,
+                 horizons=()):
         self.n_slots, self.n_envs, self.n_step, self.gamma = n_slots, n_envs, n_step, gamma
+        self.horizons = tuple(int(h) for h in horizons)  # extra windows (module docstring)
+        self.window = max((int(n_step),) + self.horizons)
         self.seed, self.rng_slot = seed, rng_slot
         self.obs = np.zeros((n_slots, n_envs, state_dim), np.float32)
         self.action = np.zeros((n_slots, n_envs, n_branches), np.int32)
@@ -198,7 +209,7 @@ class ReplayRef:
 
     def _sample(self, batch_size: int, counter: int) -> dict:
         T, N, n = self.n_slots, self.n_envs, self.n_step
-        valid = min(self.count, T) - n
+        valid = min(self.count, T) - self.window
         lo = max(0, self.count - T)
         out = {
             "obs": np.zeros((batch_size, self.obs.shape[2])), "next_obs": np.zeros((batch_size, self.obs.shape[2])),
@@ -208,6 +219,10 @@ class ReplayRef:
         }
         if self.mask is not None:
             out["next_mask"] = np.zeros((batch_size,) + self.mask.shape[2:], np.uint8)
+        out["horizons"] = [{"reward": np.zeros(batch_size), "done": np.ones(batch_size), "discount": np.zeros(batch_size),
+                            "next_obs": np.zeros_like(out["next_obs"]), "next_index": np.full(batch_size, -1, np.int64),
+                            **({"next_mask": np.zeros_like(out["next_mask"])} if self.mask is not None else {})}
+                           for _ in self.horizons]
         if valid <= 0:
             return out
         for b in range(batch_size):
@@ -223,6 +238,14 @@ class ReplayRef:
             out["index"][b], out["next_index"][b] = s * N + e, s_next * N + e
             if self.mask is not None:
                 out["next_mask"][b] = self.mask[s_next, e]
+            for h, hb in zip(self.horizons, out["horizons"]):  # the extra windows of the same draw
+                rows = [(tau + k) % T for k in range(h)]
+                ret, done_n, m, disc = nstep_ref(self.reward[rows, e], self.done[rows, e], self.gamma, h)
+                s_next = (tau + m) % T
+                hb["reward"][b], hb["done"][b], hb["discount"][b] = ret, done_n, disc
+                hb["next_obs"][b], hb["next_index"][b] = self.obs[s_next, e], s_next * N + e
+                if self.mask is not None:
+                    hb["next_mask"][b] = self.mask[s_next, e]
         return out
 
 
@@ -277,16 +300,17 @@ def reset_count_kernel(count):
 
 @_cuda.jit(cache=True)
 def sample_index_kernel(reward_store, done_store, action_store, weight_store, count, counter,
-                        seed, rng_slot, n_step, gamma_dev,
+                        seed, rng_slot, n_step, window, gamma_dev,
                         out_action, out_reward, out_done, out_discount, out_weight, out_index, out_next_index):
-    """Per batch row: uniform draw over the valid (time, env) pairs, then the n-step scan."""
+    """Per batch row: uniform draw over the valid (time, env) pairs, then the n-step scan.
+    window: the longest lookahead (n_step, or the longest extra horizon): the valid range's end."""
     b = _cuda.grid(1)
     if b >= out_reward.shape[0]:
         return
     n_slots = reward_store.shape[0]
     n_envs = reward_store.shape[1]
     c = count[0]
-    valid = min(c, n_slots) - n_step
+    valid = min(c, n_slots) - window
     if valid <= 0:
         for j in range(out_action.shape[1]):
             out_action[b, j] = 0
@@ -326,35 +350,94 @@ def sample_index_kernel(reward_store, done_store, action_store, weight_store, co
 
 
 @_cuda.jit(cache=True)
-def gather_obs_kernel(obs_store, mask_store, index, next_index, out_obs, out_next_obs, out_next_mask, use_mask):
-    """out_obs[b] = obs_store.flat_rows[index[b]], same for next (and next_index's mask); one
-    thread per (row, feature), feature d also copying mask elements d, d + dim, ..."""
-    i = _cuda.grid(1)
-    batch = out_obs.shape[0]
-    dim = out_obs.shape[1]
-    if i >= batch * dim:
+def sample_horizons_kernel(reward_store, done_store, index, horizons, gamma_dev, out_reward, out_done, out_discount,
+                           out_next_index):
+    """Per batch row b (one thread): for each extra horizon i (window h = horizons[i]) the n-step scan of
+    sample_index_kernel from the row's drawn slot (index[b] = slot · n_envs + env) into out_*[i, b]. An
+    empty row (index −1) gets the empty sample (reward 0, done 1, discount 0, next index −1)."""
+    b = _cuda.grid(1)
+    if b >= index.shape[0]:
         return
-    b = i // dim
-    d = i - b * dim
-    n_envs = obs_store.shape[1]
-    k = index[b]
-    n_act = out_next_mask.shape[2]
-    n_mask = out_next_mask.shape[1] * n_act if use_mask else 0
-    if k < 0:
-        out_obs[b, d] = _ZERO
-        out_next_obs[b, d] = _ZERO
+    n_slots = reward_store.shape[0]
+    n_envs = reward_store.shape[1]
+    k0 = index[b]
+    for i in range(horizons.shape[0]):
+        if k0 < 0:
+            out_reward[i, b] = _ZERO
+            out_done[i, b] = _ONE
+            out_discount[i, b] = _ZERO
+            out_next_index[i, b] = -1
+            continue
+        s = k0 // n_envs
+        e = k0 - s * n_envs
+        gamma = gamma_dev[0]
+        n = horizons[i]
+        ret = _ZERO
+        disc = _ONE
+        done_n = _ZERO
+        m = n
+        for k in range(n):
+            s_k = (s + k) % n_slots
+            ret += disc * reward_store[s_k, e]
+            disc *= gamma
+            if done_store[s_k, e] != 0:
+                done_n = _ONE
+                m = k + 1
+                break
+        out_reward[i, b] = ret
+        out_done[i, b] = done_n
+        out_discount[i, b] = disc
+        out_next_index[i, b] = ((s + m) % n_slots) * n_envs + e
+
+
+@_cuda.jit(cache=True)
+def gather_rows_kernel(obs_rows, mask_rows, rows, out_obs, out_mask, use_mask):
+    """out_obs[r] = obs_rows[rows[r]] and its mask row (zeros where rows[r] < 0): the next observations
+    of the extra horizons, all horizons in one launch (rows = their next indices flattened [H·B]).
+    Thread row ty is row r, its lanes walk the features d (launch.row_block)."""
+    r = _cuda.blockIdx.x * _cuda.blockDim.y + _cuda.threadIdx.y
+    if r >= out_obs.shape[0]:
+        return
+    dim = out_obs.shape[1]
+    n_mask = out_mask.shape[1] if use_mask else 0
+    k = rows[r]
+    d = _cuda.threadIdx.x
+    while d < dim:
+        out_obs[r, d] = _ZERO if k < 0 else obs_rows[k, d]
         m = d
         while m < n_mask:
-            out_next_mask[b, m // n_act, m % n_act] = 0  # an empty sample has no available action
+            out_mask[r, m] = 0 if k < 0 else mask_rows[k, m]
             m += dim
+        d += _cuda.blockDim.x
+
+
+@_cuda.jit(cache=True)
+def gather_obs_kernel(obs_rows, mask_rows, index, next_index, out_obs, out_next_obs, out_next_mask, use_mask):
+    """out_obs[b] = obs_rows[index[b]], out_next_obs[b] = obs_rows[next_index[b]] and next_index's
+    mask (obs_rows [n_slots · n_envs, dim] and mask_rows [n_slots · n_envs, n_branches · max_actions]
+    are flat-row views of the store; out_next_mask [B, n_branches · max_actions]). Block (lanes,
+    rows) of launch.row_block: thread row ty is sample b, its lanes walk the features d; feature d
+    also copies mask elements d, d + dim, ... An empty sample (index −1) gets zeros."""
+    b = _cuda.blockIdx.x * _cuda.blockDim.y + _cuda.threadIdx.y
+    if b >= out_obs.shape[0]:
         return
-    out_obs[b, d] = obs_store[k // n_envs, k % n_envs, d]
-    k = next_index[b]
-    out_next_obs[b, d] = obs_store[k // n_envs, k % n_envs, d]
-    m = d
-    while m < n_mask:
-        out_next_mask[b, m // n_act, m % n_act] = mask_store[k // n_envs, k % n_envs, m // n_act, m % n_act]
-        m += dim
+    dim = out_obs.shape[1]
+    n_mask = out_next_mask.shape[1] if use_mask else 0
+    k = index[b]
+    k_next = next_index[b]
+    d = _cuda.threadIdx.x
+    while d < dim:
+        if k < 0:
+            out_obs[b, d] = _ZERO
+            out_next_obs[b, d] = _ZERO
+        else:
+            out_obs[b, d] = obs_rows[k, d]
+            out_next_obs[b, d] = obs_rows[k_next, d]
+        m = d
+        while m < n_mask:
+            out_next_mask[b, m] = 0 if k < 0 else mask_rows[k_next, m]  # an empty sample has no available action
+            m += dim
+        d += _cuda.blockDim.x
 
 
 @_cuda.jit(cache=True)
@@ -437,6 +520,20 @@ class ReplayBatch:
     next_index: object  # int64   [B]   slot * n_envs + env of next_obs
     next_mask: object = None  # uint8 [B, n_branches, max_actions]: the env's mask of next_obs
                               # (None unless built with max_actions; all 0 when empty)
+    horizons: tuple = ()      # one HorizonBatch per extra horizon (Replay(horizons=)); () without
+
+
+@dataclass(frozen=True)
+class HorizonBatch:
+    """The window of one extra horizon h for the same sampled rows (fixed-address views)."""
+
+    horizon: int        # h, the window length
+    reward: object      # float32 [B]   R_h
+    done: object        # float32 [B]   1.0 when the episode ended inside the h-step window
+    discount: object    # float32 [B]   γ^{m_h}
+    next_obs: object    # float32 [B, state_dim]
+    next_index: object  # int64   [B]
+    next_mask: object = None  # uint8 [B, n_branches, max_actions] (None unless built with max_actions)
 
 
 class Replay:
@@ -459,8 +556,12 @@ class Replay:
     def __init__(self, capacity: int, n_envs: int, state_dim: int, n_branches: int, batch_size: int,
                  n_step: int = 1, gamma: float = 0.99, seed: int = 0, weights: bool = False,
                  rng_slot: int = SAMPLE_RNG_SLOT, max_actions: int | None = None,
-                 normalize_weights: bool = False):
+                 normalize_weights: bool = False, horizons=()):
         n_slots = int(capacity) // int(n_envs) if n_envs > 0 else 0
+        self.horizons = tuple(int(h) for h in horizons)  # extra windows (module docstring)
+        if any(h < 1 for h in self.horizons):
+            raise ValueError(f"Replay: every extra horizon must be >= 1, got {self.horizons}")
+        self.window = max((int(n_step),) + self.horizons)  # the longest lookahead a sample needs
         if n_envs < 1 or state_dim < 1 or n_branches < 1 or batch_size < 1:
             raise ValueError(
                 f"Replay: n_envs ({n_envs}), state_dim ({state_dim}), n_branches ({n_branches}) and "
@@ -469,11 +570,11 @@ class Replay:
             raise ValueError(f"Replay: n_step must be >= 1, got {n_step}")
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"Replay: gamma must be in [0, 1], got {gamma}")
-        if n_slots <= n_step:
+        if n_slots <= self.window:
             raise ValueError(
                 f"Replay: capacity {capacity} gives {n_slots} time slots for {n_envs} envs, but an "
-                f"{n_step}-step window needs at least {n_step + 1}; raise the capacity to at least "
-                f"{(n_step + 1) * n_envs} transitions")
+                f"{self.window}-step window needs at least {self.window + 1}; raise the capacity to at least "
+                f"{(self.window + 1) * n_envs} transitions")
         self.n_slots, self.n_envs, self.state_dim, self.n_branches = n_slots, int(n_envs), int(state_dim), int(n_branches)
         self.batch_size, self.n_step, self.gamma = int(batch_size), int(n_step), float(gamma)
         self.seed, self.rng_slot, self.weights = int(seed), int(rng_slot), bool(weights)
@@ -507,6 +608,15 @@ class Replay:
         self.batch_arena.add("next_mask", ((B,) if self.max_actions else (1,)) + mask_row, np.uint8)
         self.batch_arena.add("weight_stats", (2,), np.float32)  # (raw mean, max normalized) of the last batch
         self.batch_arena.add("no_factor", (N_BUCKETS + 4,), np.float32)  # placeholder edges/table (unread)
+        if self.horizons:  # the extra horizons' windows, horizon-major [H, B, ...]
+            H = len(self.horizons)
+            self.batch_arena.add("h_reward", (H, B), np.float32)
+            self.batch_arena.add("h_done", (H, B), np.float32)
+            self.batch_arena.add("h_discount", (H, B), np.float32)
+            self.batch_arena.add("h_next_index", (H, B), np.int64)
+            self.batch_arena.add("h_next_obs", (H, B, state_dim), np.float32)
+            self.batch_arena.add("h_next_mask", ((H, B) if self.max_actions else (1, 1)) + mask_row, np.uint8)
+            self.batch_arena.add("h_windows", (H,), np.int64)
         self.batch: ReplayBatch | None = None
 
     @property
@@ -516,7 +626,7 @@ class Replay:
     @property
     def min_writes(self) -> int:
         """Writes (collect steps) needed before sample() returns real transitions."""
-        return self.n_step + 1
+        return self.window + 1
 
     @property
     def count(self):
@@ -552,9 +662,15 @@ class Replay:
         self.store.load({"gamma": np.array([self.gamma], np.float32)})
         self.batch_arena.allocate()
         a = self.batch_arena
+        horizons = ()
+        if self.horizons:
+            a.load({"h_windows": np.asarray(self.horizons, np.int64)})
+            horizons = tuple(HorizonBatch(h, a["h_reward"][i], a["h_done"][i], a["h_discount"][i], a["h_next_obs"][i],
+                                          a["h_next_index"][i], a["h_next_mask"][i] if self.max_actions else None)
+                             for i, h in enumerate(self.horizons))
         self.batch = ReplayBatch(a["obs"], a["action"], a["reward"], a["done"], a["discount"],
                                  a["next_obs"], a["weight"], a["index"], a["next_index"],
-                                 a["next_mask"] if self.max_actions else None)
+                                 a["next_mask"] if self.max_actions else None, horizons)
         return self
 
     # -- capturable launchers ---------------------------------------------------------------------
@@ -604,11 +720,26 @@ class Replay:
             raise ValueError("Replay.sample: a weight factor needs a buffer built with normalize_weights=True")
         sample_index_kernel[_grid(self.batch_size), BLOCK, stream](
             s["reward"], s["done"], s["action"], s["weight"], s["count"], counter,
-            np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), s["gamma"],
+            np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), np.int64(self.window), s["gamma"],
             out.action, out.reward, out.done, out.discount, out.weight, out.index, out.next_index)
-        gather_obs_kernel[_grid(self.batch_size * self.state_dim), BLOCK, stream](
-            s["obs"], s["mask"], out.index, out.next_index, out.obs, out.next_obs,
-            self.batch_arena["next_mask"], bool(self.max_actions))
+        n_rows = s["obs"].shape[0] * s["obs"].shape[1]  # flat-row views: no index division in the kernel
+        mask_rows, next_mask = s["mask"], self.batch_arena["next_mask"]
+        mask_rows = mask_rows.reshape(mask_rows.shape[0] * mask_rows.shape[1], mask_rows.shape[2] * mask_rows.shape[3])
+        grid, block = launch.row_block(self.batch_size, self.state_dim, ROW_THREADS)
+        gather_obs_kernel[grid, block, stream](
+            s["obs"].reshape(n_rows, self.state_dim), mask_rows, out.index, out.next_index, out.obs, out.next_obs,
+            next_mask.reshape(next_mask.shape[0], next_mask.shape[1] * next_mask.shape[2]), bool(self.max_actions))
+        if self.horizons:  # the extra horizons' windows of the same draw, then their next observations
+            a, H = self.batch_arena, len(self.horizons)
+            sample_horizons_kernel[_grid(self.batch_size), BLOCK, stream](
+                s["reward"], s["done"], out.index, a["h_windows"], s["gamma"], a["h_reward"], a["h_done"],
+                a["h_discount"], a["h_next_index"])
+            h_mask = a["h_next_mask"]
+            h_mask = h_mask.reshape(h_mask.shape[0] * h_mask.shape[1], h_mask.shape[2] * h_mask.shape[3])
+            grid, block = launch.row_block(H * self.batch_size, self.state_dim, ROW_THREADS)
+            gather_rows_kernel[grid, block, stream](
+                s["obs"].reshape(n_rows, self.state_dim), mask_rows, a["h_next_index"].reshape(H * self.batch_size),
+                a["h_next_obs"].reshape(H * self.batch_size, self.state_dim), h_mask, bool(self.max_actions))
         if self.normalize_weights:
             if factor is not None:
                 col_a, col_b, edges, table = int(factor.col_a), int(factor.col_b), factor.edges, factor.table

@@ -18,8 +18,9 @@ from pathlib import Path
 PHASES = ("step", "backtest", "checkpoint")
 # the time budget of a run: data (load or build the cache), compile (the first run of each step,
 # which compiles its kernels and captures its graph), steps (collect + train replays), validation
-# and test backtests, checkpoints, report; `other` is the rest of the wall time (start-up imports,
-# the oracle's backtest, writing summaries and trade lists)
+# and test backtests, checkpoints (the critical path only: the device-to-host snapshot, and the waits
+# for a background write that had not finished when the run needed it), report; `other` is the rest
+# of the wall time (start-up imports, the oracle's backtest, writing summaries and trade lists)
 BUDGET = ("data", "compile", "steps", "validation", "test", "checkpoint", "report")  # a collect step (+ its train step), a backtest bar, a checkpoint
 LOG_FILE = "train.log"
 
@@ -52,6 +53,8 @@ class Progress:
         self._started = clock()
         # where this process's wall time went, measured (seconds): summary.json's time_budget_s
         self.budget = {name: 0.0 for name in BUDGET}
+        self._charged = 0.0  # every second charged so far (a part of `other` does not count them twice)
+        self.other = {}  # measured parts of the budget's `other` entry (summary.json's time_other_s)
         self._last_width = 0
         self._file = None
         self._pending: list[str] = []  # lines logged before the run folder (and its log) existed
@@ -133,19 +136,45 @@ class Progress:
     def charge(self, name: str, seconds: float) -> None:
         """Count `seconds` of wall time to the budget entry `name` (one of BUDGET)."""
         self.budget[name] += float(seconds)
+        self._charged += float(seconds)
+
+    def part_begin(self) -> tuple[float, float]:
+        """Start timing a part of the budget's `other` entry; end it with :meth:`part_end`."""
+        return self._clock(), self._charged
+
+    def part_end(self, name: str, begun: tuple[float, float]) -> None:
+        """The part `name` of `other` took the time since `begun`, less what was charged to a budget
+        entry meanwhile (e.g. a wait for a checkpoint write: counted under checkpoint)."""
+        t0, charged = begun
+        seconds = max(self._clock() - t0 - (self._charged - charged), 0.0)
+        self.other[name] = self.other.get(name, 0.0) + seconds
+
+    def time_other(self, previous: dict | None = None) -> dict:
+        """{part: seconds} of the budget's `other` entry: the parts measured with part_begin/part_end
+        and `rest` (what no part covers: imports, config, log lines, ...), added to a `previous` one."""
+        parts = dict(self.other)
+        parts["rest"] = max(self._spent()["other"] - sum(parts.values()), 0.0)
+        previous = previous or {}
+        return {k: round(v + float(previous.get(k) or 0.0), 3) for k, v in parts.items()}
 
     def time_budget(self, previous: dict | None = None) -> dict:
         """{entry: seconds} of this process's run so far, with `other` and `total`, added to a
         `previous` budget (a resumed run's summary). The steps' entry is the step time measured for
         the ETA less the compile time inside it."""
+        spent = self._spent()
+        previous = previous or {}
+        return {k: round(v + float(previous.get(k) or 0.0), 3) for k, v in spent.items()}
+
+    def _spent(self) -> dict:
         spent = dict(self.budget)
         spent["steps"] = max(self.spent["step"][1] - spent["compile"], 0.0)
-        spent["checkpoint"] = self.spent["checkpoint"][1]
+        # the checkpoints' critical path: the snapshots (timed for the ETA) and, charged where the
+        # run waited for it, the part of a background write that was not hidden behind other work
+        spent["checkpoint"] = self.spent["checkpoint"][1] + spent["checkpoint"]
         total = self._clock() - self._started
         spent["other"] = max(total - sum(spent.values()), 0.0)
         spent["total"] = total
-        previous = previous or {}
-        return {k: round(v + float(previous.get(k) or 0.0), 3) for k, v in spent.items()}
+        return spent
 
     def note(self, msg: str):
         """A line for the run's train.log only (the console already gets the same news elsewhere)."""

@@ -33,6 +33,14 @@ the new file, never a torn one. A checkpoint is committed in three atomic steps:
 checkpoint, which is untouched. Temporary files left by a killed process are removed by
 `RunDir.open`.
 
+Background checkpoints. `save_checkpoint_async` (what the trainer uses) checks the arrays and
+serializes the state in the caller's thread, then runs the same commit steps on a writer thread,
+so that serialization, fsync and renames overlap with training; the best pointer, when asked for,
+moves only after the commit. One write is in flight at a time, and every RunDir method that
+reads or changes checkpoints, pointers or the summary first waits for the write it depends on
+(`wait_checkpoint`), so a reader in the writing process never sees a checkpoint older than the
+one it saved. Other processes see the files only as they are committed, as above.
+
 metrics.jsonl is append-only (one `write` + flush per record). A process killed mid-write can
 leave a partial last line; readers skip it and `truncate_log` removes it. On `--resume`, the
 trainer calls `truncate_log(after_step=<checkpoint step>)` so that the log of a killed-and-resumed
@@ -52,6 +60,8 @@ import math
 import os
 import re
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -250,6 +260,32 @@ def flatten_record(record: dict, prefix: str = "") -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+class _BackgroundWrite:
+    """One checkpoint being committed on its own (non-daemon) thread: RunDir.save_checkpoint_async."""
+
+    def __init__(self, run: RunDir, job: dict, mark_best: tuple | None):
+        self.tag = job["tag"]
+        self.bytes = sum(a.nbytes for part in ("arrays", "resume_arrays") for a in job[part].values())
+        self.error = None
+        self.committed = False  # the checkpoint is on disk (an error after it: the best pointer's)
+        self.seconds = 0.0
+        self._run, self._job, self._mark_best = run, job, mark_best
+        self.thread = threading.Thread(target=self._write, name=f"numbarl-checkpoint-{self.tag}", daemon=False)
+
+    def _write(self):
+        t0 = time.perf_counter()
+        try:
+            self._run._commit_checkpoint(self._job)
+            self.committed = True
+            if self._mark_best is not None:
+                self._run.mark_best(*self._mark_best)
+        except BaseException as err:  # noqa: BLE001 - raised again in the thread that waits for the write
+            self.error = err
+        finally:
+            self._job = None  # the host snapshot is not kept once it is on disk
+            self.seconds = time.perf_counter() - t0
+
+
 class RunDir:
     """One run folder. Create with :meth:`create`, reopen with :meth:`open`.
 
@@ -261,6 +297,14 @@ class RunDir:
         self.path = Path(path)
         self.config = config
         self.meta = meta
+        self._pending = None  # the checkpoint being written in the background (save_checkpoint_async)
+        # the background writes committed so far: how many, their array bytes, the writer thread's
+        # seconds, and the seconds callers waited for them (the only part on their critical path)
+        self.checkpoint_writes = {"count": 0, "bytes": 0, "write_s": 0.0, "waited_s": 0.0}
+        # called (in the waiting thread) when a background write has been waited for: a dict with
+        # tag, waited_s, write_s, bytes, committed (the checkpoint is on disk) and error (None, or
+        # the exception raised next: with committed, the best pointer's update failed)
+        self.on_checkpoint_written = None
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -569,29 +613,113 @@ class RunDir:
         and the resume file's name and id embedded), `<tag>.json` (readable copy + manifest), then `latest.json` (unless
         `latest=False`), then the other checkpoints' resume files are removed. A crash at any
         point leaves the previous checkpoint loadable and resumable.
+
+        A checkpoint still being written in the background (:meth:`save_checkpoint_async`) is
+        finished first: saves are committed in the order they were made.
         """
+        self.wait_checkpoint()
+        return self._commit_checkpoint(self._prepare_checkpoint(tag, arrays, state, latest, resume_arrays))
+
+    def save_checkpoint_async(self, tag: str, arrays: dict, state: dict, latest: bool = True,
+                              resume_arrays: dict | None = None, mark_best: tuple | None = None) -> None:
+        """:meth:`save_checkpoint` with the writing (serialization, fsync, atomic renames) on a
+        background thread, off the caller's critical path; then, when `mark_best` is given
+        (`(tag, score)` or `(tag, score, higher_is_better)`), :meth:`mark_best` after the commit, so
+        that best.json never names a checkpoint that is not on disk yet.
+
+        The caller hands `arrays` and `resume_arrays` over: they must be host snapshots it does
+        not modify afterwards (device copies, as the trainer makes); views of other memory are
+        copied here. `state` is serialized here, so later changes to it do not reach the file.
+        Names, dtypes and the state are checked here too (errors raise at once).
+
+        At most one write is in flight: a second save first waits for the first. Every method
+        of this RunDir that reads or changes checkpoints or pointers waits for the write it
+        depends on (:meth:`wait_checkpoint`), and so does :meth:`write_summary`; an error of the
+        background write is raised by the next wait. A RunDir is driven from one thread (the
+        writer thread is its own). The thread is not a daemon: an exiting
+        Python process finishes the write; a killed one leaves the previous checkpoint (the
+        commit steps are those of :meth:`save_checkpoint`).
+        """
+        self.wait_checkpoint()
+        job = self._prepare_checkpoint(tag, arrays, state, latest, resume_arrays, own=True)
+        write = _BackgroundWrite(self, job, mark_best)
+        self._pending = write
+        try:
+            write.thread.start()
+        except BaseException:  # no thread (a resource limit): nothing is in flight
+            self._pending = None
+            raise
+
+    def pending_checkpoint(self) -> str | None:
+        """The tag of the checkpoint being written in the background (None: every save is on disk)."""
+        pending = self._pending
+        return pending.tag if pending is not None else None
+
+    def wait_checkpoint(self, tag: str | None = None) -> float:
+        """Wait until the background checkpoint write is on disk (only when it is checkpoint `tag`,
+        if given); returns the seconds waited. Raises the write's error, if it failed (once).
+        Called from the writer thread itself, it returns at once."""
+        pending = self._pending
+        if pending is None or threading.current_thread() is pending.thread:
+            return 0.0
+        if tag is not None and tag != pending.tag:
+            return 0.0
+        t0 = time.perf_counter()
+        pending.thread.join()
+        waited = time.perf_counter() - t0
+        self._pending = None
+        stats = self.checkpoint_writes
+        stats["waited_s"] += waited
+        if pending.committed:
+            stats["count"] += 1
+            stats["bytes"] += pending.bytes
+            stats["write_s"] += pending.seconds
+        if self.on_checkpoint_written is not None:
+            self.on_checkpoint_written({"tag": pending.tag, "waited_s": waited, "write_s": pending.seconds,
+                                        "bytes": pending.bytes, "error": pending.error,
+                                        "committed": pending.committed})
+        if pending.error is not None:
+            raise pending.error
+        return waited
+
+    def _prepare_checkpoint(self, tag, arrays, state, latest, resume_arrays, own: bool = False) -> dict:
+        """Everything of a save that must happen before the caller goes on: checks, the state as
+        JSON, the arrays as numpy arrays (with `own`, copies of any array that is a view of other
+        memory)."""
         _check_tag(tag)
         if not isinstance(state, dict):
             raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
+
+        def take(name, value):
+            array = _checkpoint_array(name, value)
+            if own and (not array.flags.owndata or array.base is not None):
+                array = array.copy()
+            return array
+
+        payload = {name: take(name, value) for name, value in arrays.items()}
+        bulk = {name: take(name, value) for name, value in (resume_arrays or {}).items()}
+        if set(bulk) & set(payload):
+            raise ValueError(f"checkpoint arrays and resume_arrays share names: {sorted(set(bulk) & set(payload))}")
+        return {"tag": tag, "arrays": payload, "resume_arrays": bulk, "state_json": dumps(state),
+                "saved": _utc_now(), "latest": bool(latest)}
+
+    def _commit_checkpoint(self, job: dict) -> Path:
+        """The file writes of a prepared save, in their crash-safe order (see save_checkpoint)."""
+        tag, payload, bulk = job["tag"], dict(job["arrays"]), dict(job["resume_arrays"])
         self.checkpoints_dir.mkdir(exist_ok=True)
         resume_id = resume_name = None
-        if resume_arrays:
+        if bulk:
             resume_id = uuid.uuid4().hex
             resume_name = f"{tag}.{resume_id[:12]}{RESUME_SUFFIX}"  # never overwrites another save's file
-            bulk = {name: _checkpoint_array(name, value) for name, value in resume_arrays.items()}
-            if set(bulk) & set(arrays):
-                raise ValueError(f"checkpoint arrays and resume_arrays share names: {sorted(set(bulk) & set(arrays))}")
             bulk[STATE_KEY] = np.frombuffer(json.dumps({"resume_id": resume_id}).encode("utf-8"), dtype=np.uint8)
             atomic_write(self.checkpoints_dir / resume_name, lambda f: np.savez(f, **bulk))
-        payload = {}
-        for name, value in arrays.items():
-            payload[name] = _checkpoint_array(name, value)
         save_id = uuid.uuid4().hex
-        state_json = dumps(state)
-        saved = _utc_now()
-        header = {"tag": tag, "save_id": save_id, "saved": saved, "state": json.loads(state_json)}
+        saved = job["saved"]
+        header = {"tag": tag, "save_id": save_id, "saved": saved, "state": json.loads(job["state_json"])}
         if resume_id is not None:
             header["resume_id"], header["resume_file"] = resume_id, resume_name
+            # a reader with a prefix that none of these match does not open the resume file
+            header["resume_arrays"] = sorted(name for name in bulk if name != STATE_KEY)
         payload[STATE_KEY] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
 
         npz_path = self.checkpoints_dir / f"{tag}.npz"
@@ -610,8 +738,9 @@ class RunDir:
         }
         if resume_id is not None:
             manifest["resume_file"] = resume_name
+            manifest["resume_bytes"] = (self.checkpoints_dir / resume_name).stat().st_size
         atomic_write_json(self.checkpoints_dir / f"{tag}.json", manifest)
-        if latest:
+        if job["latest"]:
             atomic_write_json(
                 self.checkpoints_dir / LATEST_FILE,
                 {"tag": tag, "save_id": save_id, "saved": saved, "step": header["state"].get("step")},
@@ -632,6 +761,7 @@ class RunDir:
     def resolve_tag(self, tag: str = "latest") -> str:
         """'latest' and 'best' resolved to the checkpoint they point to; other tags checked."""
         if tag in RESERVED_TAGS:
+            self.wait_checkpoint()  # the pointer a background write is about to move
             pointer = self.checkpoints_dir / (LATEST_FILE if tag == "latest" else BEST_FILE)
             try:
                 data = _read_json(pointer, f"{tag} checkpoint pointer")
@@ -655,6 +785,7 @@ class RunDir:
         an error instead.
         """
         real_tag = self.resolve_tag(tag)
+        self.wait_checkpoint(real_tag)  # that checkpoint being written in the background
         npz_path = self.checkpoints_dir / f"{real_tag}.npz"
         if not npz_path.is_file():
             known = ", ".join(c["tag"] for c in self.list_checkpoints()) or "none"
@@ -665,9 +796,15 @@ class RunDir:
             raise RunError(f"checkpoint {npz_path} has no embedded state; it was not written by numbarl")
         header = json.loads(header_bytes.tobytes().decode("utf-8"))
         resume_file = header.get("resume_file")
+        names = header.get("resume_arrays")
+        if resume_file and names is not None and not any(name.startswith(prefix) for name in names):
+            resume_file = None  # none of the resume arrays is asked for: the file is not opened
         if resume_file:
             resume_path = self.checkpoints_dir / resume_file
-            bulk = self._read_npz(resume_path, prefix) if resume_path.is_file() else None
+            try:  # a later save of the run may remove it at any moment (only the latest keeps one)
+                bulk = self._read_npz(resume_path, prefix, missing_ok=True)
+            except FileNotFoundError:
+                bulk = None
             bulk_header = json.loads(bulk.pop(STATE_KEY).tobytes().decode("utf-8")) if bulk is not None else {}
             if bulk_header.get("resume_id") == header.get("resume_id") and bulk is not None:
                 arrays.update(bulk)
@@ -679,10 +816,14 @@ class RunDir:
         return arrays, header["state"]
 
     @staticmethod
-    def _read_npz(path: Path, prefix) -> dict:
+    def _read_npz(path: Path, prefix, missing_ok: bool = False) -> dict:
         try:
             with np.load(path, allow_pickle=False) as data:
                 return {name: data[name] for name in data.files if name == STATE_KEY or name.startswith(prefix)}
+        except FileNotFoundError:
+            if missing_ok:
+                raise
+            raise RunError(f"checkpoint {path} cannot be read: it does not exist") from None
         except (OSError, ValueError) as err:
             raise RunError(f"checkpoint {path} cannot be read: {err}") from err
 
@@ -694,6 +835,7 @@ class RunDir:
         """Saved checkpoints, oldest first: dicts with tag, saved (UTC time), step and state.
         Reads the .json sidecar; falls back to the .npz when the sidecar is missing or belongs
         to an older save of the same tag (a crash between the two writes)."""
+        self.wait_checkpoint()
         if not self.checkpoints_dir.is_dir():
             return []
         out = []
@@ -725,6 +867,7 @@ class RunDir:
         returns True when it became best. NaN/inf scores never become best. best.json is
         written atomically."""
         real_tag = self.resolve_tag(tag)
+        self.wait_checkpoint()  # best.json moves after the checkpoint it names is on disk
         if not (self.checkpoints_dir / f"{real_tag}.npz").is_file():
             raise RunError(
                 f"cannot mark checkpoint {real_tag!r} as best: it was not saved in {self.checkpoints_dir}"
@@ -750,6 +893,7 @@ class RunDir:
 
     def reset_best(self) -> None:
         """Forget the best checkpoint (e.g. at the start of a new fold)."""
+        self.wait_checkpoint()
         try:
             (self.checkpoints_dir / BEST_FILE).unlink()
         except FileNotFoundError:
@@ -758,6 +902,7 @@ class RunDir:
 
     def best_checkpoint(self) -> dict | None:
         """{"tag", "score", ...} of the best checkpoint, or None when none was marked."""
+        self.wait_checkpoint()
         path = self.checkpoints_dir / BEST_FILE
         if not path.is_file():
             return None
@@ -765,6 +910,7 @@ class RunDir:
 
     def latest_checkpoint(self) -> dict | None:
         """{"tag", "step", ...} of the latest checkpoint, or None when none was saved."""
+        self.wait_checkpoint()
         path = self.checkpoints_dir / LATEST_FILE
         if not path.is_file():
             return None
@@ -775,6 +921,7 @@ class RunDir:
         returns the deleted tags."""
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        self.wait_checkpoint()
         protected = {p["tag"] for p in (self.latest_checkpoint(), self.best_checkpoint()) if p}
         checkpoints = self.list_checkpoints()
         keep = {c["tag"] for c in checkpoints[len(checkpoints) - keep_last :]} if keep_last else set()
@@ -896,6 +1043,7 @@ class RunDir:
         """
         if not isinstance(summary, dict):
             raise TypeError(f"summary must be a dict, got {type(summary).__name__}")
+        self.wait_checkpoint()  # a summary never gets ahead of the checkpoints (a resume trusts it)
         return atomic_write_json(self.summary_path, summary)
 
     def read_summary(self) -> dict | None:

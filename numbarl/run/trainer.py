@@ -282,7 +282,13 @@ class FoldTrainer:
             state["feedback"] = self.loop.state_dict()
             state["feedback_gate"] = self.gate_in_force
         tag = self.tag(self.epoch)
-        self.run.save_checkpoint(tag, arrays, state, resume_arrays=replay)
+        # the arrays above are the device state's host snapshot (the critical path); serialization,
+        # fsync and renames run on the run folder's writer thread while the next epoch trains, and
+        # best.json moves once the checkpoint it names is on disk (runio.RunDir.save_checkpoint_async)
+        best = None
+        if self.best_tag is not None:
+            best = (self.best_tag, self.best_sharpe if math.isfinite(self.best_sharpe) else -1e300)
+        self.run.save_checkpoint_async(tag, arrays, state, resume_arrays=replay, mark_best=best)
         return tag
 
     def restore(self, arrays: dict, state: dict):
@@ -529,6 +535,18 @@ def pooled_summary(run: RunDir, bars_per_day: float, initial_capital: float) -> 
     return {"pooled": pooled, "headline": headline}
 
 
+def _checkpoint_written(progress: Progress, info: dict) -> None:
+    """A background checkpoint write the run waited for: the wait counts to the time budget's
+    checkpoint entry, and train.log says that it is on disk (or that it failed)."""
+    progress.charge("checkpoint", info["waited_s"])
+    if info["committed"]:
+        progress.note(f"checkpoint {info['tag']} on disk ({info['bytes'] / 2**20:.1f} MiB written in the "
+                      f"background in {info['write_s']:.2f} s; {info['waited_s']:.2f} s waited for)")
+    if info["error"] is not None:
+        progress.note(f"checkpoint {info['tag']}: {'best pointer not updated' if info['committed'] else 'not saved'}: "
+                      f"{info['error']!r}")
+
+
 def _headline_text(m: dict) -> str:
     return (f"daily Sharpe {_num(m.get('daily_sharpe'), '.2f')} (sharpe_adj {_num(m.get('sharpe_adj'), '.2f')}) "
             f"| return {_num(m.get('total_return'), '.3%')} | max DD {_num(m.get('max_drawdown'), '.2%')} "
@@ -545,8 +563,10 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     from numbarl.env.market import MarketData
 
     folds = make_folds(cache, cfg.train)
+    begun = progress.part_begin()  # the parts of the time budget's `other` (summary.json's time_other_s)
     host_market = MarketData.from_cache(cache)
     market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
+    progress.part_end("setup", begun)
     summary = run.read_summary() if resume and (run.path / "summary.json").exists() else None
     summary = summary or {"folds": [], "seed": cfg.train.seed, "numbarl_version": __version__,
                           "device": device_name(), "preset": cfg.preset, "bars_per_day": cache.bars_per_day,
@@ -554,6 +574,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     # the execution assumption every result of the run rests on, stated where results are shown
     summary.setdefault("fill_assumption", cfg.env.fill_assumption())
     previous_budget = summary.get("time_budget_s")  # a resumed run adds its time to the killed one's
+    run.on_checkpoint_written = lambda info: _checkpoint_written(progress, info)
     progress.log(f"execution: {summary['fill_assumption']}")
     done_folds = {f["fold"] for f in summary["folds"]}
     if resume is not None and all(f.index in done_folds for f in folds):
@@ -566,7 +587,11 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         if fold.index in done_folds:
             continue
         progress.log(f"fold {fold.index}: train bars {fold.train}, validation {fold.val}, test {fold.test}")
+        begun = progress.part_begin()
         ft = FoldTrainer(cfg, market, fold, run, graph, progress)
+        progress.part_end("setup", begun)
+        if cache.oracle is not None and hasattr(ft.agent, "set_behavior_signal"):
+            ft.agent.set_behavior_signal(cache.oracle)  # dt: on synthetic data the planted oracle is the behavior policy
         run.reset_best()  # best.json: the best checkpoint of the fold in training
         if resume is not None and resume[1]["fold"] == fold.index:
             ft.restore(*resume)
@@ -579,21 +604,27 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             run.truncate_log(-1, fold=fold.index)
         while ft.epoch < cfg.train.epochs:
             ft.run_epoch()
+            begun = progress.part_begin()
             ft.after_epoch()
+            progress.part_end("epoch_records", begun)
             # VALIDATE (logged before the checkpoint so a resume keeps it)
-            val_result, m, score = ft.validate()
+            begun = progress.part_begin()
+            val_result, m, score = ft.validate()  # the backtest's seconds are the budget's validation
+            progress.part_end("validation_metrics", begun)
             if score > ft.best_sharpe or ft.best_tag is None:
                 ft.best_sharpe, ft.best_tag, ft.best_val = score, ft.tag(ft.epoch), val_result
+            run.wait_checkpoint()  # the last epoch's background write (done by now, unless the disk is slow)
             t0 = time.perf_counter()
             progress.status(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs} checkpoint {ft.tag(ft.epoch)} "
                             f"{progress.bar()} ETA {progress.eta()}")
-            tag = ft.save()
+            tag = ft.save()  # the snapshot; the write (and the best pointer) in the background
             progress.done("checkpoint", 1, time.perf_counter() - t0)
-            run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
+            writing = " (writing)" if run.pending_checkpoint() == tag else ""
             progress.log(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs}: val Sharpe "
                          f"{_num(m.get('sharpe'), '.2f')} | trades {_num(m.get('n_trades'), 'd')} | return "
-                         f"{_num(m.get('total_return'), '.3%')} | checkpoint {tag} | ETA {progress.eta()}")
+                         f"{_num(m.get('total_return'), '.3%')} | checkpoint {tag}{writing} | ETA {progress.eta()}")
         # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
+        begun = progress.part_begin()  # the test's backtest and any checkpoint wait are budget entries
         best_arrays, best_state = run.load_checkpoint(ft.best_tag, prefix="params/")
         ft.agent.load_params(best_arrays)
         if ft.loop is not None:  # the policy includes the E9 gate it was validated with
@@ -628,6 +659,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         summary["wall_time_s"] = summary.get("wall_time_s", 0.0) + (time.time() - t_start)
         t_start = time.time()
         run.write_summary(summary)
+        progress.part_end("fold_results", begun)
         progress.log(f"fold {fold.index} test: {_headline_text(test_m)}"
                      + (f" | oracle daily Sharpe {_num(entry['oracle_test'].get('daily_sharpe'), '.2f')}"
                         if oracle is not None else ""))
@@ -635,7 +667,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         headline = summary.get("headline") or {}
         progress.log(f"out-of-sample, the {len(summary['folds'])} folds' test windows pooled: "
                      f"{_headline_text(headline)}")
+    begun = progress.part_begin()
     run.write_csv()
+    progress.part_end("fold_results", begun)
     from numbarl.run.report import write_report
 
     t_report = time.perf_counter()
@@ -644,8 +678,17 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     # the time budget (measured: issue 17's "where a run's wall time goes"), then the report again
     # would be circular: summary.json gets it, the log prints it
     summary["time_budget_s"] = progress.time_budget(previous_budget)
+    summary["time_other_s"] = progress.time_other(summary.get("time_other_s"))  # what `other` is made of
+    # the background checkpoint writes: their thread's seconds (hidden behind training) and the
+    # seconds the run waited for them (inside time_budget_s's checkpoint entry)
+    writes = summary.get("checkpoint_writes") or {}
+    summary["checkpoint_writes"] = {k: round(v + (writes.get(k) or 0), 3) for k, v in run.checkpoint_writes.items()}
     run.write_summary(summary)
     progress.log("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["time_budget_s"].items()))
+    cw = summary["checkpoint_writes"]
+    progress.note("time other: " + ", ".join(f"{k} {v:.2f} s" for k, v in summary["time_other_s"].items())
+                  + f" | checkpoints written in the background: {cw['count']}, {cw['bytes'] / 2**20:.0f} MiB in "
+                  f"{cw['write_s']:.2f} s, of which the run waited {cw['waited_s']:.2f} s")
     if len(summary["folds"]) > 1:  # the out-of-sample spread over the folds (numbarl-compare's table)
         from numbarl.run import compare
 
@@ -729,7 +772,11 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
                      f"{cache.bars_per_day:.0f} bars/day, {cache.features.shape[1]} features | "
                      f"{cfg.train.n_envs} envs | {'graphs' if graph else 'eager'}"
                      f"{' | simulator' if simulator else ''}")
-        return run_training(cfg, cache, run, graph, progress, resume, resuming=bool(resume_dir))
+        try:
+            return run_training(cfg, cache, run, graph, progress, resume, resuming=bool(resume_dir))
+        except BaseException:
+            _finish_checkpoint_write(run, progress)  # a checkpoint the log named is on disk before we stop
+            raise
     except KeyboardInterrupt as e:
         if run is not None:
             # train.log keeps the news; the console gets the CLI's one line (not the same hint twice)
@@ -741,6 +788,16 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
         raise
     finally:
         progress.close()
+
+
+def _finish_checkpoint_write(run: RunDir, progress: Progress) -> None:
+    """A run that stops (Ctrl-C, an error) first finishes the checkpoint being written in the
+    background; that write's own error, if any, is only reported (the stop's cause goes on)."""
+    try:
+        run.wait_checkpoint()
+    except BaseException as err:  # noqa: BLE001 - the run is stopping for another reason
+        progress.warn(f"the checkpoint write in flight when the run stopped failed ({err!r}); "
+                      "the last checkpoint on disk is kept")
 
 
 def _check_same_features(run: RunDir, cache) -> None:

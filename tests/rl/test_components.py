@@ -26,7 +26,9 @@ RUNS = {
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
                "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
-               "--set", "agent.iql=true", "--set", "agent.iql_hidden=8"],
+               "--set", "agent.iql=true", "--set", "agent.iql_hidden=8",
+               "--set", "agent.curiosity_weight=0.1", "--set", "agent.curiosity_hidden=8",
+               "--set", "agent.curiosity_trunk_grad=true"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
                  "--set", "agent.lr_cycle_steps=2", "--set", "agent.n_step=1", "--set", "agent.weight_decay=0",
                  "--set", "agent.max_grad_norm=0",
@@ -42,9 +44,14 @@ RUNS = {
     # the CVaR entry gate at a strict floor gates (nearly) every entry, which would starve the feedback
     # switches of the periodic run of trades: its own one-epoch run
     "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0"],
+    # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
+    "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4"],
     # PPO (agent.kind = "ppo"): an update after every second collect step
     "ppo": ["--set", "agent.kind=ppo", "--set", "agent.ppo_rollout=2", "--set", "agent.ppo_epochs=2",
             "--set", "agent.ppo_minibatches=2"],
+    # Decision Transformer (agent.kind = "dt"): a dataset of 2 steps, trained on after every second collect step
+    "dt": ["--set", "agent.kind=dt", "--set", "agent.dt_rollout=2", "--set", "agent.dt_context=2",
+           "--set", "agent.dt_updates=1", "--set", "agent.dt_batch=2", "--set", "agent.dt_embed=8"],
 }
 
 
@@ -76,8 +83,8 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
-          "spectral_norm": "periodic", "cvar_gate": "cvar"}
-ON_RUN.update({c.name: "ppo" for c in components.COMPONENTS if "c51" not in c.agent_kinds})
+          "spectral_norm": "periodic", "cvar_gate": "cvar", "multi_horizon_c51": "mh"}
+ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
 ALWAYS_ON = ("c51", "double_dqn")
 

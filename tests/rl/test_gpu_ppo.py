@@ -1,5 +1,7 @@
-"""GPU checks of PPO (agent.kind = "ppo"): the loss against its float64 reference at a real size, and the
-update (GAE, normalization, K x M minibatch steps) captured as a graph == eager bitwise, two runs bitwise.
+"""GPU checks of PPO (agent.kind = "ppo"): the loss against its float64 reference at a real size, the
+update (GAE, normalization, K x M minibatch steps) captured as a graph == eager bitwise, two runs bitwise,
+and the agent's own step functions on a device env (collect graph + update graph, replayed as the trainer
+does) == the same steps run eagerly, bitwise.
 
 Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_ppo.py -m gpu -q`
 """
@@ -9,7 +11,7 @@ import pytest
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
-from numbarl.cuda.runtime import cuda, stream
+from numbarl.cuda.runtime import stream, upload
 from numbarl.rl.agents.ppo import PPOAgent
 from numbarl.rl.losses.ppo import ppo_loss_ref
 
@@ -39,7 +41,9 @@ def _fill(agent, rng):
                         "value": rng.normal(0, 1, (T, N_ENVS)).astype(np.float32),
                         "reward": (rng.standard_normal((T, N_ENVS)) * 0.5).astype(np.float32),
                         "done": (rng.random((T, N_ENVS)) < 0.05).astype(np.uint8), "mask": mask})
-    return cuda().to_device(rng.normal(0, 1, (N_ENVS, 1)).astype(np.float32))
+    # upload: complete on return (a plain to_device goes through the legacy stream, which the
+    # non-blocking compute stream does not wait for)
+    return upload(rng.normal(0, 1, (N_ENVS, 1)).astype(np.float32))
 
 
 def _snapshot(agent, s):
@@ -103,3 +107,43 @@ def test_two_runs_bitwise_identical(rng):
         s.synchronize()
         snaps.append(_snapshot(agent, s))
     _assert_bitwise(*snaps)
+
+
+def _env_run(use_graph: bool, iterations: int = 2):
+    """T collect steps + the update, `iterations` times, on a device env over a synthetic market: the
+    trainer's schedule (each graph captured on first use, the capture's warm-up run being that step)."""
+    from numbarl.bench.train import _market
+    from numbarl.env.device import DeviceEnv
+    from numbarl.env.params import EnvParams
+
+    params = EnvParams()
+    market = _market(20_000, 16, 0).to_device(params.vol_span, params.vol_horizon_bars)
+    cfg = AgentConfig(kind="ppo", trunk=(64, 64), ppo_rollout=16, ppo_epochs=2, ppo_minibatches=4, max_grad_norm=0.5)
+    s = stream()
+    env = DeviceEnv(market, params, 256, seed=4)
+    agent = PPOAgent(cfg, env.state_dim, params.branch_sizes, 256, seed=4)
+    env.reset(4, s)
+    steps, graphs = agent.step_functions(env), {}
+    for n in range(1, iterations * agent.T + 1):
+        for name in ["collect", *agent.after_collect(n, 0, 1)]:
+            if name not in graphs:
+                graphs[name] = cuda_graph.capture(steps[name], s, eager=not use_graph)
+            else:
+                graphs[name].replay(s)
+    s.synchronize()
+    out = _snapshot(agent, s)
+    out.update({f"env/{k}": v for k, v in env.arena.to_host().items()})
+    return agent, out
+
+
+def test_collect_and_update_graphs_equal_eager_bitwise():
+    agent, graphed = _env_run(True)
+    _, eager = _env_run(False)
+    _assert_bitwise(eager, graphed)
+    stats = agent.read_stats(stream())
+    assert stats["ppo_updates"] == 2 and stats["train_step"] == 2 * 2 * 4 and stats["nonfinite_step"] == -1
+    assert stats["collect_step"] == 32 and np.isfinite(stats["loss"]) and stats["entropy"] > 0
+    # every sampled action was allowed by the mask stored beside it
+    a, m = graphed["replay/actions"], graphed["replay/mask"]
+    taken = np.take_along_axis(m, a[..., None].astype(np.int64), axis=3)[..., 0]
+    assert np.all(taken == 1)

@@ -1,7 +1,7 @@
 """PPO (agent.kind = "ppo"): the loss kernel against its float64 reference, finite differences and the
 PyTorch peer; GAE and the advantage normalization against numpy; the minibatch permutation; the
 sampling kernel; the agent's minibatch gradient through heads and trunk against the composed float64
-references; a tiny end-to-end simulator run (tiny shapes: every simulated thread costs ~0.1 ms)."""
+references; the direction of one whole update (towards the positive advantages); a tiny end-to-end simulator run (tiny shapes: every simulated thread costs ~0.1 ms)."""
 
 import json
 
@@ -273,3 +273,41 @@ def test_config_rejects_c51_switches_with_ppo():
         replace(cfg, agent=replace(cfg.agent, kind="ppo", iqn=True)).validate()
     with pytest.raises(ConfigError, match="feedback"):
         replace(cfg, agent=replace(cfg.agent, kind="ppo"), train=replace(cfg.train, e9_tradability_gate=True)).validate()
+
+
+def test_update_moves_the_policy_towards_positive_advantages(rng):
+    """End to end sign check of one update (GAE → normalization → K minibatch steps → AdamW): one-step
+    episodes whose reward is +1 for action 0 of branch 0 and -1 otherwise; logp_old is the current policy's,
+    so the first steps are unclipped. Afterwards action 0 is more likely on every row."""
+    agent = _agent(T=4, N=2, K=4, M=1)
+    T, N, S = 4, 2, agent.state_dim
+    obs = rng.normal(0, 1, (T, N, S)).astype(np.float32)
+    mask = np.zeros((T, N, len(SIZES), max(SIZES)), np.uint8)
+    for k, n in enumerate(SIZES):
+        mask[:, :, k, :n] = 1
+    actions = np.stack([rng.integers(0, n, (T, N)) for n in SIZES], axis=-1).astype(np.int32)
+    actions[0, :, 0], actions[1, :, 0] = 0, 1  # both outcomes present
+    reward = np.where(actions[..., 0] == 0, 1.0, -1.0).astype(np.float32)
+
+    def policy(params):
+        h, _ = agent.trunk.forward_ref(obs.reshape(T * N, S), params)
+        logits, _ = agent.pi.forward_ref(h, params)
+        value, _ = agent.v.forward_ref(h, params)
+        _, out, _, _ = ppo_loss_ref(logits, value, actions.reshape(T * N, -1), np.zeros(T * N), np.zeros(T * N),
+                                    np.zeros(T * N), mask.reshape(T * N, len(SIZES), -1), SIZES)
+        l0 = logits[:, :SIZES[0]]
+        p0 = np.exp(l0 - l0.max(axis=1, keepdims=True))
+        return out["logp"], value, (p0 / p0.sum(axis=1, keepdims=True))[:, 0]
+
+    params = {k: v.astype(np.float64) for k, v in agent.store.to_host("params").items()}
+    logp, value, before = policy(params)
+    agent.rollout.load({"obs": obs, "actions": actions, "logp": logp.reshape(T, N).astype(np.float32),
+                        "value": value.reshape(T, N).astype(np.float32), "reward": reward,
+                        "done": np.ones((T, N), np.uint8), "mask": mask})
+    s = stream()
+    agent.train_on_rollout(_cuda.to_device(np.zeros((N, 1), np.float32)), s)
+    s.synchronize()
+    _, _, after = policy({k: v.astype(np.float64) for k, v in agent.store.to_host("params").items()})
+    assert np.all(after > before), (before, after)
+    stats = agent.read_stats(s)
+    assert stats["ppo_updates"] == 1 and stats["train_step"] == 4 and stats["nonfinite_step"] == -1

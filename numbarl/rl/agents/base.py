@@ -61,6 +61,7 @@ def known_kinds() -> tuple[str, ...]:
 def _load_builtin() -> None:
     from numbarl.rl.agents import dqn  # noqa: F401  (registers "c51")
     from numbarl.rl.agents import ppo  # noqa: F401  (registers "ppo")
+    from numbarl.rl.agents import dt  # noqa: F401  (registers "dt")
 
 
 class Agent:

@@ -69,6 +69,24 @@ are those without them):
   and "spectral" after STATS (one power iteration on the updated W, W_sn, and the target network's
   W_sn_target with its own σ from the online vectors). u, v are checkpointed (spectral/<layer>.u|v);
   stats spectral_sigma.<layer>.
+* ``agent.curiosity_weight`` ≥ 0.001: ICM curiosity (numbarl/rl/nets/icm.py, numbarl/rl/losses/icm.py;
+  optimizer groups 'icm.forward', 'icm.inverse'). A "curiosity" phase before LOSS, every train step:
+  the forward model on (φ(obs), a) and the inverse model on (φ(obs), φ(next_obs)), φ the trunk outputs
+  of the online and next passes (detached), their loss and backward, then reward′ = R_n + r_i
+  (r_i = w · ½‖φ̂ − φ(next_obs)‖²/H / running scale, 0 where the window ended the episode) is the reward
+  the C51 projection (and IQN's) reads. Stats: icm_loss, icm_forward_loss, icm_inverse_loss,
+  intrinsic_reward_mean, icm_error_scale; the scale is checkpointed (icm/scale). With
+  agent.curiosity_trunk_grad the inverse loss also trains the trunk: BACKWARD adds its ∂L/∂φ(obs) into
+  dh after the heads and runs a second trunk backward on the "next" pass with its ∂L/∂φ(next_obs).
+* ``agent.horizons`` (e.g. "1,5,20", must include agent.n_step): multi-horizon C51
+  (numbarl/rl/losses/multi_horizon.py). The replay returns every horizon's window of the same draw;
+  TARGETS adds the online ("next_h<h>") and target ("target_h<h>") passes on each extra horizon's
+  next_obs (two forwards per extra horizon); LOSS runs one C51 loss per horizon with per-sample weights
+  from the trend-strength column agent.horizon_regime_col, the n_step horizon (the agent's own loss)
+  first, the others adding into its d_logits. The logged ``loss`` is the blended loss. What rewrites
+  the n-step batch's reward (ICM's intrinsic reward, E1's reward offset) reaches the n_step horizon
+  only; the other horizons read the replay's raw returns. Stats:
+  mh_trend_mean, mh_weight_longest, mh_ce_longest and mh_ce.h<h> per horizon.
 * ``agent.cvar_alpha`` > 0: the CVaR entry gate (numbarl/rl/cvar_gate.py) on the env's mask after
   the acting pass (collect) and on the greedy scores (agent.scores): no entry on a side whose
   direction-branch CVaR_α is below −agent.cvar_floor (budget 1, or the IQN readiness² with
@@ -93,12 +111,15 @@ from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.losses.cql import CqlLoss
+from numbarl.rl.losses.multi_horizon import MultiHorizonC51Loss, parse_horizons  # multi-horizon C51 (agent.horizons)
 from numbarl.rl.losses.quantile_huber import QuantileHuberLoss, iqn_readiness_kernel  # IQN (agent.iqn)
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
 from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
 from numbarl.rl.losses.expectile import ExpectileLoss  # IQL (agent.iql)
 from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
+from numbarl.rl.losses.icm import STAT_NAMES as ICM_STAT_NAMES, IcmLoss  # ICM (agent.curiosity_weight)
+from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
@@ -126,6 +147,7 @@ _cuda = cuda()
 # one block reduces the batch statistics in a fixed order (a small block under the simulator,
 # where every simulated thread is a Python thread)
 STATS_BLOCK = launch.shape(gpu=1024, sim=32)  # H200, B = 16,384: 138 us with 256 threads, 90 us with 1024
+TERMS_BLOCK = launch.shape(gpu=256, sim=32)  # threads per block of the statistics terms (one per sample)
 
 # mapped stats of the agent (float32, named; numbarl.cuda.registry): the optimizer's slots are
 # copied first, at the optimizer's own numbers (numbarl.rl.optim.STAT_*)
@@ -180,17 +202,49 @@ def epsilon_kernel(collect_step, schedule, decay_steps, epsilon, stats):
 
 
 @_cuda.jit(cache=True)
-def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, next_mask, n_dir, loss,
-                       optim_stats, train_step, stats):
-    """Fixed-order batch statistics (one block): Q-mean of the taken actions, mean max next Q,
-    the mean n-step window length m (from the sampled slots: (next slot − slot) mod n_slots), the
-    loss, the optimizer's slots, the share of samples whose double-DQN argmax skipped a direction
-    the env's mask forbids at next_obs (0 unless use_mask: the lock-aware target), and the sticky
-    non-finite flag. n_dir: actions of the direction branch when the lock-aware target reads the
-    masks, else 0."""
-    B = q.shape[0]
+def train_stats_terms_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, next_mask, n_dir, tq, tn,
+                             tm, tl):
+    """One thread per sample b (all multiprocessors): the terms train_stats_kernel sums, written
+    to tq/tn [B, n_branches] (Q of the taken action, max next Q) and tm/tl [B] (the n-step window
+    length m, 0 for an unfilled slot; 1 when the double-DQN argmax skipped a masked direction).
+    Split from the sum so that the scattered gathers run on the whole GPU, not on one block (90 us
+    → a few us at B = 16,384); the sum reads the terms in the order it always added them, and
+    adding an exact 0 leaves a non-negative float32 sum's bits unchanged: the statistics are
+    bitwise those of the one-block kernel."""
+    b = _cuda.grid(1)
+    if b >= q.shape[0]:
+        return
     nb = q.shape[1]
     na = q.shape[2]
+    masked = _ZERO
+    for a in range(n_dir):
+        if next_mask[b, 0, a] == 0:
+            masked = _ONE
+            break
+    tl[b] = masked
+    m = _ZERO
+    if index[b] >= 0:
+        m = np.float32((next_index[b] // n_envs - index[b] // n_envs + n_slots) % n_slots)
+    tm[b] = m
+    for j in range(nb):
+        tq[b, j] = q[b, j, actions[b, j]]
+        best = next_q[b, j, 0]
+        for a in range(1, na):
+            v = next_q[b, j, a]
+            if v > best:
+                best = v
+        tn[b, j] = best
+
+
+@_cuda.jit(cache=True)
+def train_stats_kernel(tq, tn, tm, tl, loss, optim_stats, train_step, stats):
+    """Fixed-order batch statistics (one block) of the terms train_stats_terms_kernel wrote:
+    Q-mean of the taken actions, mean max next Q, the mean n-step window length m (from the
+    sampled slots: (next slot − slot) mod n_slots), the loss, the optimizer's slots, the share of
+    samples whose double-DQN argmax skipped a direction the env's mask forbids at next_obs (0
+    unless the lock-aware target reads the masks), and the sticky non-finite flag."""
+    B = tq.shape[0]
+    nb = tq.shape[1]
     sq = _cuda.shared.array(STATS_BLOCK, np.float32)
     sn = _cuda.shared.array(STATS_BLOCK, np.float32)
     sm = _cuda.shared.array(STATS_BLOCK, np.float32)
@@ -201,20 +255,11 @@ def train_stats_kernel(q, next_q, actions, index, next_index, n_envs, n_slots, n
     acc_m = _ZERO
     acc_l = _ZERO
     for b in range(tid, B, STATS_BLOCK):
-        for a in range(n_dir):
-            if next_mask[b, 0, a] == 0:
-                acc_l += _ONE
-                break
-        if index[b] >= 0:
-            acc_m += np.float32((next_index[b] // n_envs - index[b] // n_envs + n_slots) % n_slots)
+        acc_l += tl[b]
+        acc_m += tm[b]
         for j in range(nb):
-            acc_q += q[b, j, actions[b, j]]
-            best = next_q[b, j, 0]
-            for a in range(1, na):
-                v = next_q[b, j, a]
-                if v > best:
-                    best = v
-            acc_n += best
+            acc_q += tq[b, j]
+            acc_n += tn[b, j]
     sq[tid] = acc_q
     sn[tid] = acc_n
     sm[tid] = acc_m
@@ -479,8 +524,11 @@ class DQNAgent(Agent):
     _aux = True  # whether the train step being issued runs the auxiliary losses (train_step)
     iqn_head = None  # the implicit quantile head (agent.iqn)
     iql_head = None  # the IQL expectile value head (agent.iql)
+    icm = None  # the ICM curiosity models (agent.curiosity_weight)
     spectral = None  # spectral normalization of chosen layers (agent.spectral_norm)
     cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
+    mh = None  # the multi-horizon C51 loss (agent.horizons)
+    extra_horizons = ()  # the horizons other than n_step (agent.horizons)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
                  eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False):
@@ -507,7 +555,9 @@ class DQNAgent(Agent):
                                               ("target", B, False, ("probs",)), ("act", self.n_envs, False, ("q",)),
                                               ("eval", int(eval_batch), False, ("q",)),
                                               ("diag", B, False, ("q",))):  # diagnostics: target net on obs
-            self.trunk.declare_acts(self.acts, batch, tag, backward=backward)
+            # ICM with agent.curiosity_trunk_grad: the inverse loss's ∂L/∂φ(next_obs) runs the trunk's backward on "next"
+            trunk_backward = backward or (tag == "next" and cfg.curiosity and cfg.curiosity_trunk_grad)
+            self.trunk.declare_acts(self.acts, batch, tag, backward=trunk_backward)
             self.head.declare_acts(self.acts, batch, tag, backward=backward, outputs=outputs)
         # --- IQN (agent.iqn): the head on the trunk's online (backward) and target passes ---------
         if cfg.iqn:
@@ -527,6 +577,22 @@ class DQNAgent(Agent):
             self.trunk.declare_acts(self.acts, B, "iql_target", backward=False)
             self.head.declare_acts(self.acts, B, "iql_target", backward=False, outputs=("q",))
         # --- end IQL ---------------------------------------------------------------------------------
+        # --- ICM (agent.curiosity_weight): forward and inverse models on the online pass's trunk output
+        # (φ(obs)) and the "next" pass's (φ(next_obs)), declared last: the other parameters keep their init
+        if cfg.curiosity:
+            self.icm = Icm("icm", self.trunk.out_dim, self.branch_sizes, cfg.curiosity_hidden, compute=cfg.compute,
+                           trunk_grad=cfg.curiosity_trunk_grad)
+            self.icm.declare_params(self.store)
+            self.icm.declare_acts(self.acts, B, "online")
+        # --- end ICM ---------------------------------------------------------------------------------
+        # --- multi-horizon C51 (agent.horizons): online and target passes on each extra horizon's next_obs
+        self.horizons = parse_horizons(cfg.horizons)
+        self.extra_horizons = tuple(h for h in self.horizons if h != cfg.n_step)
+        for h in self.extra_horizons:
+            for tag, outputs in ((f"next_h{h}", ("q",)), (f"target_h{h}", ("probs",))):
+                self.trunk.declare_acts(self.acts, B, tag, backward=False)
+                self.head.declare_acts(self.acts, B, tag, backward=False, outputs=outputs)
+        # --- end multi-horizon C51 ---------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
@@ -535,6 +601,17 @@ class DQNAgent(Agent):
         self.loss = C51Loss.for_head(self.head, B, entropy_reg=cfg.atom_entropy_max > 0)
         # the CQL regularizer on the same logits: its gradient adds into the C51 loss's (loss contract)
         self.cql = CqlLoss.for_head(self.head, B) if cfg.cql_alpha > 0 else None
+        if self.horizons:  # multi-horizon C51: one C51 loss per horizon, the agent's own at n_step
+            if cfg.n_step not in self.horizons or len(self.horizons) < 2:
+                raise ValueError(f"agent.horizons = {cfg.horizons!r} must name at least two windows, one of them "
+                                 f"agent.n_step = {cfg.n_step}")
+            losses = [self.loss if h == cfg.n_step else C51Loss.for_head(self.head, B) for h in self.horizons]
+            if not 0 <= cfg.horizon_regime_col < self.state_dim:
+                raise ValueError(f"agent.horizon_regime_col = {cfg.horizon_regime_col} is outside the observation "
+                                 f"[0, {self.state_dim}); set it to the obs column of the trend-strength feature")
+            self.mh = MultiHorizonC51Loss(losses, self.horizons, primary=self.horizons.index(cfg.n_step),
+                                          regime_col=cfg.horizon_regime_col, trend_lo=cfg.horizon_trend_lo,
+                                          trend_hi=cfg.horizon_trend_hi, mix=cfg.horizon_mix)
         target = (TargetConfig.periodic(cfg.target_period) if cfg.target_update == "periodic"
                   else TargetConfig.polyak(cfg.tau))
         self.optim = Adam(self.store, AdamConfig(lr=cfg.lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
@@ -556,7 +633,8 @@ class DQNAgent(Agent):
                     self.optim.set_weight_decay(0.0, group=g)
         self.replay = Replay(cfg.replay_capacity, self.n_envs, self.state_dim, self.n_branches, B,
                              n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed,
-                             max_actions=self.max_actions).allocate()  # + the env's masks (lock-aware target)
+                             max_actions=self.max_actions,
+                             horizons=self.extra_horizons).allocate()  # + the env's masks (lock-aware target)
 
         # device scalars (counters, the epsilon schedule) and the mapped stats read at log intervals
         self.scalars = Arena("agent.scalars")
@@ -585,6 +663,12 @@ class DQNAgent(Agent):
         for name in BRANCH_NAMES[1:self.n_branches]:  # consecutive slots, one per branch
             if self.stats_layout.slot(f"action_entropy.{name}") != self._slot_entropy + BRANCH_NAMES.index(name):
                 raise RuntimeError("the per-branch entropy slots are not consecutive")
+        self.stats_terms = Arena("agent.stats_terms")  # the train step's statistics terms (train_stats_terms_kernel)
+        self.stats_terms.add("tq", (B, self.n_branches), np.float32)
+        self.stats_terms.add("tn", (B, self.n_branches), np.float32)
+        self.stats_terms.add("tm", (B,), np.float32)
+        self.stats_terms.add("tl", (B,), np.float32)
+        self.stats_terms.allocate()
         self.diag = Arena("agent.diagnostics")
         self.diag.add("atom_sums", (cfg.n_atoms,), np.float32)
         self.diag.add("atom_partials", reduce.col_partials_shape(B * self.n_branches, cfg.n_atoms), np.float32)
@@ -597,6 +681,10 @@ class DQNAgent(Agent):
             self._init_iqn()
         if self.iql_head is not None:  # IQL (agent.iql): losses, shared dh, reducer, stats slots
             self._init_iql()
+        if self.icm is not None:  # ICM (agent.curiosity_weight): its loss, reward state and stats slots
+            self._init_icm()
+        if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
+            self._init_mh()
         # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
         self._init_spectral_cvar()
         # --- end spectral norm + CVaR gate -----------------------------------------------------------------
@@ -668,7 +756,7 @@ class DQNAgent(Agent):
         head.forward(self.trunk.output("online"), stream, tag="online")
         inputs = {"quantiles": head.output("online"), "tau": head.tau_buffer("online"),
                   "target_quantiles": head.output("target"), "next_q": self.head.outputs("next").q,
-                  "actions": batch.action, "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
+                  "actions": batch.action, "rewards": self._rewards(), "dones": batch.done, "discounts": batch.discount,
                   "next_mask": batch.next_mask if cfg.lock_aware_target else None}
         self.iqn_loss.apply(inputs, {"quantiles": self.iqn_loss.grad("quantiles")}, stream, ledger=self.store)
 
@@ -713,6 +801,79 @@ class DQNAgent(Agent):
         self.iql_diag.compute({"v": v, "q": q_target, "actions": self.replay.batch.action}, stream)
         self._iql_reducer.mean(self.iql_diag.adv, self.stats.device, stream, at=self._slot_iql_adv_mean)
     # --- end IQL -------------------------------------------------------------------------------------
+
+    # --- ICM (agent.curiosity_weight) ----------------------------------------------------------------
+    def _init_icm(self) -> None:
+        """The ICM loss (its arena holds reward′ and the running scale) and the consecutive stats slots
+        icm_loss, icm_forward_loss, icm_inverse_loss, intrinsic_reward_mean, icm_error_scale; before the
+        mapped stats are sized."""
+        cfg = self.cfg
+        self.icm_loss = IcmLoss(cfg.batch_size, self.trunk.out_dim, self.branch_sizes, cfg.curiosity_beta)
+        self._slot_icm = self.stats_layout.slot(ICM_STAT_NAMES[0])
+        for i, name in enumerate(ICM_STAT_NAMES[1:], 1):
+            if self.stats_layout.slot(name) != self._slot_icm + i:
+                raise RuntimeError("the ICM stats slots are not consecutive")
+
+    def _rewards(self):
+        """The batch reward the targets read: the replay's R_n, plus the intrinsic reward with ICM."""
+        return self.icm_loss.rewards if self.icm is not None else self.replay.batch.reward
+
+    def _curiosity(self, stream) -> None:
+        """Every train step: the forward and inverse models on the online pass's φ(obs) and the next
+        pass's φ(next_obs) (detached: no gradient reaches the trunk), their loss, their backward (the
+        first writes of their gradients this step; the UPDATE phase moves them with everything else),
+        then reward′ = R_n + r_i for the LOSS phase and the stats (numbarl/rl/losses/icm.py)."""
+        batch, cfg = self.replay.batch, self.cfg
+        phi, phi_next = self.trunk.output("online"), self.trunk.output("next")
+        phi_hat, logits = self.icm.forward(phi, phi_next, batch.action, stream)
+        loss = self.icm_loss
+        loss.apply({"phi_hat": phi_hat, "phi_next": phi_next, "logits": logits, "actions": batch.action,
+                    "dones": batch.done}, {"phi_hat": loss.grad("phi_hat"), "logits": loss.grad("logits")}, stream,
+                   ledger=self.store)
+        self.icm.backward(loss.grad("phi_hat"), loss.grad("logits"), stream)
+        loss.intrinsic_reward(batch.reward, cfg.curiosity_weight, cfg.curiosity_normalize, self.stats.device,
+                              self._slot_icm, stream)
+    # --- end ICM -------------------------------------------------------------------------------------
+
+    # --- multi-horizon C51 (agent.horizons) ----------------------------------------------------------
+    def _init_mh(self) -> None:
+        """Stats slots: the batch means of the trend strength and of the longest horizon's blend weight, and
+        each horizon's unweighted cross-entropy (the longest's also under a fixed name, the liveness key)."""
+        self._slot_mh_trend = self.stats_layout.slot("mh_trend_mean")
+        self._slot_mh_weight = self.stats_layout.slot("mh_weight_longest")
+        self._slot_mh_ce_longest = self.stats_layout.slot("mh_ce_longest")
+        self._slots_mh_ce = [self.stats_layout.slot(f"mh_ce.h{h}") for h in self.horizons]
+        self._mh_reducer = Reducer(self.cfg.batch_size)
+
+    def _mh_targets(self, stream) -> None:
+        """TARGETS of the extra horizons: the online net (double-DQN argmax) and the target net on each
+        horizon's next_obs."""
+        for hb in self.replay.batch.horizons:
+            self.forward(hb.next_obs, stream, tag=f"next_h{hb.horizon}")
+            self.forward(hb.next_obs, stream, tag=f"target_h{hb.horizon}", role="target")
+
+    def _mh_inputs(self, inputs: dict) -> list:
+        """Per-horizon C51 inputs (ascending horizons); the n_step horizon is the single loss's inputs."""
+        extra = {hb.horizon: hb for hb in self.replay.batch.horizons}
+        out = []
+        for h in self.horizons:
+            if h == self.cfg.n_step:
+                out.append(inputs)
+                continue
+            hb = extra[h]
+            out.append({"next_q": self.head.outputs(f"next_h{h}").q, "target_probs": self.head.outputs(f"target_h{h}").probs,
+                        "rewards": hb.reward, "dones": hb.done, "discounts": hb.discount,
+                        "next_mask": hb.next_mask if self.cfg.lock_aware_target else None})
+        return out
+
+    def _mh_stats(self, stream) -> None:
+        red, dev = self._mh_reducer, self.stats.device
+        red.mean(self.mh.trend, dev, stream, at=self._slot_mh_trend)
+        red.mean(self.mh.weights[len(self.horizons) - 1], dev, stream, at=self._slot_mh_weight)
+        for loss, slot in zip(self.mh.losses, self._slots_mh_ce):
+            red.mean(loss.per_sample, dev, stream, at=slot)
+        red.mean(self.mh.losses[-1].per_sample, dev, stream, at=self._slot_mh_ce_longest)
+    # --- end multi-horizon C51 -------------------------------------------------------------------------
 
     # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) -------------------------------
     def _init_spectral_cvar(self) -> None:
@@ -771,6 +932,9 @@ class DQNAgent(Agent):
         kernel argument holds the support): call between graph replays, never inside a capture."""
         self.head.set_support(v_min, v_max)
         self.loss.set_support(v_min, v_max)
+        for loss in (self.mh.losses if self.mh is not None else ()):  # multi-horizon C51: the other horizons'
+            if loss is not self.loss:
+                loss.set_support(v_min, v_max)
         if self.cql is not None:
             self.cql.arena.load({"support": self.head.support_host})
         self.support_state.load({"range": np.array([v_min, v_max], np.float64)})
@@ -911,6 +1075,8 @@ class DQNAgent(Agent):
             phases.insert(at, ("spectral_grad", self._spectral_grad))
             phases.append(("spectral", self._spectral_power))
         # --- end spectral norm -------------------------------------------------------------------------------
+        if self.icm is not None:  # ICM (agent.curiosity_weight): models, their loss and backward, reward′ before LOSS
+            phases.insert([name for name, _ in phases].index("loss"), ("curiosity", self._curiosity))
         return phases
 
     def train_step(self, stream, aux: bool = True):
@@ -935,6 +1101,8 @@ class DQNAgent(Agent):
         batch = self.replay.batch
         self.forward(batch.next_obs, stream, tag="next")
         self.forward(batch.next_obs, stream, tag="target", role="target")
+        if self.mh is not None:  # multi-horizon C51: the same two passes on every extra horizon's next_obs
+            self._mh_targets(stream)
 
     def _online(self, stream):
         self.forward(self.replay.batch.obs, stream, tag="online")
@@ -944,10 +1112,15 @@ class DQNAgent(Agent):
         batch, cfg = self.replay.batch, self.cfg
         inputs = {"logits": self.head.outputs("online").logits, "actions": batch.action,
                   "next_q": self.head.outputs("next").q, "target_probs": self.head.outputs("target").probs,
-                  "rewards": batch.reward, "dones": batch.done, "discounts": batch.discount,
+                  "rewards": self._rewards(), "dones": batch.done, "discounts": batch.discount,
                   "next_mask": batch.next_mask if cfg.lock_aware_target else None,  # the env's mask of next_obs
                   "weights": batch.weight if self.replay.normalize_weights else None}  # E6/E8 loss weights
-        self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
+        if self.mh is None:
+            self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
+        else:  # multi-horizon C51: the n_step loss writes d_logits, the other horizons add (regime-blended)
+            self.mh.apply({"logits": inputs["logits"], "actions": batch.action, "obs": batch.obs,
+                           "horizons": self._mh_inputs(inputs), "weights": inputs["weights"]},
+                          {"logits": self.loss.d_logits}, stream, ledger=self.store)
         if self.cql is not None and self._aux:  # adds α · ∂L_cql/∂logits into the same buffer (C51 wrote first)
             self.cql.apply({"logits": inputs["logits"], "lse": self.acts["head.online.lse"], "actions": batch.action},
                            {"logits": self.loss.d_logits}, stream, weight=cfg.cql_alpha, ledger=self.store)
@@ -981,13 +1154,24 @@ class DQNAgent(Agent):
             dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=shared)
             for head, grad, _ in heads:
                 head.backward(grad, stream, tag="online", dx_out=dh)
-            self.trunk.backward(dh, stream, tag="online")
+            self._trunk_backward(dh, stream)
             return
         for _, _, grads in heads:
             for g in grads:
                 elementwise.fill(g, 0.0, stream)
         dh = self.head.backward(self.loss.d_logits, stream, tag="online")
+        self._trunk_backward(dh, stream)
+
+    def _trunk_backward(self, dh, stream):
+        """The trunk's backward on dh; with ICM's agent.curiosity_trunk_grad the inverse loss's ∂L/∂φ(obs)
+        is added into dh first (after the heads: the ledger's order) and its ∂L/∂φ(next_obs) runs a
+        second trunk backward on the "next" pass, whose parameter gradients add (the gradient rule)."""
+        if self.icm is None or not self.icm.trunk_grad:
+            self.trunk.backward(dh, stream, tag="online")
+            return
+        d_phi_next = self.icm.add_trunk_grads(dh, stream)
         self.trunk.backward(dh, stream, tag="online")
+        self.trunk.backward(d_phi_next, stream, tag="next")
 
     # UPDATE (global-norm clip, AdamW, target copy / Polyak)
     def _update(self, stream):
@@ -998,13 +1182,17 @@ class DQNAgent(Agent):
         if self.cql is not None:
             stat_copy_kernel[1, 1, stream](self.cql.loss, self.stats.device, np.int64(STAT_CQL_LOSS))
         batch = self.replay.batch
-        train_stats_kernel[1, STATS_BLOCK, stream](self.head.outputs("online").q, self.head.outputs("next").q,
-                                                   batch.action, batch.index, batch.next_index,
-                                                   np.int64(self.n_envs), np.int64(self.replay.n_slots),
-                                                   batch.next_mask,
-                                                   np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
-                                                   self.loss.loss, self.optim.stats, self.scalars["train_step"],
-                                                   self.stats.device)
+        terms = self.stats_terms
+        train_stats_terms_kernel[launch.blocks(self.cfg.batch_size, TERMS_BLOCK), TERMS_BLOCK, stream](
+            self.head.outputs("online").q, self.head.outputs("next").q, batch.action, batch.index, batch.next_index,
+            np.int64(self.n_envs), np.int64(self.replay.n_slots), batch.next_mask,
+            np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
+            terms["tq"], terms["tn"], terms["tm"], terms["tl"])
+        loss = self.loss.loss if self.mh is None else self.mh.loss  # multi-horizon C51: the blended loss
+        train_stats_kernel[1, STATS_BLOCK, stream](terms["tq"], terms["tn"], terms["tm"], terms["tl"], loss,
+                                                   self.optim.stats, self.scalars["train_step"], self.stats.device)
+        if self.mh is not None:
+            self._mh_stats(stream)
         if self.atom_reg is not None:  # C5: utilisation of the taken actions' atoms → u_ema → next step's β
             self._atom_entropy_control(stream)
         if self.iqn_head is not None and self._aux:  # IQN (agent.iqn): loss, its EMA and readiness, on the device
@@ -1073,6 +1261,8 @@ class DQNAgent(Agent):
             out["iqn/readiness_state"] = self.iqn_state["readiness_state"].copy_to_host()
         if self.spectral is not None:  # spectral norm (agent.spectral_norm): the power-iteration vectors
             out.update(self.spectral.state_arrays())
+        if self.icm is not None:  # ICM (agent.curiosity_weight): the intrinsic reward's running scale
+            out["icm/scale"] = self.icm_loss.scale.copy_to_host()
         return out
 
     def optim_state(self) -> dict[str, np.ndarray]:
@@ -1106,6 +1296,8 @@ class DQNAgent(Agent):
             self.loss.arena.load({"entropy_beta": arrays["atom_entropy/beta"]})
         if self.iqn_head is not None and "iqn/readiness_state" in arrays:  # IQN (agent.iqn)
             self.iqn_state.load({"readiness_state": arrays["iqn/readiness_state"]})
+        if self.icm is not None and "icm/scale" in arrays:  # ICM (agent.curiosity_weight)
+            self.icm_loss.arena.load({"scale": arrays["icm/scale"]})
         if self.spectral is not None:  # spectral norm (agent.spectral_norm): vectors, then W_sn of the loaded W
             self.spectral.load_arrays(arrays)
 

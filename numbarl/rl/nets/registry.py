@@ -45,8 +45,10 @@ def _c51_valid(module):
 
 def _cases() -> dict[str, ModuleCase]:
     from numbarl.rl.nets.activations import Activation
+    from numbarl.rl.nets.attention import causal_self_attention, transformer_block
     from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
     from numbarl.rl.nets.feature_gate import FeatureGate
+    from numbarl.rl.nets.icm import IcmModel
     from numbarl.rl.nets.layernorm import LayerNorm
     from numbarl.rl.nets.linear import Linear
     from numbarl.rl.nets.mlp import Mlp
@@ -62,6 +64,11 @@ def _cases() -> dict[str, ModuleCase]:
         "mlp-relu": ModuleCase(lambda: Mlp("trunk", 5, (13, 9), input_grad=True), 7, 5),
         "mlp-layernorm-silu": ModuleCase(lambda: Mlp("trunk", 5, (11, 6), activation="silu", layernorm=True,
                                                      input_grad=True), 7, 5),
+        # sequences of n_tokens rows: batch = 2 sequences (numbarl/rl/nets/attention.py)
+        "attention": ModuleCase(lambda: causal_self_attention("attn", 8, 2, 5), 10, 8),
+        "transformer-block": ModuleCase(lambda: transformer_block("block", 6, 2, 3), 6, 6),
+        # an ICM model (numbarl/rl/nets/icm.py; the agent's run without the input gradient)
+        "icm-model": ModuleCase(lambda: IcmModel("icm.fwd", 6, 9, 5, "icm.forward", input_grad=True), 7, 6),
         "c51-head": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0, v_max=2.0),
                                7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
     }
