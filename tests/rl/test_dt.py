@@ -18,7 +18,12 @@ from numbarl.cuda.runtime import Arena, cuda, stream
 from numbarl.rl.losses.dt import DtLoss, dt_loss_ref
 from numbarl.rl.nets.attention import CausalAttentionCore, attention_forward_ref
 from numbarl.rl.nets.base import ParamStore
-from numbarl.rl.nets.dt import DecisionTransformerNet, branch_offsets, launch_tokens, tokens_ref
+from numbarl.rl.nets.dt import (
+    DecisionTransformerNet,
+    branch_offsets,
+    launch_tokens,
+    tokens_ref,
+)
 
 _cuda = cuda()
 SIZES = (3, 2, 4)
@@ -288,7 +293,13 @@ def test_collect_writes_the_behavior_trajectories(rng):
     (noise 0: the hindsight direction, or flat where the lock forbids it) and the env's reward and done;
     the update is scheduled after every T-th step."""
     from numbarl.env.device import DeviceEnv
-    from numbarl.env.params import DIR_FLAT, DIR_LONG, DIR_SHORT, PORTFOLIO_DIM, EnvParams
+    from numbarl.env.params import (
+        DIR_FLAT,
+        DIR_LONG,
+        DIR_SHORT,
+        PORTFOLIO_DIM,
+        EnvParams,
+    )
     from numbarl.rl.agents.dt import hindsight_signal
 
     params = EnvParams()
@@ -318,9 +329,9 @@ def test_collect_writes_the_behavior_trajectories(rng):
 
 
 def _fill(agent, rng):
-    T, N, nb = agent.T, agent.n_envs, agent.n_branches
+    T, N = agent.T, agent.n_envs
     actions = np.stack([rng.integers(0, n, (T, N)) for n in agent.branch_sizes], -1).astype(np.int32)
-    agent.data.load({"obs": rng.normal(0, 1, (T, N, agent.state_dim)).astype(np.float32), "actions": actions,
+    agent.data.load({"obs": rng.normal(0, 1, (T, N, agent.token_dim)).astype(np.float32), "actions": actions,
                      "reward": rng.normal(0, 1, (T, N)).astype(np.float32),
                      "done": (rng.random((T, N)) < 0.2).astype(np.uint8)})
 

@@ -31,7 +31,7 @@ def _agent(seed=1, eval_batch=1):
 
 def _fill(agent, rng):
     actions = np.stack([rng.integers(0, n, (T, N_ENVS)) for n in SIZES], -1).astype(np.int32)
-    agent.data.load({"obs": rng.normal(0, 1, (T, N_ENVS, STATE_DIM)).astype(np.float32), "actions": actions,
+    agent.data.load({"obs": rng.normal(0, 1, (T, N_ENVS, agent.token_dim)).astype(np.float32), "actions": actions,
                      "reward": (rng.standard_normal((T, N_ENVS)) * 0.5).astype(np.float32),
                      "done": (rng.random((T, N_ENVS)) < 0.02).astype(np.uint8)})
 

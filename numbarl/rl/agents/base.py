@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 AGENTS: dict[str, type] = {}
 
 
@@ -59,9 +61,11 @@ def known_kinds() -> tuple[str, ...]:
 
 
 def _load_builtin() -> None:
-    from numbarl.rl.agents import dqn  # noqa: F401  (registers "c51")
-    from numbarl.rl.agents import ppo  # noqa: F401  (registers "ppo")
-    from numbarl.rl.agents import dt  # noqa: F401  (registers "dt")
+    from numbarl.rl.agents import (
+        dqn,  # noqa: F401  (registers "c51")
+        dt,  # noqa: F401  (registers "dt")
+        ppo,  # noqa: F401  (registers "ppo")
+    )
 
 
 class Agent:
@@ -109,3 +113,71 @@ class Agent:
 
     def nonfinite_tensors(self) -> list[str]:
         return []
+
+
+class ArenaStateAgent(Agent):
+    """An agent whose state is a parameter store (`store`: params, target, Adam moments...), the
+    optimizer's state arena (`optim.state`), a resume-only data arena (`data_arena`: a rollout, a
+    trajectory dataset; saved under "replay/" like the C51 replay, so the run folder writes it only
+    where resume needs it), `scalars` and mapped `stats` with a `stats_layout`: checkpoints, stats
+    and the finiteness check written once for such agents (PPO, the Decision Transformer).
+    Subclasses set `data_arena`, `data_label` (its name in nonfinite reports) and `finite_data`
+    (the data arrays checked for NaN/inf)."""
+
+    data_label: str = "data"
+    finite_data: tuple[str, ...] = ()
+
+    @property
+    def data_arena(self):
+        raise TypeError(f"{type(self).__name__} does not define data_arena")
+
+    def state_arrays(self) -> dict:
+        out = {}
+        for role, arena in self.store.arenas.items():
+            if role == "grads":
+                continue
+            for name, value in arena.to_host().items():
+                out[f"{role}/{name}"] = value
+        for name, value in self.optim.state.to_host().items():
+            out[f"optim/{name}"] = value
+        for name, value in self.data_arena.to_host().items():  # resume-only, like the c51 replay
+            out[f"replay/{name}"] = value
+        for name, value in self.scalars.to_host().items():
+            out[f"agent/{name}"] = value
+        out["agent/stats"] = self.stats.host.copy()
+        return out
+
+    def load_state(self, arrays: dict) -> None:
+        def under(prefix):
+            return {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix + "/")}
+
+        for role, arena in self.store.arenas.items():
+            if role != "grads":
+                arena.load(under(role))
+        self.optim.state.load(under("optim"))
+        self.data_arena.load(under("replay"))
+        self.scalars.load({k: v for k, v in under("agent").items() if k != "stats"})
+        if "agent/stats" in arrays:
+            saved = np.asarray(arrays["agent/stats"], np.float32)
+            n = min(saved.size, self.stats.host.size)
+            self.stats.host[:n] = saved[:n]
+
+    def load_params(self, arrays: dict) -> None:
+        self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
+
+    def read_stats(self, stream) -> dict:
+        self.stats.record(stream)
+        values = self.stats_layout.read(self.stats.read())
+        values.pop("optim_step")  # the same number as train_step
+        return values
+
+    def nonfinite_tensors(self) -> list[str]:
+        bad = []
+        for role, arena in self.store.arenas.items():
+            for name, value in arena.to_host().items():
+                if not np.all(np.isfinite(value)):
+                    bad.append(f"{role}:{name}")
+        for name in self.finite_data:
+            if not np.all(np.isfinite(self.data_arena[name].copy_to_host())):
+                bad.append(f"{self.data_label}:{name}")
+        return bad

@@ -100,37 +100,47 @@ import math
 import numpy as np
 
 from numbarl.config import AgentConfig
-from numbarl.cuda import launch
+from numbarl.cuda import launch, reduce
+from numbarl.cuda.kernels import (
+    elementwise,  # IQN (agent.iqn): zeroed gradients on steps without it
+)
 from numbarl.cuda.mapped import MappedBuffer
-from numbarl.cuda import reduce
 from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.registry import StatsLayout
-from numbarl.cuda.kernels import elementwise  # IQN (agent.iqn): zeroed gradients on steps without it
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.losses.cql import CqlLoss
-from numbarl.rl.losses.multi_horizon import MultiHorizonC51Loss, parse_horizons  # multi-horizon C51 (agent.horizons)
-from numbarl.rl.losses.quantile_huber import QuantileHuberLoss, iqn_readiness_kernel  # IQN (agent.iqn)
+from numbarl.rl.losses.expectile import ExpectileLoss  # IQL (agent.iql)
+from numbarl.rl.losses.icm import (  # ICM (agent.curiosity_weight)
+    STAT_NAMES as ICM_STAT_NAMES,
+)
+from numbarl.rl.losses.icm import IcmLoss
+from numbarl.rl.losses.multi_horizon import (  # multi-horizon C51 (agent.horizons)
+    MultiHorizonC51Loss,
+    parse_horizons,
+)
+from numbarl.rl.losses.quantile_huber import (  # IQN (agent.iqn)
+    QuantileHuberLoss,
+    iqn_readiness_kernel,
+)
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
-from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
-from numbarl.rl.losses.expectile import ExpectileLoss  # IQL (agent.iql)
-from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
-from numbarl.rl.losses.icm import STAT_NAMES as ICM_STAT_NAMES, IcmLoss  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
+from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
+from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
     STAT_CLIPPED,
+    STAT_DECAY_RATE,
     STAT_GRAD_NORM,
     STAT_LR,
     STAT_LR_RESTARTS,
     STAT_LR_SCALE,
     STAT_SKIPPED,
     STAT_STEP,
-    STAT_DECAY_RATE,
     STAT_TARGET_SOFT,
     STAT_TARGET_UPDATES,
     STAT_WARMUP_SCALE,

@@ -51,7 +51,7 @@ from numbarl.cuda.registry import RNG_STREAMS, StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
 from numbarl.rl import gae
-from numbarl.rl.agents.base import Agent, register
+from numbarl.rl.agents.base import ArenaStateAgent, register
 from numbarl.rl.losses.ppo import MAX_BRANCHES, PpoLoss
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.linear import Linear
@@ -226,7 +226,7 @@ def scores_kernel(logits, offsets, sizes, out):
 # the agent
 # ---------------------------------------------------------------------------------------------
 @register("ppo")
-class PPOAgent(Agent):
+class PPOAgent(ArenaStateAgent):
     """Branched categorical actor-critic trained by PPO (module docstring)."""
 
     eps_end = 0.0  # PPO explores by sampling its policy (the feedback loop's epsilon reads this)
@@ -405,52 +405,10 @@ class PPOAgent(Agent):
                                                 "kl": STAT_KL, "clipped": STAT_CLIPFRAC}, stream)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        out = {}
-        for role, arena in self.store.arenas.items():
-            if role == "grads":
-                continue
-            for name, value in arena.to_host().items():
-                out[f"{role}/{name}"] = value
-        for name, value in self.optim.state.to_host().items():
-            out[f"optim/{name}"] = value
-        for name, value in self.rollout.to_host().items():  # resume-only, like the c51 replay
-            out[f"replay/{name}"] = value
-        for name, value in self.scalars.to_host().items():
-            out[f"agent/{name}"] = value
-        out["agent/stats"] = self.stats.host.copy()
-        return out
+    # state_arrays, load_state, load_params, read_stats, nonfinite_tensors: ArenaStateAgent
+    data_label = "rollout"
+    finite_data = ("obs", "reward", "adv", "ret")
 
-    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
-        for role, arena in self.store.arenas.items():
-            if role == "grads":
-                continue
-            arena.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(role + "/")})
-        self.optim.state.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optim/")})
-        self.rollout.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("replay/")})
-        self.scalars.load({k.split("/", 1)[1]: v for k, v in arrays.items()
-                           if k.startswith("agent/") and k != "agent/stats"})
-        if "agent/stats" in arrays:
-            saved = np.asarray(arrays["agent/stats"], np.float32)
-            n = min(saved.size, self.stats.host.size)
-            self.stats.host[:n] = saved[:n]
-
-    def load_params(self, arrays: dict[str, np.ndarray]) -> None:
-        self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
-
-    def read_stats(self, stream) -> dict[str, float]:
-        self.stats.record(stream)
-        values = self.stats_layout.read(self.stats.read())
-        values.pop("optim_step")  # the same number as train_step
-        return values
-
-    def nonfinite_tensors(self) -> list[str]:
-        bad = []
-        for role, arena in self.store.arenas.items():
-            for name, value in arena.to_host().items():
-                if not np.all(np.isfinite(value)):
-                    bad.append(f"{role}:{name}")
-        for name in ("obs", "reward", "adv", "ret"):
-            if not np.all(np.isfinite(self.rollout[name].copy_to_host())):
-                bad.append(f"rollout:{name}")
-        return bad
+    @property
+    def data_arena(self):
+        return self.rollout
