@@ -76,6 +76,22 @@ STAT_LR_RESTARTS = 8  # warm restarts of the cosine schedule so far (cumulative)
 STAT_TARGET_SOFT = 9  # Polyak (tau < 1) target updates done (cumulative)
 STAT_DECAY_RATE = 10  # the largest lr_g * wd_g of this step: the decoupled weight decay in force
 STAT_WARMUP_SCALE = 11  # the warm-up part of group 0's schedule multiplier this step (1: none)
+
+# the names an agent's stats layout gives the optimizer's slots (agents whose stats buffer the
+# optimizer writes directly, at these numbers: PPO, the Decision Transformer)
+OPTIMIZER_SLOTS = (("grad_norm", STAT_GRAD_NORM, "float"), ("clip_scale", STAT_CLIP_SCALE, "float"),
+                   ("lr", STAT_LR, "float"), ("optim_step", STAT_STEP, "int"), ("skipped_steps", STAT_SKIPPED, "int"),
+                   ("clipped_steps", STAT_CLIPPED, "int"), ("target_copies", STAT_TARGET_UPDATES, "int"),
+                   ("lr_scale", STAT_LR_SCALE, "float"), ("lr_restarts", STAT_LR_RESTARTS, "int"),
+                   ("target_soft_updates", STAT_TARGET_SOFT, "int"), ("decay_rate", STAT_DECAY_RATE, "float"),
+                   ("lr_warmup_scale", STAT_WARMUP_SCALE, "float"))
+
+
+def claim_optimizer_slots(layout) -> None:
+    """Name the optimizer's slots 0..11 in `layout` (a numbarl.cuda.registry.StatsLayout); without
+    a target network, target_copies and target_soft_updates stay 0."""
+    for name, slot, kind in OPTIMIZER_SLOTS:
+        layout.slot(name, slot, kind=kind)
 N_STATS = 12
 
 # scalars the finalize kernel hands to the update kernels (float32 [N_SCAL])

@@ -81,20 +81,13 @@ from numbarl.rl.nets.dt import (
     launch_tokens,
 )
 from numbarl.rl.optim import (
-    STAT_CLIP_SCALE,
-    STAT_CLIPPED,
-    STAT_DECAY_RATE,
     STAT_GRAD_NORM,
     STAT_LR,
-    STAT_LR_RESTARTS,
     STAT_LR_SCALE,
-    STAT_SKIPPED,
-    STAT_STEP,
-    STAT_TARGET_SOFT,
-    STAT_TARGET_UPDATES,
     STAT_WARMUP_SCALE,
     Adam,
     AdamConfig,
+    claim_optimizer_slots,
 )
 from numbarl.rl.schedules import ScheduleConfig
 
@@ -108,18 +101,7 @@ SLOT_WINDOW_ENV = RNG_STREAMS.claim("dt.window_env", 240)  # lane = window: the 
 SLOT_WINDOW_START = RNG_STREAMS.claim("dt.window_start", 241)  # lane = window: its first step
 
 DT_STATS = StatsLayout("dt agent")
-DT_STATS.slot("grad_norm", STAT_GRAD_NORM)
-DT_STATS.slot("clip_scale", STAT_CLIP_SCALE)
-DT_STATS.slot("lr", STAT_LR)
-DT_STATS.slot("optim_step", STAT_STEP, kind="int")
-DT_STATS.slot("skipped_steps", STAT_SKIPPED, kind="int")
-DT_STATS.slot("clipped_steps", STAT_CLIPPED, kind="int")
-DT_STATS.slot("target_copies", STAT_TARGET_UPDATES, kind="int")  # 0 (no target net)
-DT_STATS.slot("lr_scale", STAT_LR_SCALE)
-DT_STATS.slot("lr_restarts", STAT_LR_RESTARTS, kind="int")
-DT_STATS.slot("target_soft_updates", STAT_TARGET_SOFT, kind="int")  # 0 (no target net)
-DT_STATS.slot("decay_rate", STAT_DECAY_RATE)
-DT_STATS.slot("lr_warmup_scale", STAT_WARMUP_SCALE)
+claim_optimizer_slots(DT_STATS)  # slots 0..11: the optimizer writes them
 STAT_LOSS = DT_STATS.slot("loss", 12)  # mean action cross-entropy (summed over branches) of the last batch
 STAT_ACCURACY = DT_STATS.slot("dt_action_acc", 13)  # share of branch actions predicted (first argmax), last batch
 STAT_RETURN_STD = DT_STATS.slot("dt_return_std", 14)  # std of the dataset's raw returns-to-go (last refresh)

@@ -57,20 +57,13 @@ from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import (
-    STAT_CLIP_SCALE,
-    STAT_CLIPPED,
-    STAT_DECAY_RATE,
     STAT_GRAD_NORM,
     STAT_LR,
-    STAT_LR_RESTARTS,
     STAT_LR_SCALE,
-    STAT_SKIPPED,
-    STAT_STEP,
-    STAT_TARGET_SOFT,
-    STAT_TARGET_UPDATES,
     STAT_WARMUP_SCALE,
     Adam,
     AdamConfig,
+    claim_optimizer_slots,
 )
 from numbarl.rl.schedules import ScheduleConfig
 
@@ -80,18 +73,7 @@ SLOT_ACTION = RNG_STREAMS.claim("ppo.action", 220, width=4)  # + branch: the sam
 
 # mapped stats (float32, named): the optimizer writes its slots 0..11 straight into this vector
 PPO_STATS = StatsLayout("ppo agent")
-PPO_STATS.slot("grad_norm", STAT_GRAD_NORM)
-PPO_STATS.slot("clip_scale", STAT_CLIP_SCALE)
-PPO_STATS.slot("lr", STAT_LR)
-PPO_STATS.slot("optim_step", STAT_STEP, kind="int")
-PPO_STATS.slot("skipped_steps", STAT_SKIPPED, kind="int")
-PPO_STATS.slot("clipped_steps", STAT_CLIPPED, kind="int")
-PPO_STATS.slot("target_copies", STAT_TARGET_UPDATES, kind="int")  # written by the optimizer; 0 (no target net)
-PPO_STATS.slot("lr_scale", STAT_LR_SCALE)
-PPO_STATS.slot("lr_restarts", STAT_LR_RESTARTS, kind="int")
-PPO_STATS.slot("target_soft_updates", STAT_TARGET_SOFT, kind="int")  # 0 (no target net)
-PPO_STATS.slot("decay_rate", STAT_DECAY_RATE)
-PPO_STATS.slot("lr_warmup_scale", STAT_WARMUP_SCALE)
+claim_optimizer_slots(PPO_STATS)  # slots 0..11: the optimizer writes them
 STAT_LOSS = PPO_STATS.slot("loss", 12)  # mean PPO loss of the last minibatch
 STAT_POLICY = PPO_STATS.slot("policy_loss", 13)  # mean clipped-surrogate loss (last minibatch)
 STAT_VALUE = PPO_STATS.slot("value_loss", 14)  # mean ½(V − R)² (last minibatch)
