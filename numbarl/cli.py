@@ -198,7 +198,7 @@ def compare_main():
 # ---------------------------------------------------------------------------------------------
 BENCHES = {"runtime": "numbarl.bench.runtime", "kernels": "numbarl.bench.kernels",
            "env": "numbarl.bench.env", "head": "numbarl.bench.head", "train": "numbarl.bench.train",
-           "ppo": "numbarl.bench.ppo"}
+           "ppo": "numbarl.bench.ppo", "dt": "numbarl.bench.dt"}
 
 
 BENCH_HELP = {"runtime": "Launch overhead (graph vs eager) and GEMM throughput vs torch.matmul.",
@@ -206,6 +206,7 @@ BENCH_HELP = {"runtime": "Launch overhead (graph vs eager) and GEMM throughput v
               "head": "The C51 head's dueling softmax per pass.",
               "train": "Train step vs PyTorch (eager, CUDA-graphed) and JAX; --profile lists GPU time per kernel.",
               "ppo": "PPO env-steps/s including its update, vs a PyTorch PPO on the same shapes.",
+              "dt": "Decision Transformer train step and acting step vs a PyTorch DT on the same shapes.",
               "all": "Every benchmark, one after the other."}
 
 

@@ -375,6 +375,9 @@ def check_params(seg_bars, event_slots, k) -> tuple[int, int]:
         raise ValueError(f"event_slots = {event_slots!r} is invalid: allowed an integer >= 1 (None: segment_bars)")
     if k.episode_length != 0 or k.hard_cap != 0:  # the join needs a path decided by the trade state alone
         raise ValueError("segmented backtest needs the backtest step constants (no episodes, no hard cap)")
+    if k.kelly_lambda > 0:  # the cap sizes entries from the Kelly sums: a flat book is no longer a join point
+        raise ValueError("segmented backtest: env.kelly_lambda > 0 makes entry sizes depend on the Kelly accumulators, "
+                         "which the speculative pass does not have; use segment_bars=None (one thread per policy)")
     return int(seg_bars), int(slots)
 
 

@@ -10,6 +10,8 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
 
  1. ORDER      the decision made at c's close is queued unless an order is already pending
                (then it is ignored); a "hold" (same direction, or flat while flat) queues nothing.
+               With the Kelly size cap on (kelly_lambda > 0) an order that may open a side is
+               queued at min(size, the env's Kelly cap) (`kelly_size`).
  2. EXECUTION  an order due at c (c + latency_bars when it was queued) fills at c's close quote:
                with latency_bars = 0 the deciding bar's own close quote (zero latency);
                buys at ask + slippage, sells at bid - slippage, plus `fee` per contract per side.
@@ -55,6 +57,7 @@ from numbarl.env.params import (
     EXIT_NONE,
     EXIT_STOP,
     EXIT_TARGET,
+    SIZE_STEP_RTOL,
 )
 from numbarl.env.state import (  # noqa: F401  (the records the step math works on)
     STATE_FIELDS,
@@ -87,6 +90,10 @@ _F1 = np.float64(1.0)
 _HALF = np.float64(0.5)
 _TWO = np.float64(2.0)
 _DSR_MIN_VAR = np.float64(1e-12)
+# the Kelly cap in lots is rounded down after this relative nudge up, so that a cap that is a whole
+# number of lots up to rounding (e.g. 4 x 0.5 / 0.001) keeps that lot (params.SIZE_STEP_RTOL);
+# a product, not a sum, so no FMA can contract it on the GPU
+_LOTS_NUDGE = np.float64(1.0 + SIZE_STEP_RTOL)
 _I0 = np.int64(0)
 _NEG_INF32 = np.float32(-np.inf)
 
@@ -260,6 +267,40 @@ def dsr_update(a, b, r, eta):
 
 
 @njit(cache=True)
+def kelly_fraction(wins, losses, sum_win, sum_loss):
+    """Kelly fraction f* = p - (1 - p) / b (Kelly 1956; Thorp 2006: p win rate, b average
+    win / average loss), clipped to [-1, 1]; 0 until there is at least one win and one loss.
+    The observation's `kelly_fraction` feature and the size cap read it."""
+    if wins <= 0 or losses <= 0 or sum_loss <= _F0:
+        return _F0
+    p = np.float64(wins) / np.float64(wins + losses)
+    b = (sum_win / np.float64(wins)) / (sum_loss / np.float64(losses))
+    if b <= _F0:
+        return np.float64(-1.0)
+    f = p - (_F1 - p) / b
+    return max(np.float64(-1.0), min(_F1, f))
+
+
+@njit(cache=True)
+def kelly_size(size, wins, losses, sum_win, sum_loss, k):
+    """Fractional-Kelly size cap at order time: min(size, cap), cap = max_size x clip(lambda f*,
+    floor, 1) rounded DOWN to whole lots (k.size_step) and never below the smallest grid size.
+
+    f* = kelly_fraction of the env's closed trades (f* <= 0 or no history: the floor). Rounding down
+    keeps the cap a cap (the position never exceeds lambda f* x max size by a fraction of a lot);
+    the smallest-size bound keeps every entry an entry (a cap can shrink an order, never cancel it).
+    The cap goes through float32 like the grid's sizes, so an uncapped grid size compares equal.
+    Hand case (sizes (1, 2, 4), step 1, lambda 0.5, floor 0.25): 3 wins of 2, 1 loss of 1 ->
+    p = 0.75, b = 2, f* = 0.625, cap = 4 x 0.3125 = 1.25 -> 1 lot: a size-4 order opens 1 contract.
+    """
+    f = k.kelly_lambda * kelly_fraction(wins, losses, sum_win, sum_loss)
+    frac = min(_F1, max(k.kelly_floor, f))
+    lots = math.floor(k.max_size * frac / k.size_step * _LOTS_NUDGE)
+    cap = max(np.float64(np.float32(np.float64(lots) * k.size_step)), k.min_size)
+    return min(np.float64(size), cap)
+
+
+@njit(cache=True)
 def episode_done(ep_len, position, pending_due, k):
     """Position-gated end of episode: long enough, flat, nothing pending (no episodes if length 0)."""
     return k.episode_length > 0 and ep_len >= k.episode_length and position == _F0 and pending_due < 0
@@ -332,6 +373,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
     p_stp = s.pending_stop
 
     # 1. ORDER -------------------------------------------------------------------------------
+    kelly_ratio = _F0  # capped / asked size of an opening order queued with the Kelly cap on (telemetry)
     if p_due < 0 and changes_position(direction, pos):
         p_due = c + k.latency_bars
         p_dir = np.int64(direction)
@@ -340,6 +382,9 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
             # cannot open a side if a stop or target ends the position during the fill delay
             p_dir = np.int64(DIR_FLAT)
         p_size = np.float64(size)
+        if k.kelly_lambda > _F0 and p_dir != DIR_FLAT:  # an order that may open a side: Kelly cap
+            p_size = kelly_size(p_size, kw, kl, ksw, ksl, k)
+            kelly_ratio = p_size / np.float64(size)
         p_tgt = np.float64(target_mult)
         p_stp = np.float64(stop_mult)
 
@@ -452,6 +497,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
         np.float64(r_opportunity),
         np.float64(r_dsr),
         np.float64(conviction),
+        np.float64(kelly_ratio),
     )
     return s_new, out, t1, t2
 

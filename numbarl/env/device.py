@@ -3,8 +3,11 @@
 Kernels (each runs the row function of numbarl/env/core.py that the CPU reference loops over):
 
     reset_kernel    env i -> fresh portfolio at an RNG-drawn start        grid over N
-    gather_kernel   obs[i, j] = features[cursor_i, j] | portfolio feature  grid over N * state_dim
-                    and the action mask [N, n_branches, max_actions]
+    gather          two launches: features_kernel  obs[i, j < F] = features[cursor_i, j]
+                    (grid over N * F, a plain copy), then portfolio_kernel: the
+                    portfolio features and the action mask [N, n_branches, max_actions]
+                    (grid over N * PORTFOLIO_DIM). gather_kernel (grid over N * state_dim,
+                    both in one) is the backtest's, over its policies' rows
     step_kernel     fills, exits, P&L, reward, done, soft reset            grid over N
                     + the training-path telemetry: env i adds its step to its own column of
                     telemetry_acc [N_TEL, N] float64 (numbarl/env/telemetry.py)
@@ -38,7 +41,7 @@ from numbarl.cuda.runtime import Arena, cuda
 from numbarl.cuda.runtime import stream as default_stream
 from numbarl.env.market import DeviceMarket, MarketData, check_range
 from numbarl.env.params import PORTFOLIO_FEATURES, EnvParams
-from numbarl.env.rows import gather_row, reset_row
+from numbarl.env.rows import gather_portfolio_row, gather_row, reset_row
 from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, StepArrays
 from numbarl.env.telemetry import N_TEL, launch_zero, telemetry_step_row
 
@@ -51,6 +54,7 @@ BLOCK = 128  # threads per block (one env per thread; the gather maps one obs el
 # ---------------------------------------------------------------------------------------------
 _reset_row = device_function(reset_row)
 _gather_row = device_function(gather_row)
+_gather_portfolio_row = device_function(gather_portfolio_row)
 _telemetry_step_row = device_function(telemetry_step_row)  # rows.env_step_row + accumulation
 
 
@@ -71,6 +75,28 @@ def gather_kernel(obs, mask, st, mk, k, branch_sizes):
     if e >= obs.shape[0] * obs.shape[1]:
         return
     _gather_row(obs, mask, e, st, mk, k, branch_sizes)
+
+
+@_cuda.jit(cache=True)
+def features_kernel(obs, cursor, features):
+    """obs[i, j] = features[cursor[i], j] for the market features j < F: one element per thread,
+    nothing else in the kernel (a light copy at full occupancy; the portfolio features' float64
+    arithmetic and the mask are `portfolio_kernel`'s)."""
+    e = _cuda.grid(1)
+    n_feat = features.shape[1]
+    if e >= obs.shape[0] * n_feat:
+        return
+    i = e // n_feat
+    j = e - i * n_feat
+    obs[i, j] = features[cursor[i], j]
+
+
+@_cuda.jit(cache=True)
+def portfolio_kernel(obs, mask, st, mk, k, branch_sizes):
+    e = _cuda.grid(1)
+    if e >= obs.shape[0] * (obs.shape[1] - mk.features.shape[1]):
+        return
+    _gather_portfolio_row(obs, mask, e, st, mk, k, branch_sizes)
 
 
 @_cuda.jit(cache=True)
@@ -105,7 +131,18 @@ def launch_reset(st, lo, hi, k, seed, counter, stream):
 
 
 def launch_gather(obs, mask, st, mk, k, branch_sizes, stream):
+    """One launch, one thread per obs element (the backtest's gather over its policies)."""
     gather_kernel[launch_dims(obs.shape[0] * obs.shape[1]) + (stream,)](obs, mask, st, mk, k, branch_sizes)
+
+
+def launch_gather_split(obs, mask, st, mk, k, branch_sizes, stream):
+    """The env's gather in two launches: the market features' copy, then the portfolio features
+    and the mask; the same values as `launch_gather`."""
+    n, n_feat = obs.shape[0], mk.features.shape[1]
+    if obs.shape[1] - n_feat < 1:
+        raise ValueError(f"obs has {obs.shape[1]} columns for {n_feat} market features: no portfolio block")
+    features_kernel[launch_dims(n * n_feat) + (stream,)](obs, st.cursor, mk.features)
+    portfolio_kernel[launch_dims(n * (obs.shape[1] - n_feat)) + (stream,)](obs, mask, st, mk, k, branch_sizes)
 
 
 def launch_step(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc, stream):
@@ -234,7 +271,7 @@ class DeviceEnv:
         mask = self.arena["mask"] if mask is None else mask
         _check("obs", obs, (self.n_envs, self.state_dim), np.float32)
         _check("mask", mask, (self.n_envs, self.params.n_branches, self.params.max_actions), np.uint8)
-        launch_gather(obs, mask, self.state, self.mk, self.k, self.branch_sizes, _s(stream))
+        launch_gather_split(obs, mask, self.state, self.mk, self.k, self.branch_sizes, _s(stream))
         return obs, mask
 
     def step(self, actions=None, preference=None, counter=None, stream=None):

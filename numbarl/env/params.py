@@ -88,6 +88,10 @@ class StepConsts(NamedTuple):
     dsr_eta: np.float64
     dsr_scale: np.float64
     obs_hold_bars: np.float64
+    kelly_lambda: np.float64  # fractional-Kelly multiplier of the size cap (0: no cap, the step is unchanged)
+    kelly_floor: np.float64  # smallest cap as a fraction of max_size (no history or no edge)
+    size_step: np.float64  # lot size: the Kelly cap is rounded down to whole lots
+    min_size: np.float64  # smallest size of the grid: the Kelly cap never goes below it
     episode_length: np.int64  # 0: no episodes (backtest)
     hard_cap: np.int64  # 0: no cap (backtest)
     latency_bars: np.int64  # an order decided at bar t's close fills at bar t + latency_bars's close
@@ -170,6 +174,17 @@ class EnvParams:
     dsr_reward_scale: float = 0.0
     """Weight of the trade-level differential Sharpe ratio term (Moody & Saffell 2001); 0 = off."""
 
+    # --- sizing ---
+    kelly_lambda: float = 0.0
+    """Fractional-Kelly size cap at order time (Kelly 1956; Thorp 2006): an opening order's size
+    becomes min(size, max_size x clip(kelly_lambda x f*, kelly_floor, 1)), rounded down to whole
+    lots and never below min(sizes), with f* = p - (1 - p) / b from the env's own closed trades
+    (the `kelly_fraction` observation). 0 = off (the default: sizes are the size branch's);
+    0.5 = half Kelly."""
+    kelly_floor: float = 0.25
+    """The Kelly cap's lower bound as a fraction of max size: the cap while f* <= 0 or before the env
+    has both a win and a loss (so an env without history still trades)."""
+
     # --- episodes ---
     episode_length: int = 5000
     """Bars after which done is raised, but only once the env is flat (position-gated)."""
@@ -238,6 +253,12 @@ class EnvParams:
             _fail("conviction_weight", self.conviction_weight, "a number in [0, 1]")
         if not isinstance(self.dsr_eta, (int, float)) or not 0.0 < self.dsr_eta < 1.0:
             _fail("dsr_eta", self.dsr_eta, "a number in (0, 1)")
+        v = self.kelly_lambda
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            _fail("kelly_lambda", v, "a finite number >= 0 (0 = no Kelly size cap; 0.5 = half Kelly)")
+        v = self.kelly_floor
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            _fail("kelly_floor", v, "a number in [0, 1] (the Kelly cap's lower bound as a fraction of max size)")
         if not isinstance(self.direction_lock, (bool, np.bool_)):
             _fail("direction_lock", self.direction_lock, "True or False")
 
@@ -287,6 +308,8 @@ class EnvParams:
                     f"(decided at bar t's close, filled at bar t+{self.latency_bars}'s)")
         slip = f" + {self.slippage_ticks:g} tick slippage" if self.slippage_ticks else ""
         lots = "whole contracts" if self.size_step == 1.0 else f"size step {self.size_step:g} contracts"
+        if self.kelly_lambda > 0:
+            lots += f", capped at {self.kelly_lambda:g} x Kelly of max size (floor {self.kelly_floor:g})"
         return (f"{when}, crossing the spread{slip}; fee {self.fee_per_contract:g} per contract per side; "
                 f"{lots}; targets/stops at their level, half a spread worse")
 
@@ -314,6 +337,10 @@ class EnvParams:
             dsr_eta=np.float64(self.dsr_eta),
             dsr_scale=np.float64(self.dsr_reward_scale),
             obs_hold_bars=np.float64(self.obs_hold_bars),
+            kelly_lambda=np.float64(self.kelly_lambda),
+            kelly_floor=np.float64(self.kelly_floor),
+            size_step=np.float64(self.size_step),
+            min_size=np.float64(np.float32(min(self.sizes))),
             episode_length=np.int64(0 if backtest else self.episode_length),
             hard_cap=np.int64(0 if backtest else self.max_episode_bars),
             latency_bars=np.int64(self.latency_bars),

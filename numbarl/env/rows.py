@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from numbarl.cuda.runtime import cuda
-from numbarl.env.core import SLOT_INIT, SLOT_RESET, env_transition, reset_start, side_of  # noqa: F401
+from numbarl.env.core import SLOT_INIT, SLOT_RESET, env_transition, kelly_fraction, reset_start, side_of  # noqa: F401
 from numbarl.env.params import (
     BR_DIRECTION,
     DIR_LONG,
@@ -132,20 +132,6 @@ def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter
     return o, t1, t2
 
 
-@njit(cache=True)
-def kelly_fraction(wins, losses, sum_win, sum_loss):
-    """Kelly fraction p - (1 - p) / b (p win rate, b average win / average loss), clipped to [-1, 1];
-    0 until there is at least one win and one loss."""
-    if wins <= 0 or losses <= 0 or sum_loss <= _F0:
-        return _F0
-    p = np.float64(wins) / np.float64(wins + losses)
-    b = (sum_win / np.float64(wins)) / (sum_loss / np.float64(losses))
-    if b <= _F0:
-        return np.float64(-1.0)
-    f = p - (_F1 - p) / b
-    return max(np.float64(-1.0), min(_F1, f))
-
-
 @row_jit
 def portfolio_feature(st, i, which, mid, vol, k):
     """Portfolio observation `which` (params.PORTFOLIO_FEATURES order) of env i at its cursor."""
@@ -196,6 +182,24 @@ def gather_row(obs, mask, e, st, mk, k, branch_sizes):
     while m < mask.shape[1] * mask.shape[2]:
         mask_row(mask, i, m, st.position[i], k.direction_lock, branch_sizes)
         m += state_dim
+
+
+@row_jit
+def gather_portfolio_row(obs, mask, e, st, mk, k, branch_sizes):
+    """The part of `gather_row` after the market features, for element e of the flattened
+    [N, PORTFOLIO_DIM] portfolio block: env i's portfolio feature p, and its mask elements p,
+    p + PORTFOLIO_DIM, ... The device gather splits in two launches (the market features are a
+    plain copy, `numbarl/env/device.py`); the values are the ones `gather_row` writes."""
+    n_feat = mk.features.shape[1]
+    n_port = obs.shape[1] - n_feat
+    i = e // n_port
+    p = e - i * n_port
+    c = st.cursor[i]
+    obs[i, n_feat + p] = np.float32(portfolio_feature(st, i, p, mk.mid[c], mk.vol[c], k))
+    m = p
+    while m < mask.shape[1] * mask.shape[2]:
+        mask_row(mask, i, m, st.position[i], k.direction_lock, branch_sizes)
+        m += n_port
 
 
 # ---------------------------------------------------------------------------------------------

@@ -192,6 +192,9 @@ class StepOut(NamedTuple):
     r_opportunity: np.float64  # opportunity cost while flat (subtracted)
     r_dsr: np.float64  # dsr_scale x differential Sharpe of the trades closed in the step
     conviction: np.float64  # plan-conviction factor multiplying the whole reward
+    # Kelly size cap (EnvParams.kelly_lambda > 0): capped / asked size of the opening order queued
+    # this step (1: the cap did not bind); 0 when no such order was queued or the cap is off
+    kelly_ratio: np.float64
 
 
 # Row functions and the CPU loops over them only index arrays they are given (they never

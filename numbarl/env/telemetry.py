@@ -16,6 +16,9 @@ writer per slot, each slot a sum in step order, so it is deterministic):
     T_TRADE_SUM, T_TRADE_SUMSQ                 sum and sum of squares of their net P&L
     term_sum(j), term_sumsq(j)                 for each reward term TERMS[j]: sum and sum of
                                                squares of its contribution to the reward
+    T_KELLY_ORDERS, T_KELLY_CAPPED,            the Kelly size cap (EnvParams.kelly_lambda > 0):
+    T_KELLY_RATIO_SUM                          opening orders it sized, those it shrank, and the
+                                               sum of capped / asked size (StepOut.kelly_ratio)
 
 Money is in currency, as the backtest's metrics use it (bar P&L = change of realized + unrealized
 P&L, trade P&L net of fees on both sides; core.py). A step can close two trades (an agent close at
@@ -50,6 +53,9 @@ What the figures are (``summarize``):
     train_path.win_rate, train_path.avg_trade, train_path.n_trades, train_path.n_bars,
     train_path.pnl_mean, train_path.pnl_std (currency per env-bar)
     reward.<term>.mean, .std (ddof=1, over every env-step), .snr = mean / std
+    train_path.kelly_capped_frac  the share of the opening orders the Kelly size cap sized that it
+                            shrank (NaN with no such order: always with the cap off)
+    train_path.kelly_size_ratio   their mean capped / asked size (NaN with no such order)
 
 Undefined figures are NaN (None in ``epoch_record``): no bars or trades, fewer than 2, or a zero
 std. A std is zero when it is at or below ZERO_STD_REL x the root mean square of the same series:
@@ -85,12 +91,16 @@ TERMS = ("trade", "micro", "holding", "churn", "opportunity", "dsr")  # the rewa
 T_BAR_N, T_BAR_SUM, T_BAR_SUMSQ = 0, 1, 2
 T_TRADE_N, T_TRADE_WINS, T_TRADE_SUM, T_TRADE_SUMSQ = 3, 4, 5, 6
 T_TERM0 = 7  # term j: sum in row T_TERM0 + 2 j, sum of squares in row T_TERM0 + 2 j + 1
-N_TEL = T_TERM0 + 2 * len(TERMS)
+T_KELLY_ORDERS = T_TERM0 + 2 * len(TERMS)  # the Kelly size cap: orders it sized,
+T_KELLY_CAPPED = T_KELLY_ORDERS + 1  # those it shrank,
+T_KELLY_RATIO_SUM = T_KELLY_ORDERS + 2  # sum of capped / asked size
+N_TEL = T_KELLY_ORDERS + 3
 
 # rows of one step's record (reference only): rec [N_REC, N] float64
 R_BAR_PNL, R_T1_CLOSED, R_T1_PNL, R_T2_CLOSED, R_T2_PNL = 0, 1, 2, 3, 4
 R_TERM0 = 5  # contribution of term j in row R_TERM0 + j
-N_REC = R_TERM0 + len(TERMS)
+R_KELLY_RATIO = R_TERM0 + len(TERMS)  # StepOut.kelly_ratio (0: no order sized by the Kelly cap)
+N_REC = R_KELLY_RATIO + 1
 
 ZERO_STD_REL = 1e-4  # std <= this x RMS of the same series is rounding of the sums: zero variance
 BLOCK = 128
@@ -144,6 +154,15 @@ def _add_trade(acc, i, t):
 
 
 @row_jit
+def _add_kelly(acc, i, ratio):
+    if ratio > _F0:  # an opening order sized by the Kelly cap
+        acc[T_KELLY_ORDERS, i] += _F1
+        if ratio < _F1:
+            acc[T_KELLY_CAPPED, i] += _F1
+        acc[T_KELLY_RATIO_SUM, i] += ratio
+
+
+@row_jit
 def accumulate_row(acc, i, o, t1, t2):
     """Add env i's step (StepOut o, closed trades t1, t2) to column i of acc [N_TEL, N]."""
     acc[T_BAR_N, i] += _F1
@@ -157,6 +176,7 @@ def accumulate_row(acc, i, o, t1, t2):
     _add(acc, T_TERM0 + 6, i, ch)
     _add(acc, T_TERM0 + 8, i, op)
     _add(acc, T_TERM0 + 10, i, ds)
+    _add_kelly(acc, i, o.kelly_ratio)
 
 
 @row_jit
@@ -187,6 +207,7 @@ def record_row(rec, i, o, t1, t2):
     rec[R_TERM0 + 3, i] = ch
     rec[R_TERM0 + 4, i] = op
     rec[R_TERM0 + 5, i] = ds
+    rec[R_KELLY_RATIO, i] = o.kelly_ratio
 
 
 @row_jit
@@ -218,6 +239,11 @@ def accumulate_reference(records) -> np.ndarray:
             x = rec[R_TERM0 + j]
             acc[term_sum(j)] += x
             acc[term_sumsq(j)] += x * x
+        ratio = rec[R_KELLY_RATIO]
+        sized = ratio > 0.0
+        acc[T_KELLY_ORDERS] += np.where(sized, 1.0, 0.0)
+        acc[T_KELLY_CAPPED] += np.where(sized & (ratio < 1.0), 1.0, 0.0)
+        acc[T_KELLY_RATIO_SUM] += np.where(sized, ratio, 0.0)
     return acc
 
 
@@ -278,6 +304,7 @@ def summary_keys() -> tuple[str, ...]:
             "train_path.n_trades", "train_path.win_rate", "train_path.avg_trade", "train_path.trade_sharpe"]
     for term in TERMS:
         keys += [f"reward.{term}.mean", f"reward.{term}.std", f"reward.{term}.snr"]
+    keys += ["train_path.kelly_capped_frac", "train_path.kelly_size_ratio"]
     return tuple(keys)
 
 
@@ -311,6 +338,9 @@ def summarize(acc: np.ndarray, bars_per_day: float) -> dict:
         out[f"reward.{term}.mean"] = mean
         out[f"reward.{term}.std"] = std
         out[f"reward.{term}.snr"] = _ratio(mean, std)
+    n_kelly = tot[T_KELLY_ORDERS]
+    out["train_path.kelly_capped_frac"] = tot[T_KELLY_CAPPED] / n_kelly if n_kelly >= 1 else math.nan
+    out["train_path.kelly_size_ratio"] = tot[T_KELLY_RATIO_SUM] / n_kelly if n_kelly >= 1 else math.nan
     return out
 
 

@@ -243,6 +243,16 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_cvar_gate.py",),
         "cvar_blocked_frac", "> 0"),
     # --- end spectral normalization and the CVaR entry gate --------------------------------------------
+    # --- the env's fractional-Kelly size cap (env.kelly_lambda; numbarl/env/core.py:kelly_size) ---------------
+    Component(
+        "kelly_sizing", "fractional-Kelly size cap at order time in the shared step (training env, backtest, CPU "
+        "reference): an opening order's size becomes min(size, max_size x clip(lambda f*, floor, 1)) rounded down to "
+        "whole lots, never below the smallest size; f* = p - (1 - p)/b from the env's own closed trades",
+        "env.kelly_lambda=0.5",
+        "Kelly 1956 (f* = p - q/b for b-to-1 odds); Thorp 2006 (fractional Kelly: betting lambda f*)",
+        ("tests/env/test_core.py", "tests/env/test_telemetry.py"),
+        "train_path.kelly_capped_frac", "> 0", agent_kinds=("c51", "ppo", "dt")),
+    # --- end the env's fractional-Kelly size cap --------------------------------------------------------
     # --- PPO (agent.kind = "ppo"; numbarl/rl/agents/ppo.py) ------------------------------------------------
     Component(
         "ppo", "PPO: clipped surrogate + value loss + entropy bonus on a branched masked-categorical policy and a "

@@ -83,7 +83,8 @@ loss, numbarl/rl/losses/multi_horizon.py). The valid range then uses the longest
 w = max(n_step, horizons): τ ∈ [τ_lo, c − 1 − w] and min_writes = w + 1, so every horizon's
 window is complete; with no extra horizon w = n_step and the draw is the one without them.
 
-Kernels and thread mapping: write (one thread per (env, feature), scalars by feature 0), advance
+Kernels and thread mapping: write (obs: one thread per (env, feature); then one thread per env for
+the action, reward, done, weight and mask), advance
 (one thread: count += 1), sample index (one thread per batch row: RNG, n-step scan), gather (one
 thread per (row, feature): obs and next_obs), weight normalization (one block, only when
 normalize_weights). Launchers only launch (no allocation, copy or sync)
@@ -256,34 +257,38 @@ _cuda = cuda()
 
 
 @_cuda.jit(cache=True)
-def write_kernel(obs_store, action_store, reward_store, done_store, weight_store, mask_store, count,
-                 obs, action, reward, done, weight, use_weight, mask, use_mask):
-    """Row count % n_slots ← this step's transitions. One thread per (env, feature); feature d
-    also copies mask elements d, d + dim, ... of its env."""
+def write_obs_kernel(obs_store, count, obs):
+    """obs_store[count % n_slots] ← obs: one thread per (env, feature) and nothing else (a light
+    copy at full occupancy; the env's small per-row fields are `write_row_kernel`'s)."""
     i = _cuda.grid(1)
-    n_envs = obs.shape[0]
     dim = obs.shape[1]
-    if i >= n_envs * dim:
+    if i >= obs.shape[0] * dim:
         return
     e = i // dim
     d = i - e * dim
-    s = count[0] % obs_store.shape[0]
-    obs_store[s, e, d] = obs[e, d]
+    obs_store[count[0] % obs_store.shape[0], e, d] = obs[e, d]
+
+
+@_cuda.jit(cache=True)
+def write_row_kernel(action_store, reward_store, done_store, weight_store, mask_store, count,
+                     action, reward, done, weight, use_weight, mask, use_mask):
+    """Row count % n_slots ← this step's actions, reward, done, weight and mask: one thread per env."""
+    e = _cuda.grid(1)
+    if e >= action.shape[0]:
+        return
+    s = count[0] % action_store.shape[0]
+    for j in range(action.shape[1]):
+        action_store[s, e, j] = action[e, j]
+    reward_store[s, e] = reward[e]
+    done_store[s, e] = 1 if done[e] != 0 else 0
+    if use_weight:
+        weight_store[s, e] = weight[e]
+    else:
+        weight_store[s, e] = _ONE
     if use_mask:
-        n_act = mask.shape[2]
-        m = d
-        while m < mask.shape[1] * n_act:
-            mask_store[s, e, m // n_act, m % n_act] = mask[e, m // n_act, m % n_act]
-            m += dim
-    if d == 0:
-        for j in range(action.shape[1]):
-            action_store[s, e, j] = action[e, j]
-        reward_store[s, e] = reward[e]
-        done_store[s, e] = 1 if done[e] != 0 else 0
-        if use_weight:
-            weight_store[s, e] = weight[e]
-        else:
-            weight_store[s, e] = _ONE
+        for b in range(mask.shape[1]):
+            for a in range(mask.shape[2]):
+                mask_store[s, e, b, a] = mask[e, b, a]
 
 
 @_cuda.jit(cache=True)
@@ -699,9 +704,13 @@ class Replay:
             raise ValueError(f"Replay.write expects mask uint8 {(N, self.n_branches, self.max_actions)}, got "
                              f"{mask.dtype} {tuple(mask.shape)}")
         m = mask if mask is not None else self.batch_arena["next_mask"]  # placeholder, unread
-        write_kernel[_grid(N * D), BLOCK, stream](
-            s["obs"], s["action"], s["reward"], s["done"], s["weight"], s["mask"], s["count"],
-            obs, action, reward, done, w, use_weight, m, mask is not None)
+        # two launches: the obs copy alone (one thread per element), then one thread per env for
+        # the small fields (one launch whose obs threads also carried the per-env fields took
+        # 21.6 µs at N = 16,384 on the H200)
+        write_obs_kernel[_grid(N * D), BLOCK, stream](s["obs"], s["count"], obs)
+        write_row_kernel[_grid(N), BLOCK, stream](
+            s["action"], s["reward"], s["done"], s["weight"], s["mask"], s["count"],
+            action, reward, done, w, use_weight, m, mask is not None)
         advance_kernel[1, 1, stream](s["count"])
 
     def sample(self, counter, stream, factor=None) -> ReplayBatch:

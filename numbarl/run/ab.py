@@ -5,7 +5,9 @@
 
 Each arm is a name and the numbarl-train options it adds; every (arm, seed) is a normal run folder
 ``OUT/<arm>-s<seed>`` trained by ``python -m numbarl train`` in its own process, ``--parallel`` of
-them at once (side by side on one GPU). A finished run (summary.json present) is not run again, so
+them at once (side by side on one GPU). ``{seed}`` in an arm's options is replaced by the run's seed,
+so each seed can also get its own market: ``--arm "null: --set data.synth_null=true --set
+data.synth_seed=10{seed}"`` trains seed 3 on null market 103. A finished run (summary.json present) is not run again, so
 an interrupted grid is continued by the same command. Then ``OUT/ab.md`` (and ``ab.json``) holds one
 row per arm with, over its seeds:
 
@@ -16,7 +18,10 @@ row per arm with, over its seeds:
 * last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay):
   mean, min;
 * |t| max: the largest |t| of the test window, t = daily Sharpe x sqrt(test days / 252) (the null
-  market's check: no seed above 2);
+  market's check: no seed above 2); ``ab.json`` also lists each run's t and the t of buying and
+  holding over the same window (``hold_t``: what a long-biased policy earns from the window's drift);
+* trade t per seed: per-trade Sharpe x sqrt(trades) of the test window (its trades as the sample:
+  three test days give the daily t two degrees of freedom, ~100 trades give this one power);
 * atoms: the atom utilization of the last train record (share of atoms the projected targets use).
 
 ``--table-only`` rebuilds the table from the run folders without training.
@@ -44,8 +49,23 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, rest.split()
 
 
+def seed_options(opts: list[str], seed: int) -> list[str]:
+    """An arm's options for one seed: every ``{seed}`` replaced by the seed."""
+    return [o.replace("{seed}", str(seed)) for o in opts]
+
+
 def run_folder(out: Path, arm: str, seed: int) -> Path:
     return out / f"{arm}-s{seed}"
+
+
+def train_command(folder: Path, preset: str, opts: list[str], seed: int, extra: list[str], resume: bool) -> list[str]:
+    """The numbarl-train command of one (arm, seed) run: a new run in `folder`, or (resume) the
+    interrupted one continued with the config it saved (numbarl-train refuses settings beside
+    --resume)."""
+    if resume:
+        return [sys.executable, "-m", "numbarl", "train", "--quiet", "--resume", str(folder)]
+    return [sys.executable, "-m", "numbarl", "train", "--preset", preset, "--seed", str(seed), "--quiet", *extra,
+            *seed_options(opts, seed), "--out", str(folder)]
 
 
 def _train(out: Path, preset: str, arm: str, opts: list[str], seed: int, extra: list[str]) -> tuple[str, int, float]:
@@ -56,8 +76,7 @@ def _train(out: Path, preset: str, arm: str, opts: list[str], seed: int, extra: 
         import shutil
 
         shutil.rmtree(folder)  # started but nothing to resume: start over
-    cmd = [sys.executable, "-m", "numbarl", "train", "--preset", preset, "--seed", str(seed), "--quiet", *extra, *opts]
-    cmd += ["--resume", str(folder)] if folder.exists() else ["--out", str(folder)]
+    cmd = train_command(folder, preset, opts, seed, extra, resume=folder.exists())
     t0 = time.time()
     with open(out / f"{arm}-s{seed}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -83,8 +102,16 @@ def run_numbers(folder: Path) -> dict | None:
     hist = [x for x in hist if x is not None]
     decay = hist[-1] / max(hist) if hist and max(hist) > 0 else None
     days = (f["window"]["test"][1] - f["window"]["test"][0]) / float(s.get("bars_per_day") or 1.0)
-    t = _f(test.get("daily_sharpe"))
-    t = t * math.sqrt(days / 252.0) if t is not None else None
+
+    def t_of(metrics):
+        x = _f((metrics or {}).get("daily_sharpe"))
+        return x * math.sqrt(days / 252.0) if x is not None else None
+
+    t, hold_t = t_of(test), t_of(f.get("hold_test"))
+    # the same question asked of the trades: with three test days the daily t has two degrees of
+    # freedom; a window of ~100 trades gives t = per-trade Sharpe x sqrt(trades) far more power
+    ts, n = _f(test.get("trade_sharpe")), _f(test.get("n_trades"))
+    trade_t = ts * math.sqrt(n) if ts is not None and n else None
     atoms = None
     metrics = folder / "metrics.jsonl"
     if metrics.is_file():
@@ -94,7 +121,7 @@ def run_numbers(folder: Path) -> dict | None:
                 atoms = rec["atom_utilization"]
     return {"run": folder.name, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
             "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
-            "t": t, "atom_utilization": _f(atoms)}
+            "t": t, "hold_t": hold_t, "trade_t": trade_t, "atom_utilization": _f(atoms)}
 
 
 def arm_row(name: str, runs: list[dict]) -> dict:
@@ -106,6 +133,8 @@ def arm_row(name: str, runs: list[dict]) -> dict:
         r[f"{key}_all"] = xs
     t = spread(abs(x["t"]) for x in runs if x["t"] is not None)
     r["abs_t_max"] = t["max"] if t else None
+    r["t_all"], r["hold_t_all"] = [x["t"] for x in runs], [x.get("hold_t") for x in runs]
+    r["trade_t_all"] = [x.get("trade_t") for x in runs]
     return r
 
 
@@ -115,14 +144,15 @@ def _c(x, spec=".2f"):
 
 def format_table(rows: list[dict]) -> str:
     head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
-            "| last/best val mean | min | abs t max | atoms |")
-    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
+            "| last/best val mean | min | abs t max | trade t per seed | atoms |")
+    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
     for r in rows:
         per = ", ".join(_c(x) for x in r["test_over_oracle_all"])
         lines.append(f"| {r['arm']} | {r['runs']} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
-                     f"{_c(r['last_over_best_val_min'])} | {_c(r['abs_t_max'])} | {_c(r['atom_utilization_mean'])} |")
+                     f"{_c(r['last_over_best_val_min'])} | {_c(r['abs_t_max'])} | "
+                     f"{', '.join(_c(x, '.1f') for x in r['trade_t_all'])} | {_c(r['atom_utilization_mean'])} |")
     return "\n".join(lines)
 
 

@@ -486,6 +486,17 @@ def _oracle_actions(cache, window, params):
     return acts
 
 
+def _hold_actions(window, params):
+    """Buy and hold: long the largest size on every bar of the window (no target, no stop), the
+    benchmark a test result is read against (on a market without an edge, its t is the window's
+    drift: a long-biased policy earns it too)."""
+    lo, hi = window
+    acts = np.zeros((hi - lo, 4), np.int32)
+    acts[:, 0] = 2
+    acts[:, 1] = len(params.sizes) - 1
+    return acts
+
+
 def _plan(progress: Progress, tcfg, folds_left, resume):
     """The work left for the ETA: collect steps, backtest bars (each epoch's validation, each fold's
     test and oracle) and checkpoints of the folds not finished yet."""
@@ -525,7 +536,7 @@ def pooled_summary(run: RunDir, bars_per_day: float, initial_capital: float) -> 
     from numbarl.run.pooled import pooled_metrics
 
     pooled = {}
-    for split in ("val", "test", "oracle_test"):
+    for split in ("val", "test", "oracle_test", "hold_test"):
         m = pooled_metrics(run, split, bars_per_day, initial_capital)
         if m is not None:
             pooled[split] = metrics_dict(m)
@@ -644,6 +655,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             o = backtest(host_market, fold.test, cfg.env, actions=oracle)
             entry["oracle_test"] = metrics_dict(o.metrics())
             results.append(("oracle_test", o))
+        hold = backtest(host_market, fold.test, cfg.env, actions=_hold_actions(fold.test, cfg.env))
+        entry["hold_test"] = metrics_dict(hold.metrics())
+        results.append(("hold_test", hold))
         tick = cfg.env.resolved_tick_size(cache.tick_size)
         for split, result in results:
             trades = _tidy_prices(result.trades, tick)

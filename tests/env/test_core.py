@@ -349,6 +349,9 @@ def test_causal_volatility_matches_pandas_ewm_and_is_causal(rng):
         ("conviction_weight", 2.0, "conviction_weight"),
         ("dsr_eta", 0.0, "dsr_eta"),
         ("tick_size", 0.0, "tick_size"),
+        ("kelly_lambda", -0.5, "kelly_lambda"),
+        ("kelly_lambda", math.nan, "kelly_lambda"),
+        ("kelly_floor", 1.5, "kelly_floor"),
     ],
 )
 def test_params_validation_names_field_and_value(field, value, match):
@@ -366,3 +369,161 @@ def test_params_derived_sizes():
     k = p.step_consts(0.5)
     assert k.max_size == 2.0 and k.tick_value == 0.5 * p.contract_multiplier and k.direction_lock == 1 and k.episode_length == 5000
     assert EnvParams(slippage_ticks=1.5).step_consts(0.25).slippage == 0.375  # ticks -> price units
+
+
+# ---------------------------------------------------------------------------------------------
+# the fractional-Kelly size cap (EnvParams.kelly_lambda; core.kelly_size)
+# ---------------------------------------------------------------------------------------------
+KELLY = {"sizes": (1.0, 2.0, 4.0), "kelly_lambda": 0.5, "kelly_floor": 0.25}
+
+
+def test_kelly_size_hand_computed():
+    k = consts(**KELLY)
+    # 3 wins summing 6, 1 loss of 1: p = 3/4, b = (6/3) / (1/1) = 2, f* = 0.75 - 0.25 / 2 = 0.625
+    assert core.kelly_fraction(3, 1, 6.0, 1.0) == 0.625
+    # half Kelly: cap = 4 x 0.3125 = 1.25 contracts -> 1 lot; an order below the cap keeps its size
+    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, k) == 1.0 and core.kelly_size(1.0, 3, 1, 6.0, 1.0, k) == 1.0
+    # full Kelly: cap 2.5 -> 2 lots; twice Kelly: 1.25 clipped to 1 -> the whole size
+    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, consts(**{**KELLY, "kelly_lambda": 1.0})) == 2.0
+    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, consts(**{**KELLY, "kelly_lambda": 2.0})) == 4.0
+    # no history (f* = 0), wins only, or no edge (1 win of 1, 3 losses of 1: f* = 0.25 - 0.75 = -0.5): the floor, 4 x 0.25 = 1
+    assert core.kelly_size(4.0, 0, 0, 0.0, 0.0, k) == 1.0 and core.kelly_size(4.0, 2, 0, 5.0, 0.0, k) == 1.0
+    assert core.kelly_fraction(1, 3, 1.0, 3.0) == -0.5 and core.kelly_size(4.0, 1, 3, 1.0, 3.0, k) == 1.0
+    # floor 0: the cap never goes below the smallest size (an entry stays an entry)
+    assert core.kelly_size(4.0, 1, 3, 1.0, 3.0, consts(**{**KELLY, "kelly_floor": 0.0})) == 1.0
+    # fractional lots: sizes (0.5, 1, 2) in lots of 0.5, full Kelly 0.625: cap 1.25 -> 2 lots = 1.0
+    kf = consts(sizes=(0.5, 1.0, 2.0), size_step=0.5, kelly_lambda=1.0)
+    assert core.kelly_size(2.0, 3, 1, 6.0, 1.0, kf) == 1.0
+    # a cap that is a whole number of lots only up to rounding keeps the lot: 0.004 x 0.5 / 0.001 = 2 lots
+    km = consts(sizes=(0.001, 0.002, 0.004), size_step=0.001, kelly_lambda=1.0, kelly_floor=0.5)
+    assert core.kelly_size(np.float64(np.float32(0.004)), 0, 0, 0.0, 0.0, km) == np.float64(np.float32(0.002))
+
+
+def test_kelly_cap_in_the_step():
+    """The cap acts at order time on orders that may open a side, from the accumulators before the
+    step; a close is not sized; with latency the queued order carries the capped size."""
+    k = consts(**KELLY)
+    s = core.initial_portfolio(10)._replace(kelly_wins=3, kelly_losses=1, kelly_sum_win=6.0, kelly_sum_loss=1.0)
+    s1, out, _, _ = step(s, DIR_LONG, size=4.0, k=k)
+    assert s1.position == 1.0 and s1.realized == pytest.approx(-0.5) and out.kelly_ratio == 0.25  # fee on 1 contract
+    s1, out, _, _ = step(s, DIR_SHORT, size=1.0, k=k)
+    assert s1.position == -1.0 and out.kelly_ratio == 1.0  # sized, not shrunk
+    _, out, t1, _ = step(long_position()._replace(kelly_wins=3, kelly_losses=1), DIR_FLAT, k=k)
+    assert t1.reason == EXIT_CLOSE and out.kelly_ratio == 0.0  # a close: no order to size
+    s1, out, _, _ = step(s, DIR_LONG, size=4.0, k=consts(**{**KELLY, "fill_delay": 1}))
+    assert s1.position == 0.0 and s1.pending_size == 1.0 and out.kelly_ratio == 0.25
+    _, out, _, _ = step(s, DIR_LONG, size=4.0, k=consts(sizes=(1.0, 2.0, 4.0)))
+    assert out.kelly_ratio == 0.0  # off
+
+
+def _random_run(rng, make_market, params, n_envs=4, n_steps=120):
+    """Every output and the state after every step of a CpuEnv run with random actions."""
+    data = make_market(np.random.default_rng(5), n_bars=160)
+    env = CpuEnv(data, params, n_envs, bar_range=(3, 155), seed=21)
+    env.reset()
+    rows = []
+    for _ in range(n_steps):
+        actions = np.stack([rng.integers(0, n, n_envs) for n in params.branch_sizes], 1)
+        env.step(actions, rng.standard_normal(n_envs).astype(np.float32))
+        env.advance()
+        rows.append({name: getattr(env.out, name).copy() for name in env.out._fields} | env.state_dict())
+    return rows
+
+
+@pytest.mark.parametrize("lock,latency", [(True, 0), (False, 2)])
+def test_kelly_off_is_bitwise_the_step_without_it(make_market, lock, latency):
+    """kelly_lambda = 0 (the default) gives the same bits as a run without the field set, whatever
+    kelly_floor is; with the cap on, the same script trades differently (the run can tell)."""
+    base = {"sizes": (1.0, 2.0, 4.0), "episode_length": 8, "max_episode_bars": 30, "vol_span": 10, "vol_horizon_bars": 3,
+            "latency_bars": latency, "direction_lock": lock, "dsr_reward_scale": 0.1, "conviction_weight": 0.3,
+            "slippage_ticks": 0.5}
+    default = _random_run(np.random.default_rng(3), make_market, EnvParams(**base))
+    off = _random_run(np.random.default_rng(3), make_market, EnvParams(**base, kelly_lambda=0.0, kelly_floor=0.9))
+    for t, (a, b) in enumerate(zip(default, off, strict=True)):
+        for name in a:
+            assert a[name].tobytes() == b[name].tobytes(), f"{name} step {t}"
+    on = _random_run(np.random.default_rng(3), make_market, EnvParams(**base, kelly_lambda=0.5))
+    assert max(np.abs(r["position"]).max() for r in default) == 4.0
+    assert any(not np.array_equal(a["position"], b["position"]) for a, b in zip(default, on, strict=True))
+
+
+def test_kelly_parity_device_vs_reference(rng, make_market):
+    """The device env (simulator) and the CPU reference with the cap on: every field, every step;
+    the device's training-path telemetry counts the orders the cap shrank, as the numpy fold of
+    the reference's step records does (the CpuEnv steps through telemetry.step_record_ref: the
+    same row function as CpuEnv.step, plus the record)."""
+    from numbarl.env import telemetry as tel
+    from numbarl.env.device import DeviceEnv
+    from numbarl.env.state import STATE_FIELDS
+
+    data = make_market(rng, n_bars=70)
+    params = EnvParams(sizes=(1.0, 2.0, 4.0), episode_length=6, max_episode_bars=20, vol_span=10, vol_horizon_bars=3,
+                       latency_bars=int(rng.integers(0, 2)), targets=(0.0, 0.5, 1.0), stops=(0.0, 0.5, 1.0),
+                       kelly_lambda=0.5, kelly_floor=0.25, dsr_reward_scale=0.1)
+    n_envs, n_steps, seed = 5, 30, int(rng.integers(1 << 31))
+    cpu = CpuEnv(data, params, n_envs, bar_range=(3, 66), seed=seed)
+    dev = DeviceEnv(data, params, n_envs, bar_range=(3, 66), seed=seed)
+    cpu.reset()
+    dev.reset()
+    records = []
+    for t in range(n_steps):
+        actions = np.stack([rng.integers(0, n, n_envs) for n in params.branch_sizes], 1).astype(np.int32)
+        pref = rng.standard_normal(n_envs).astype(np.float32)
+        dev.arena["actions"].copy_to_device(actions)
+        dev.arena["preference"].copy_to_device(pref)
+        dev.step()
+        rec = np.zeros((tel.N_REC, n_envs), np.float64)
+        tel.step_record_ref(cpu.state, actions, cpu.grids, cpu.market, pref, cpu.k, cpu.lo, cpu.hi, cpu.seed,
+                            cpu.counter[0], cpu.out, rec)
+        records.append(rec)
+        # on a GPU the float64 state can differ from the host reference in the last bit: the device
+        # compiler contracts e.g. dsr_update's a + eta·(r - a) into one FMA (seen on the H200:
+        # dsr_a 1 ulp apart); under the simulator the two are the same arithmetic and equal
+        for name in dev.outputs._fields:
+            np.testing.assert_allclose(getattr(dev.outputs, name).copy_to_host(), getattr(cpu.out, name), rtol=1e-9,
+                                       atol=1e-12, err_msg=f"{name} step {t}")
+        state = dev.state_to_host()
+        for name, _ in STATE_FIELDS:
+            np.testing.assert_allclose(state[name], getattr(cpu.state, name), rtol=1e-9, atol=1e-12,
+                                       err_msg=f"state {name} step {t}")
+        dev.advance()
+        cpu.advance()
+    acc = tel.TrainPathTelemetry(dev).read()
+    np.testing.assert_allclose(acc, tel.accumulate_reference(records), rtol=1e-9, atol=1e-12)
+    sized, capped = acc[tel.T_KELLY_ORDERS].sum(), acc[tel.T_KELLY_CAPPED].sum()
+    assert sized > 0 and 0 < capped <= sized  # the run exercised the cap
+    stats = tel.summarize(acc, 40.0)
+    assert stats["train_path.kelly_capped_frac"] == capped / sized
+    assert 0 < stats["train_path.kelly_size_ratio"] < 1
+
+
+def test_kelly_cap_in_the_backtest(make_market):
+    """The backtest steps the same function: always-long size-4 decisions enter with the floor's
+    1 contract while the backtest's own history has no win and loss; the segmented backtest,
+    whose join assumes entries do not depend on the Kelly sums, refuses the cap."""
+    from numbarl.env.backtest import backtest_reference
+    from numbarl.env.backtest_segments import backtest_segmented_reference
+
+    data = make_market(np.random.default_rng(8), n_bars=80)
+    params = EnvParams(sizes=(1.0, 2.0, 4.0), targets=(0.0, 1.0), stops=(0.0, 1.0), vol_span=10, vol_horizon_bars=3,
+                       kelly_lambda=0.5)
+    actions = np.tile(np.array([DIR_LONG, 2, 1, 1], np.int32), (70, 1))
+    result = backtest_reference(data, (5, 75), params, actions)
+    held = np.abs(result.position[0])
+    assert held[held > 0][0] == 1.0 and held.max() <= 4.0
+    off = backtest_reference(data, (5, 75), params.replace(kelly_lambda=0.0), actions)
+    assert np.abs(off.position[0]).max() == 4.0
+    with pytest.raises(ValueError, match="kelly_lambda"):
+        backtest_segmented_reference(data, (5, 75), params, actions, segment_bars=8)
+
+
+def test_kelly_config_switch_and_errors():
+    from numbarl.config import ConfigError, apply, parse_sets, preset
+
+    cfg = apply(preset("tiny"), parse_sets(["env.kelly_lambda=0.5", "env.kelly_floor=0.1"]))
+    assert cfg.env.kelly_lambda == 0.5 and cfg.env.kelly_floor == 0.1
+    assert cfg.env.step_consts(0.25).kelly_lambda == 0.5 and preset("tiny").env.kelly_lambda == 0.0
+    with pytest.raises(ConfigError, match=r"kelly_lambda = -1\.0 is invalid"):
+        apply(preset("tiny"), parse_sets(["env.kelly_lambda=-1"]))
+    with pytest.raises(ConfigError, match=r"kelly_floor = 2\.0 is invalid"):
+        apply(preset("tiny"), parse_sets(["env.kelly_floor=2"]))

@@ -7,7 +7,7 @@ import pytest
 
 from numbarl.cuda.runtime import cuda, stream
 from numbarl.env.state import STATE_FIELDS
-from numbarl.env.device import DeviceEnv
+from numbarl.env.device import DeviceEnv, launch_gather
 from numbarl.env.params import DIR_LONG, DIR_SHORT, PORTFOLIO_DIM, EnvParams
 from numbarl.env.reference import CpuEnv
 from numbarl.rl.policies import epsilon_greedy, epsilon_greedy_ref
@@ -125,6 +125,12 @@ def test_gather_matches_numpy(rng, make_market):
     np.testing.assert_allclose(obs[:, : data.n_features], data.features[c], rtol=0, atol=0)
     np.testing.assert_allclose(obs[:, data.n_features :], expected.astype(np.float32), rtol=1e-6, atol=1e-6)
     assert (s["position"] != 0).any() and obs.shape == (7, data.n_features + PORTFOLIO_DIM)
+    # the env's two-launch gather and the backtest's one-launch gather write the same bits
+    one_obs = _cuda.to_device(np.full(obs.shape, np.nan, np.float32))
+    one_mask = _cuda.to_device(np.full((7, params.n_branches, params.max_actions), 7, np.uint8))
+    launch_gather(one_obs, one_mask, dev.state, dev.mk, dev.k, dev.branch_sizes, stream())
+    np.testing.assert_array_equal(one_obs.copy_to_host(), obs)
+    np.testing.assert_array_equal(one_mask.copy_to_host(), dev.gather()[1].copy_to_host())
 
 
 def _mask_numpy(position, branch_sizes, max_actions, lock):

@@ -2,11 +2,10 @@
 kernels / the whole layer under the simulator on odd shapes (B=5, H=7, branches (3, 2, 4), 11 atoms)."""
 
 import numpy as np
-
-from numbarl.cuda.testing import to_device, to_host
 import pytest
 
 from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.testing import to_device, to_host
 from numbarl.rl.losses import c51
 from numbarl.rl.nets import c51_head
 from numbarl.rl.nets.base import ParamStore
@@ -265,3 +264,78 @@ def test_forward_launch_shape_gives_the_same_bits(rng):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)
+
+
+def test_q_kernel_matches_head_kernel_bitwise(rng):
+    """The Q-only pass: `dueling_q_kernel` writes the same lse and q bits as `dueling_head_kernel`
+    (q_kernel="head") for any launch shape, and both match the float64 reference. Odd shapes: a
+    5-action branch, a 1-action branch, 7 atoms (the four-atom unroll has a remainder), B = 5 (a
+    partial last block; the guarded end of the eight-load span crosses from A into V), large
+    magnitudes (a shared advantage of 1e3, logits spread over ±300) next to small ones (where every
+    atom's term changes the sums' rounding, so an order change shows)."""
+    sizes, n_atoms, batch = (3, 5, 1), 7, 5
+    layout = _layout(sizes, n_atoms)
+    support = c51.make_support(n_atoms, V_MIN, V_MAX)
+    scale = np.array([[0.3], [30.0], [1.0], [120.0], [3.0]])  # per sample: every atom counts ... one dominates
+    value = (rng.standard_normal((batch, n_atoms)) * scale).astype(np.float32)
+    adv = (rng.standard_normal((batch, sum(sizes) * n_atoms)) * scale).astype(np.float32)
+    adv[1, :3 * n_atoms] += np.float32(1e3)  # removed by the dueling mean (in float32, not exactly)
+    value_d, adv_d = _dev(value), _dev(adv)
+    shape = (batch, len(sizes), max(sizes))
+    runs = {}
+    for name, kw in (("head", {"q_kernel": "head"}), ("q", {}), ("q 2x3x3", {"block": (2, 3), "samples": 3}),
+                     ("q 3x1x1", {"block": (3, 1), "samples": 1})):
+        lse, q = _cuda.device_array(shape, np.float32), _cuda.device_array(shape, np.float32)
+        c51_head.dueling_forward(value_d, adv_d, layout, stream(), lse=lse, q=q, **kw)
+        runs[name] = (_host(lse), _host(q))
+    for name, (lse, q) in runs.items():
+        assert np.array_equal(lse, runs["head"][0]), name
+        assert np.array_equal(q, runs["head"][1]), name
+    ref_logits = c51_head.dueling_combine_ref(value, adv, sizes)
+    _, ref_q = c51_head.distribution_ref(ref_logits, support, sizes)
+    with np.errstate(invalid="ignore"):
+        ref_lse = ref_logits.max(-1) + np.log(np.exp(ref_logits - ref_logits.max(-1, keepdims=True)).sum(-1))
+    lse, q = runs["q"]
+    _close(q, ref_q, what="q")
+    _close(lse, np.where(np.isfinite(ref_lse), ref_lse, -np.inf), atol=1e-4, what="lse")
+    for k, n in enumerate(sizes):
+        assert np.all(q[:, k, n:] == -np.inf) and np.all(lse[:, k, n:] == -np.inf)
+    assert np.all(np.isfinite(q[:, 0, :3])) and not np.any(np.isnan(lse))
+    with pytest.raises(ValueError, match="q_kernel"):
+        c51_head.dueling_forward(value_d, adv_d, layout, stream(), lse=lse, q=q, q_kernel="staged")
+
+
+def test_forward_and_backward_with_long_branches_and_atom_tails(rng):
+    """Branches longer than the four-action chunks (6 and 9 actions: the Σ_a loops take two and
+    three chunks) and atom counts with and without a remainder of the four-atom unroll (8, 9):
+    every output against the float64 reference, and each single-output pass bit-identical to the
+    all-outputs pass."""
+    batch = 3
+    for sizes, n_atoms in (((6, 1, 9), 8), ((2, 6), 9)):
+        layout = _layout(sizes, n_atoms)
+        support = c51.make_support(n_atoms, V_MIN, V_MAX)
+        value = (rng.standard_normal((batch, n_atoms)) * 2).astype(np.float32)
+        adv = (rng.standard_normal((batch, sum(sizes) * n_atoms)) * 2).astype(np.float32)
+        value_d, adv_d = _dev(value), _dev(adv)
+        shape = (batch, len(sizes), max(sizes), n_atoms)
+        runs = {}
+        for outs in (("logits", "lse", "q", "probs"), ("logits",), ("probs",), ("lse", "q")):
+            arrs = {k: _cuda.device_array(shape if k in ("logits", "probs") else shape[:3], np.float32) for k in outs}
+            c51_head.dueling_forward(value_d, adv_d, layout, stream(), q_kernel="head", **arrs)
+            runs[outs] = {k: _host(v) for k, v in arrs.items()}
+        full = runs[("logits", "lse", "q", "probs")]
+        for outs, got in runs.items():
+            for k, v in got.items():
+                assert np.array_equal(v, full[k]), (sizes, outs, k)
+        ref_logits = c51_head.dueling_combine_ref(value, adv, sizes)
+        ref_probs, ref_q = c51_head.distribution_ref(ref_logits, support, sizes)
+        _close(full["logits"], ref_logits, what=f"logits {sizes}")
+        _close(full["probs"], ref_probs, atol=1e-6, what=f"probs {sizes}")
+        _close(full["q"], ref_q, what=f"q {sizes}")
+        d_logits = rng.standard_normal(shape).astype(np.float32)
+        d_value = _cuda.device_array((batch, n_atoms), np.float32)
+        d_adv = _cuda.device_array((batch, sum(sizes) * n_atoms), np.float32)
+        c51_head.dueling_backward(_dev(d_logits), layout, d_value, d_adv, stream())
+        ref_dv, ref_da = c51_head.dueling_backward_ref(d_logits, sizes)
+        _close(_host(d_value), ref_dv, what=f"d_value {sizes}")
+        _close(_host(d_adv), ref_da, what=f"d_adv {sizes}")

@@ -376,3 +376,26 @@ def test_the_loss_reads_its_support_from_device_memory_only(rng):
     _, _, d_logits, target = c51.c51_loss_ref(support=support, branch_sizes=SIZES, **inputs)
     _close(_host(loss_fn.target_dist), target, atol=2e-6, rtol=1e-5, what="target_dist")
     _close(_host(loss_fn.d_logits), d_logits, atol=1e-6, rtol=1e-4, what="d_logits")
+
+
+@pytest.mark.parametrize("n_branches", [1, 3, 6])
+def test_loss_reduce_kernel_order_and_tails(rng, n_branches):
+    """`c51_loss_reduce_kernel` (shared with the other losses) takes four samples per step and four
+    branches per load round: a batch that is not a multiple of 4·REDUCE_BLOCK and branch counts
+    below, at and above four. per_sample bitwise equals the float32 sum in branch order times
+    1/n_branches; the loss matches the float64 mean, with and without weights."""
+    batch = 4 * c51.REDUCE_BLOCK + 7
+    ce = (rng.standard_normal((batch, n_branches)) * 3).astype(np.float32)
+    weights = rng.uniform(0.2, 2.0, batch).astype(np.float32)
+    inv_branches, inv_batch = np.float32(1.0 / n_branches), np.float32(1.0 / batch)
+    expected = np.zeros(batch, np.float32)
+    for k in range(n_branches):  # float32 adds in branch order
+        expected = (expected + ce[:, k]).astype(np.float32)
+    expected = (expected * inv_branches).astype(np.float32)
+    for use_weights in (0, 1):
+        per_sample, loss = _cuda.device_array(batch, np.float32), _cuda.device_array(1, np.float32)
+        c51.c51_loss_reduce_kernel[1, c51.REDUCE_BLOCK, stream()](
+            _dev(ce), _dev(weights), np.int32(use_weights), inv_branches, inv_batch, per_sample, loss)
+        assert np.array_equal(_host(per_sample), expected), use_weights
+        w = weights.astype(np.float64) if use_weights else 1.0
+        _close(_host(loss)[0], np.mean(w * ce.astype(np.float64).mean(axis=1)), what=f"loss (weights {use_weights})")

@@ -45,7 +45,7 @@ RUNS = {
     # switches of the periodic run of trades: its own one-epoch run
     "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0"],
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
-    "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4"],
+    "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5"],
     # PPO (agent.kind = "ppo"): an update after every second collect step
     "ppo": ["--set", "agent.kind=ppo", "--set", "agent.ppo_rollout=2", "--set", "agent.ppo_epochs=2",
             "--set", "agent.ppo_minibatches=2"],
@@ -83,7 +83,7 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
-          "spectral_norm": "periodic", "cvar_gate": "cvar", "multi_horizon_c51": "mh"}
+          "spectral_norm": "periodic", "cvar_gate": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
 ALWAYS_ON = ("c51", "double_dqn")
@@ -101,14 +101,21 @@ def live_runs(tmp_path_factory):
         assert r.exit_code == 0, r.output + repr(r.exception)
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         out[name] = [rec for rec in records if rec["kind"] == "train" and rec.get("train_step", 0) > 0]
+        out[name + ":train_path"] = [rec for rec in records if rec["kind"] == "train_path"]  # the env's, per epoch
     return out
+
+
+def _records(live_runs, run, key):
+    """The run's records that carry `key`: the per-epoch "train_path" records for the env's
+    telemetry keys (numbarl/env/telemetry.py), the train records for the rest."""
+    return live_runs[run + (":train_path" if key.startswith("train_path.") else "")]
 
 
 @pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS])
 def test_component_is_live_in_a_training_run(component, live_runs):
     c = components.by_name()[component]
     run = ON_RUN[component]
-    values = [rec.get(c.liveness) for rec in live_runs[run]]
+    values = [rec.get(c.liveness) for rec in _records(live_runs, run, c.liveness)]
     assert values, f"the {run} run logged no train records after training started"
     assert all(v is not None for v in values), f"{c.liveness} is missing from metrics.jsonl"
     last = values[-1]
@@ -121,7 +128,7 @@ def test_component_is_not_live_where_it_is_off(component, live_runs):
     its condition (a key every configuration meets would prove nothing)."""
     c = components.by_name()[component]
     off = "polyak" if ON_RUN[component] == "periodic" else "periodic"
-    last = live_runs[off][-1].get(c.liveness)
+    last = _records(live_runs, off, c.liveness)[-1].get(c.liveness)
     assert not c.is_live(last), f"{component}: {c.liveness} = {last} meets '{c.live_when}' with the switch off"
 
 

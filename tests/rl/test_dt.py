@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import blas
-from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.runtime import Arena, cuda, simulator, stream
 from numbarl.rl.losses.dt import DtLoss, dt_loss_ref
 from numbarl.rl.nets.attention import CausalAttentionCore, attention_forward_ref
 from numbarl.rl.nets.base import ParamStore
@@ -31,7 +31,10 @@ SIZES = (3, 2, 4)
 
 @pytest.fixture(autouse=True)
 def host_gemm():
-    blas.set_backend("host")
+    """Under the simulator the numpy GEMM (a simulated GEMM costs ~1 s a call); on a GPU these tests
+    run on the default cuBLASLt path (the 'host' backend reads device memory directly: simulator only)."""
+    if simulator():
+        blas.set_backend("host")
     yield
     blas.set_backend(None)
 

@@ -24,6 +24,22 @@ def test_arm_parsing():
         raise AssertionError(bad)
 
 
+def test_an_interrupted_run_resumes_with_its_saved_config(tmp_path):
+    """numbarl-train refuses --set/--seed/--preset beside --resume (the run's config.json rules): the
+    grid's continuation of an interrupted run passes --resume alone (it used to pass both: rc 2)."""
+    folder = tmp_path / "mh-s0"
+    new = ab.train_command(folder, "default", ["--set", "agent.horizons=1,3,20"], 0, ["--epochs=2"], resume=False)
+    assert new[-2:] == ["--out", str(folder)] and "agent.horizons=1,3,20" in new and "--epochs=2" in new
+    again = ab.train_command(folder, "default", ["--set", "agent.horizons=1,3,20"], 0, ["--epochs=2"], resume=True)
+    assert again[3:] == ["train", "--quiet", "--resume", str(folder)]
+
+
+def test_seed_placeholder_gives_each_seed_its_options():
+    opts = ["--set", "data.synth_null=true", "--set", "data.synth_seed=10{seed}"]
+    assert ab.seed_options(opts, 3) == ["--set", "data.synth_null=true", "--set", "data.synth_seed=103"]
+    assert ab.seed_options(["--set", "a=1"], 0) == ["--set", "a=1"]
+
+
 def test_grid_writes_one_table_and_continues(tmp_path):
     out = tmp_path / "grid"
     env = {"NUMBARL_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
@@ -36,6 +52,9 @@ def test_grid_writes_one_table_and_continues(tmp_path):
     for row in rows:  # the tiny market has an oracle: every run has a test/oracle and a decay ratio
         assert len(row["test_over_oracle_all"]) == 2
         assert row["last_over_best_val_mean"] is None or row["last_over_best_val_mean"] <= 1.0
+        assert len(row["hold_t_all"]) == len(row["t_all"]) == 2  # None where the window is under two days
+    hold = json.loads((out / "base-s0" / "summary.json").read_text())["folds"][0]["hold_test"]
+    assert hold["n_trades"] >= 1 and hold["exposure"] > 0.5  # buy and hold: long over the test window
     table = (out / "ab.md").read_text()
     assert table.count("\n") == 4 and "| base | 2 |" in table
     for name in ("base-s0", "base-s1", "eps-s0", "eps-s1"):

@@ -26,9 +26,9 @@ Backward from d_logits (the loss writes zeros at padding and at actions not take
 
 Thread mapping (forward: one launch after the two GEMMs). `dueling_head_kernel` gives a block
 HEAD_SAMPLES samples (block (64, 2) on the GPU): their V and A rows are one contiguous span of
-each GEMM output, loaded once into shared memory; the per-branch base row V - mean_a A, the row
-statistics (one thread per (b, k, a) row: max, log Σ exp, Q) and the coalesced logits / probs
-stores all read shared memory. Each pass declares the outputs it needs
+each GEMM output, loaded once into shared memory; x = A + (V - mean_a A) is written over A in
+place, and the row statistics (one thread per (b, k, a) row: max, log Σ exp, Q) and the coalesced
+logits / probs stores all read x from shared memory. Each pass declares the outputs it needs
 (`declare_acts(..., outputs=...)`) and computes nothing else: the train step's online pass
 ("logits", "q"), the next-obs pass ("q",), the target pass ("probs",), acting ("q",).
 Measured on the H200 (B = 16,384, branches (3, 3, 4, 4), 51 atoms, `python -m numbarl.bench.head`
@@ -36,9 +36,23 @@ and `bench.train --profile`): 156 µs per train-step pass on average, against 16
 the earlier three-kernel split (elementwise logits, row stats, elementwise probs, every pass all
 outputs) and 0.59 ms for the first one-thread-per-row kernel. Nsight Compute (on a variant with
 the same loops) found it compute-bound with register-limited occupancy, not memory-bound: 94
-registers per thread allow 5 blocks of 128 threads per SM.
+registers per thread allow 5 blocks of 128 threads per SM. Issue 17 rewrote it the way of
+`dueling_q_kernel` below (uint64 indices, eight loads in flight, x in place of A and no base rows,
+the atom loops unrolled by four): 1,671 -> 1,024 PTX instructions and 60 -> 48 registers (ptxas
+13.0, sm_90), the same float32 operations in the same order, so the same bits.
+Q-only passes (lse and q: acting with N = 16,384 envs, the train step's next-obs pass) take the
+dedicated `dueling_q_kernel` (`dueling_head_kernel` took 92 µs there on the H200, the collect step's
+largest kernel): uint64 indices (no negative-index wraparound code, which was a third to a half of
+the PTX of its loops), eight loads in flight per thread, x = A + base written over A in place (one
+shared float per atom in the row statistics, no base rows), no logits / probs branches; 40
+registers (ptxas 13.0 on its PTX for sm_90, against 60 for `dueling_head_kernel` then; the bench
+prints the counts the driver gives) and 24.5 KB of shared memory per block of 128 threads. The
+same float32 operations in the same order per row: the same lse and q bits as
+`dueling_head_kernel` (`q_kernel="head"`), checked by the tests and over the whole batch by
+`python -m numbarl.bench.head`.
 Backward: `dueling_backward_kernel`, one thread per (b, z) (block (EW_ATOMS, EW_ROWS)): adjacent
-threads touch adjacent atoms (coalesced), each loops over the branches and their actions.
+threads touch adjacent atoms (coalesced), each loops over the branches and their actions (uint64
+indices: 504 -> 239 PTX instructions).
 """
 
 from __future__ import annotations
@@ -66,6 +80,14 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 HEAD_TX = launch.shape(gpu=64, sim=1)
 HEAD_TY = launch.shape(gpu=2, sim=4)
 HEAD_SAMPLES = launch.shape(gpu=8, sim=4)  # at most (fewer when a sample's rows need more shared memory)
+# Q-only pass (`dueling_q_kernel`): Q_SAMPLES samples per block of Q_TX x Q_TY threads (used as one
+# flat range: only the product matters); the same blockDim / `samples` rule as above. One thread
+# per padded output row: Q_TX·Q_TY = Q_SAMPLES·n_branches·max_actions (128 for branches
+# (3, 3, 4, 4)) leaves none idle in the statistics phase.
+Q_TX = launch.shape(gpu=64, sim=1)
+Q_TY = launch.shape(gpu=2, sim=4)
+Q_SAMPLES = launch.shape(gpu=8, sim=4)
+Q_KERNELS = ("q", "head")  # dueling_forward(q_kernel=...): the dedicated kernel, or the general one
 # Elementwise kernels over [B, Z] rows (the head's backward and the C51 loss's): EW_ATOMS threads
 # along the atoms (loop beyond), EW_ROWS samples per block.
 EW_ATOMS = launch.shape(gpu=64, sim=1)
@@ -74,6 +96,10 @@ SHARED_BYTES_MAX = 48 * 1024  # dynamic shared memory a block may use without an
 
 _ZERO = np.float32(0.0)
 _NEG_INF = np.float32(-np.inf)
+_MINUS_ONE = np.float32(-1.0)
+# uint64 index constants for `dueling_q_kernel` (an int literal would make uint64 arithmetic float64)
+_U0, _U1, _U2, _U3, _U4, _U5, _U6, _U7, _U8 = (np.uint64(n) for n in range(9))
+_EW_ATOMS, _EW_ROWS = np.uint64(EW_ATOMS), np.uint64(EW_ROWS)  # the elementwise shapes as uint64 (the same rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,79 +207,174 @@ def head_backward_ref(h, w_value, w_adv, d_logits, branch_sizes):
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
+@_cuda.jit(device=True)
+def _span_load_dev(adv, value, adv_start, value_start, n_adv, i):
+    """Element i of a block's span A rows | V rows: adv[adv_start + i] for i < n_adv, else
+    value[value_start + i - n_adv] (uint64 indices)."""
+    if i < n_adv:
+        return adv[adv_start + i]
+    return value[value_start + (i - n_adv)]
+
+
+@_cuda.jit(device=True)
+def _sum_four_dev(sh, at, n_atoms, n_left, acc):
+    """acc + sh[at] + sh[at + Z] + ... over the first min(n_left, 4) of four slots, in that order
+    (`dueling_head_kernel`'s `for a: acc += A[a, z]`); the loads come before the adds."""
+    x0 = sh[at]
+    x1 = sh[at + n_atoms] if n_left > _U1 else _ZERO
+    x2 = sh[at + _U2 * n_atoms] if n_left > _U2 else _ZERO
+    x3 = sh[at + _U3 * n_atoms] if n_left > _U3 else _ZERO
+    acc += x0
+    if n_left > _U1:
+        acc += x1
+    if n_left > _U2:
+        acc += x2
+    if n_left > _U3:
+        acc += x3
+    return acc
+
+
+@_cuda.jit(device=True)
+def _add_four_dev(sh, at, n_atoms, n_left, base):
+    """sh[at + j·Z] = sh[at + j·Z] + base for the first min(n_left, 4) of j = 0..3."""
+    sh[at] = sh[at] + base
+    if n_left > _U1:
+        sh[at + n_atoms] = sh[at + n_atoms] + base
+    if n_left > _U2:
+        sh[at + _U2 * n_atoms] = sh[at + _U2 * n_atoms] + base
+    if n_left > _U3:
+        sh[at + _U3 * n_atoms] = sh[at + _U3 * n_atoms] + base
+
+
+@_cuda.jit(device=True)
+def _load_span_dev(sh, adv, value, adv_start, value_start, n_adv, n_load, t, threads):
+    """sh[i] = element i of a block's span A rows | V rows for i < n_load, thread t of `threads`:
+    unguarded rounds of eight loads in flight over A, then guarded rounds of eight over the rest of
+    A and V (uint64 indices; step 1 of both head kernels)."""
+    i = t
+    while i + _U7 * threads < n_adv:  # eight independent loads before the stores
+        x0 = adv[adv_start + i]
+        x1 = adv[adv_start + i + threads]
+        x2 = adv[adv_start + i + _U2 * threads]
+        x3 = adv[adv_start + i + _U3 * threads]
+        x4 = adv[adv_start + i + _U4 * threads]
+        x5 = adv[adv_start + i + _U5 * threads]
+        x6 = adv[adv_start + i + _U6 * threads]
+        x7 = adv[adv_start + i + _U7 * threads]
+        sh[i] = x0
+        sh[i + threads] = x1
+        sh[i + _U2 * threads] = x2
+        sh[i + _U3 * threads] = x3
+        sh[i + _U4 * threads] = x4
+        sh[i + _U5 * threads] = x5
+        sh[i + _U6 * threads] = x6
+        sh[i + _U7 * threads] = x7
+        i += _U8 * threads
+    while i < n_load:  # the rest of A, then V: eight loads in flight, each guarded (one round at the defaults)
+        x0 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i)
+        i1 = i + threads
+        i2 = i + _U2 * threads
+        i3 = i + _U3 * threads
+        i4 = i + _U4 * threads
+        i5 = i + _U5 * threads
+        i6 = i + _U6 * threads
+        i7 = i + _U7 * threads
+        x1 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i1) if i1 < n_load else _ZERO
+        x2 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i2) if i2 < n_load else _ZERO
+        x3 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i3) if i3 < n_load else _ZERO
+        x4 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i4) if i4 < n_load else _ZERO
+        x5 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i5) if i5 < n_load else _ZERO
+        x6 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i6) if i6 < n_load else _ZERO
+        x7 = _span_load_dev(adv, value, adv_start, value_start, n_adv, i7) if i7 < n_load else _ZERO
+        sh[i] = x0
+        if i1 < n_load:
+            sh[i1] = x1
+        if i2 < n_load:
+            sh[i2] = x2
+        if i3 < n_load:
+            sh[i3] = x3
+        if i4 < n_load:
+            sh[i4] = x4
+        if i5 < n_load:
+            sh[i5] = x5
+        if i6 < n_load:
+            sh[i6] = x6
+        if i7 < n_load:
+            sh[i7] = x7
+        i += _U8 * threads
+
+
 @_cuda.jit(cache=True)
 def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, branch_inv_sizes, support,
                         max_actions, samples, want_logits, want_stats, want_probs, logits, lse, q, probs):
     """One block per `samples` samples, block (HEAD_TX, HEAD_TY), dynamic shared memory
     (`head_shared_floats`): the block's value and advantage rows are loaded once, coalesced, and
-    every output is computed from shared memory. value [B·Z] and adv [B·ΣA·Z] are flat views.
+    every output is computed from shared memory. value [B·Z], adv [B·ΣA·Z] and the outputs (logits,
+    probs [B·nb·max_a·Z], lse, q [B·nb·max_a]) are flat views; n_atoms, width, max_actions, samples
+    are uint64.
 
-    1. load  V [S, Z] and A [S, ΣA·Z]: one contiguous span each, four loads in flight per thread;
-    2. base  base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k), thread row per sample, lane
-             per atom (and the support, once per block);
-    3. stats one thread per (s, k, a) row: x_z = A + base; row max, then lse = max + log Σ e and
-             Q = Σ e·z / Σ e with e = exp(x_z - max) (skipped for a logits-only pass); padding
-             rows lse = q = -inf;
-    4. rows  thread row per (s, k, a), lanes along z: logits x_z and/or probs exp(x_z - lse),
-             coalesced stores; padding logits -inf, probs 0.
-    Fixed summation orders, no atomics: the same inputs give the same bits on every run.
+    1. load  A [S, ΣA·Z] and V [S, Z] as one span (`_load_span_dev`: eight loads in flight);
+    2. x     thread row per sample, lane per atom: base = V - (Σ_a A[a, z] in order a = 0..A_k-1)
+             · (1/A_k) in a register, then A overwritten in place by x = A + base (the thread
+             that read those slots writes them: no barrier between); the support, once per block;
+    3. stats one thread per (s, k, a) row: its start in x (-1 for padding), and unless the pass
+             wants logits only, the row max, then lse = max + log Σ e and Q = Σ e·z / Σ e with
+             e = exp(x_z - max), each sum in atom order, unrolled by four; padding rows
+             lse = q = -inf;
+    4. rows  the block's outputs are one contiguous span of each: thread t writes elements t,
+             t + threads, ... (all lanes busy, coalesced): logits x_z and/or probs exp(x_z - lse);
+             padding logits -inf, probs 0.
+    Fixed summation orders, no atomics: the same inputs give the same bits on every run. Every index
+    is uint64 (constants _U0.._U8 included): a signed index costs Python's negative-index
+    wraparound code at every array access (see `dueling_q_kernel`). The float32 operations per
+    output are those of the earlier signed-index kernel that kept a separate base row (x = A + base
+    rounded once, then max / exp(x - max) / exp(x - lse)), so the same bits.
     """
+    # shared: A, then x [n_s, ΣA·Z] | V [n_s, Z] | lse [S·nb·max_a] | support [Z] | row starts [S·nb·max_a]
     sh = _cuda.shared.array(0, float32)
-    batch = value.shape[0] // n_atoms
-    n_branches = branch_sizes.shape[0]
-    tx = _cuda.threadIdx.x
-    ty = _cuda.threadIdx.y
-    lanes = _cuda.blockDim.x  # the launch shape is read, not compiled in: a cached kernel serves any shape
-    rows_y = _cuda.blockDim.y
+    batch = np.uint64(value.shape[0]) // n_atoms
+    n_branches = np.uint64(branch_sizes.shape[0])
+    tx = np.uint64(_cuda.threadIdx.x)
+    ty = np.uint64(_cuda.threadIdx.y)
+    lanes = np.uint64(_cuda.blockDim.x)  # the launch shape is read, not compiled in: a cached kernel serves any shape
+    rows_y = np.uint64(_cuda.blockDim.y)
     threads = lanes * rows_y
     t = ty * lanes + tx
-    b0 = _cuda.blockIdx.x * samples
+    b0 = np.uint64(_cuda.blockIdx.x) * samples  # 64-bit: flat indices reach B·ΣA·Z
     n_s = min(samples, batch - b0)
     rows_per_sample = n_branches * max_actions
-    n_rows = n_s * rows_per_sample
-    off_a = samples * n_atoms  # shared layout: V | A | base | lse | support
-    off_base = off_a + samples * width
-    off_lse = off_base + samples * n_branches * n_atoms
+    n_adv = n_s * width  # V follows the block's A rows
+    off_lse = samples * (width + n_atoms)
     off_support = off_lse + samples * rows_per_sample
+    off_rows = off_support + n_atoms
 
     # 1. load (the block's rows are contiguous in both GEMM outputs)
-    n_load = n_s * width
-    src = b0 * width
-    i = t
-    while i + 3 * threads < n_load:  # four independent loads before the stores
-        x0 = adv[src + i]
-        x1 = adv[src + i + threads]
-        x2 = adv[src + i + 2 * threads]
-        x3 = adv[src + i + 3 * threads]
-        sh[off_a + i] = x0
-        sh[off_a + i + threads] = x1
-        sh[off_a + i + 2 * threads] = x2
-        sh[off_a + i + 3 * threads] = x3
-        i += 4 * threads
-    while i < n_load:
-        sh[off_a + i] = adv[src + i]
-        i += threads
-    i = t
-    while i < n_s * n_atoms:
-        sh[i] = value[b0 * n_atoms + i]
-        i += threads
+    _load_span_dev(sh, adv, value, b0 * width, b0 * n_atoms, n_adv, n_adv + n_s * n_atoms, t, threads)
     _cuda.syncthreads()
 
-    # 2. per-branch base row: base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k)
+    # 2. x = A + base in place, base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k)
     s = ty
     while s < n_s:
-        for k in range(n_branches):
-            n_actions = branch_sizes[k]
-            first = off_a + s * width + branch_offsets[k] * n_atoms
-            inv_n = branch_inv_sizes[k]
-            out = off_base + (s * n_branches + k) * n_atoms
-            z = tx
-            while z < n_atoms:
+        z = tx
+        while z < n_atoms:
+            first = s * width + z  # A[s, 0, 0, z]
+            v = sh[n_adv + s * n_atoms + z]  # V[s, z]
+            k = _U0
+            while k < n_branches:
+                n_actions = np.uint64(branch_sizes[k])
+                start = first + np.uint64(branch_offsets[k]) * n_atoms
                 acc = _ZERO
-                for a in range(n_actions):
-                    acc += sh[first + a * n_atoms + z]
-                sh[out + z] = sh[s * n_atoms + z] - acc * inv_n
-                z += lanes
+                a = _U0
+                while a < n_actions:
+                    acc = _sum_four_dev(sh, start + a * n_atoms, n_atoms, n_actions - a, acc)
+                    a += _U4
+                base = v - acc * branch_inv_sizes[k]
+                a = _U0
+                while a < n_actions:
+                    _add_four_dev(sh, start + a * n_atoms, n_atoms, n_actions - a, base)
+                    a += _U4
+                k += _U1
+            z += lanes
         s += rows_y
     i = t
     while i < n_atoms:
@@ -261,92 +382,278 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
         i += threads
     _cuda.syncthreads()
 
-    # 3. row statistics: log-sum-exp and Q, one thread per row
-    if want_stats or want_probs:
+    # 3. row statistics: log-sum-exp and Q, one thread per row (and each row's start in x, or -1 for
+    # padding, for step 4)
+    if want_logits or want_probs or want_stats:
         r = t
-        while r < n_rows:
+        while r < n_s * rows_per_sample:
             s = r // rows_per_sample
             rem = r - s * rows_per_sample
             k = rem // max_actions
             a = rem - k * max_actions
             log_norm = _NEG_INF
             q_val = _NEG_INF
-            if a < branch_sizes[k]:
-                a_row = off_a + s * width + (branch_offsets[k] + a) * n_atoms
-                b_row = off_base + (s * n_branches + k) * n_atoms
-                mx = _NEG_INF
-                for z in range(n_atoms):
-                    mx = max(mx, sh[a_row + z] + sh[b_row + z])
-                total = _ZERO
-                expected = _ZERO
-                for z in range(n_atoms):
-                    e = math.exp(sh[a_row + z] + sh[b_row + z] - mx)
-                    total += e
-                    expected += e * sh[off_support + z]
-                log_norm = mx + math.log(total)
-                q_val = expected / total
+            x_start = _MINUS_ONE
+            if a < np.uint64(branch_sizes[k]):
+                row = s * width + (np.uint64(branch_offsets[k]) + a) * n_atoms
+                x_start = float32(row)  # exact: shared offsets stay far below 2^24
+                if want_stats or want_probs:
+                    mx = _NEG_INF
+                    z = _U0
+                    while z + _U3 < n_atoms:
+                        at = row + z
+                        x0 = sh[at]
+                        x1 = sh[at + _U1]
+                        x2 = sh[at + _U2]
+                        x3 = sh[at + _U3]
+                        mx = max(mx, x0)
+                        mx = max(mx, x1)
+                        mx = max(mx, x2)
+                        mx = max(mx, x3)
+                        z += _U4
+                    while z < n_atoms:
+                        mx = max(mx, sh[row + z])
+                        z += _U1
+                    total = _ZERO
+                    expected = _ZERO
+                    z = _U0
+                    while z + _U3 < n_atoms:
+                        at = row + z
+                        zs = off_support + z
+                        e0 = math.exp(sh[at] - mx)
+                        e1 = math.exp(sh[at + _U1] - mx)
+                        e2 = math.exp(sh[at + _U2] - mx)
+                        e3 = math.exp(sh[at + _U3] - mx)
+                        total += e0
+                        expected += e0 * sh[zs]
+                        total += e1
+                        expected += e1 * sh[zs + _U1]
+                        total += e2
+                        expected += e2 * sh[zs + _U2]
+                        total += e3
+                        expected += e3 * sh[zs + _U3]
+                        z += _U4
+                    while z < n_atoms:
+                        e = math.exp(sh[row + z] - mx)
+                        total += e
+                        expected += e * sh[off_support + z]
+                        z += _U1
+                    log_norm = mx + math.log(total)
+                    q_val = expected / total
             sh[off_lse + r] = log_norm
+            sh[off_rows + r] = x_start
             if want_stats:
-                lse[b0 + s, k, a] = log_norm
-                q[b0 + s, k, a] = q_val
+                lse[b0 * rows_per_sample + r] = log_norm
+                q[b0 * rows_per_sample + r] = q_val
             r += threads
         _cuda.syncthreads()
 
-    # 4. logits and / or probabilities, coalesced along the atoms
+    # 4. logits and / or probabilities: the block's outputs are one contiguous span [n_s, nb, max_a, Z]
+    # of each; thread t writes its elements t, t + threads, ... (every lane busy, coalesced), the
+    # element's (row, atom) stepped without a division
     if want_logits or want_probs:
-        for s in range(n_s):
-            for k in range(n_branches):
-                n_actions = branch_sizes[k]
-                b_row = off_base + (s * n_branches + k) * n_atoms
-                a = ty
-                while a < max_actions:
-                    z = tx
-                    if a < n_actions:
-                        a_row = off_a + s * width + (branch_offsets[k] + a) * n_atoms
-                        log_norm = _ZERO
-                        if want_probs:
-                            log_norm = sh[off_lse + (s * n_branches + k) * max_actions + a]
-                        while z < n_atoms:
-                            x = sh[a_row + z] + sh[b_row + z]
-                            if want_logits:
-                                logits[b0 + s, k, a, z] = x
-                            if want_probs:
-                                probs[b0 + s, k, a, z] = math.exp(x - log_norm)
-                            z += lanes
-                    else:  # padding: defined, never NaN
-                        while z < n_atoms:
-                            if want_logits:
-                                logits[b0 + s, k, a, z] = _NEG_INF
-                            if want_probs:
-                                probs[b0 + s, k, a, z] = _ZERO
-                            z += lanes
-                    a += rows_y
+        n_out = n_s * rows_per_sample * n_atoms
+        out_start = b0 * rows_per_sample * n_atoms
+        r = t // n_atoms
+        z = t - r * n_atoms
+        step_r = threads // n_atoms
+        step_z = threads - step_r * n_atoms
+        i = t
+        while i < n_out:
+            x_start = sh[off_rows + r]
+            if x_start >= _ZERO:
+                x = sh[np.uint64(x_start) + z]
+                if want_logits:
+                    logits[out_start + i] = x
+                if want_probs:
+                    probs[out_start + i] = math.exp(x - sh[off_lse + r])
+            else:  # padding: defined, never NaN
+                if want_logits:
+                    logits[out_start + i] = _NEG_INF
+                if want_probs:
+                    probs[out_start + i] = _ZERO
+            i += threads
+            r += step_r
+            z += step_z
+            if z >= n_atoms:
+                z -= n_atoms
+                r += _U1
+
+
+@_cuda.jit(cache=True)
+def dueling_q_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, branch_inv_sizes, support,
+                     max_actions, samples, lse, q):
+    """The Q-only pass (lse and q, no logits, no probs): bit-identical to `dueling_head_kernel`'s
+    statistics in fewer instructions, with a smaller footprint. One block per `samples`
+    samples, block (Q_TX, Q_TY), dynamic shared memory A | V (`q_shared_floats`); value [B·Z] and
+    adv [B·ΣA·Z] are flat views; n_atoms, width, max_actions, samples are uint64.
+
+    1. load   the block's A [S, ΣA·Z] and V [S, Z] rows as one span, coalesced, eight loads in flight
+              per thread: five unguarded rounds over A and one guarded round over the rest of A and
+              V at the defaults (guarding every load costs five times the instructions);
+    2. logits thread per (s, z) column, for each branch: base = V - (Σ_a A[a, z] in order
+              a = 0..A_k-1) · (1/A_k) in a register, then A overwritten in place by x = A + base
+              (the thread that read those slots writes them: no barrier between);
+    3. stats  one thread per (s, k, a) row of the padded output: row max, then Σ e and Σ e·z with
+              e = exp(x_z - max), each in atom order z = 0..Z-1, unrolled by four so the shared
+              loads and exps of four atoms issue before the running sums take them; lse = max +
+              log Σ e, q = Σ e·z / Σ e; padding rows lse = q = -inf.
+    Every index is uint64 (constants _U0.._U8 included: uint64 + int64 is float64 in numba): a
+    signed index costs three to five more instructions per array access for Python's negative-index
+    wraparound (counted in the PTX for sm_90: the eight-load copy step 116 -> 43 instructions, the
+    atom-max loop 39 -> 24 per four atoms).
+    Against `dueling_head_kernel` (signed indices, four loads in flight, a separate base row, two
+    shared loads and an add per atom in the statistics): the same float32 operations in the same
+    order per row, so the same bits.
+    """
+    sh = _cuda.shared.array(0, float32)  # A, then x [n_s, ΣA·Z] (rows as in adv) | V [n_s, Z]
+    batch = np.uint64(value.shape[0]) // n_atoms
+    n_branches = np.uint64(branch_sizes.shape[0])
+    tx = np.uint64(_cuda.threadIdx.x)
+    ty = np.uint64(_cuda.threadIdx.y)
+    lanes = np.uint64(_cuda.blockDim.x)  # the launch shape is read, not compiled in (numba's on-disk cache)
+    rows_y = np.uint64(_cuda.blockDim.y)
+    threads = lanes * rows_y
+    t = ty * lanes + tx
+    b0 = np.uint64(_cuda.blockIdx.x) * samples  # 64-bit: flat indices reach B·ΣA·Z
+    n_s = min(samples, batch - b0)
+
+    # 1. load: the block's A rows then its V rows (each contiguous in its GEMM output) as one span
+    n_adv = n_s * width
+    n_load = n_adv + n_s * n_atoms
+    _load_span_dev(sh, adv, value, b0 * width, b0 * n_atoms, n_adv, n_load, t, threads)
+    _cuda.syncthreads()
+
+    # 2. x = A + base in place, base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k): a thread
+    # per (s, z) column walks the branches (the branch tables are read once per column, not per
+    # (s, k) pair and atom step: a quarter of the instructions of a thread row per (s, k))
+    col = t
+    while col < n_s * n_atoms:
+        s = col // n_atoms
+        first = s * width + (col - s * n_atoms)  # A[s, 0, 0, z]
+        v = sh[n_adv + col]  # V[s, z]
+        k = _U0
+        while k < n_branches:
+            n_actions = np.uint64(branch_sizes[k])
+            start = first + np.uint64(branch_offsets[k]) * n_atoms
+            acc = _ZERO
+            at = start
+            a = _U0
+            while a < n_actions:
+                acc += sh[at]
+                at += n_atoms
+                a += _U1
+            base = v - acc * branch_inv_sizes[k]
+            at = start
+            a = _U0
+            while a < n_actions:
+                sh[at] = sh[at] + base
+                at += n_atoms
+                a += _U1
+            k += _U1
+        col += threads
+    _cuda.syncthreads()
+
+    # 3. row statistics, one thread per padded output row (s, k, a)
+    rows_per_sample = n_branches * max_actions
+    r = t
+    while r < n_s * rows_per_sample:
+        s = r // rows_per_sample
+        rem = r - s * rows_per_sample
+        k = rem // max_actions
+        a = rem - k * max_actions
+        log_norm = _NEG_INF
+        q_val = _NEG_INF
+        if a < np.uint64(branch_sizes[k]):
+            row = s * width + (np.uint64(branch_offsets[k]) + a) * n_atoms
+            mx = _NEG_INF
+            z = _U0
+            while z + _U3 < n_atoms:
+                at = row + z
+                x0 = sh[at]
+                x1 = sh[at + _U1]
+                x2 = sh[at + _U2]
+                x3 = sh[at + _U3]
+                mx = max(mx, x0)
+                mx = max(mx, x1)
+                mx = max(mx, x2)
+                mx = max(mx, x3)
+                z += _U4
+            while z < n_atoms:
+                mx = max(mx, sh[row + z])
+                z += _U1
+            total = _ZERO
+            expected = _ZERO
+            z = _U0
+            while z + _U3 < n_atoms:
+                at = row + z
+                e0 = math.exp(sh[at] - mx)
+                e1 = math.exp(sh[at + _U1] - mx)
+                e2 = math.exp(sh[at + _U2] - mx)
+                e3 = math.exp(sh[at + _U3] - mx)
+                total += e0
+                expected += e0 * support[z]
+                total += e1
+                expected += e1 * support[z + _U1]
+                total += e2
+                expected += e2 * support[z + _U2]
+                total += e3
+                expected += e3 * support[z + _U3]
+                z += _U4
+            while z < n_atoms:
+                e = math.exp(sh[row + z] - mx)
+                total += e
+                expected += e * support[z]
+                z += _U1
+            log_norm = mx + math.log(total)
+            q_val = expected / total
+        lse[b0 + s, k, a] = log_norm
+        q[b0 + s, k, a] = q_val
+        r += threads
 
 
 @_cuda.jit(cache=True)
 def dueling_backward_kernel(d_logits, branch_sizes, branch_offsets, branch_inv_sizes, d_value, d_adv):
     """Thread (z, b): dV[b, z] and dA[b, :, z] from d_logits (padding entries ignored); grid
-    ceil(B / EW_ROWS), block (EW_ATOMS, EW_ROWS)."""
-    b = _cuda.blockIdx.x * EW_ROWS + _cuda.threadIdx.y
-    if b >= d_logits.shape[0]:
+    ceil(B / EW_ROWS), block (EW_ATOMS, EW_ROWS). uint64 indices (no negative-index wraparound
+    code); the sums Σ_a in action order a = 0..A_k-1, four loads before their adds."""
+    b = np.uint64(_cuda.blockIdx.x) * _EW_ROWS + np.uint64(_cuda.threadIdx.y)
+    if b >= np.uint64(d_logits.shape[0]):
         return
-    n_branches = d_logits.shape[1]
-    n_atoms = d_logits.shape[3]
-    z = _cuda.threadIdx.x
+    n_branches = np.uint64(d_logits.shape[1])
+    n_atoms = np.uint64(d_logits.shape[3])
+    z = np.uint64(_cuda.threadIdx.x)
     while z < n_atoms:
         dv = _ZERO
-        for k in range(n_branches):
-            n_actions = branch_sizes[k]
+        k = _U0
+        while k < n_branches:
+            n_actions = np.uint64(branch_sizes[k])
             s = _ZERO
-            for a in range(n_actions):
-                s += d_logits[b, k, a, z]
+            a = _U0
+            while a < n_actions:
+                x0 = d_logits[b, k, a, z]
+                x1 = d_logits[b, k, a + _U1, z] if a + _U1 < n_actions else _ZERO
+                x2 = d_logits[b, k, a + _U2, z] if a + _U2 < n_actions else _ZERO
+                x3 = d_logits[b, k, a + _U3, z] if a + _U3 < n_actions else _ZERO
+                s += x0
+                if a + _U1 < n_actions:
+                    s += x1
+                if a + _U2 < n_actions:
+                    s += x2
+                if a + _U3 < n_actions:
+                    s += x3
+                a += _U4
             dv += s
             mean = s * branch_inv_sizes[k]
-            first = branch_offsets[k] * n_atoms + z
-            for a in range(n_actions):
-                d_adv[b, first + a * n_atoms] = d_logits[b, k, a, z] - mean
+            col = np.uint64(branch_offsets[k]) * n_atoms + z
+            a = _U0
+            while a < n_actions:
+                d_adv[b, col] = d_logits[b, k, a, z] - mean
+                col += n_atoms
+                a += _U1
+            k += _U1
         d_value[b, z] = dv
-        z += EW_ATOMS
+        z += _EW_ATOMS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,8 +731,8 @@ class BranchedDuelingC51Head(Module):
 
     def set_support(self, v_min: float, v_max: float) -> None:
         """Write a new support linspace(v_min, v_max, Z) into the device array every pass reads
-        (`dueling_head_kernel` takes it from device memory, so a captured graph follows). A host
-        copy: between graph replays, never inside a capture."""
+        (`dueling_head_kernel` and `dueling_q_kernel` take it from device memory, so a captured graph
+        follows). A host copy: between graph replays, never inside a capture."""
         support = make_support(self.n_atoms, v_min, v_max)
         self.v_min, self.v_max, self.support_host = float(v_min), float(v_max), support
         self.layout.load({"support": support})
@@ -474,7 +781,7 @@ class BranchedDuelingC51Head(Module):
 
         def view(what):
             name = self._buf_name(tag, what)
-            return acts[name] if name in acts else None
+            return acts[name] if name in acts else None  # noqa: SIM401 (an Arena has no .get)
 
         return C51Outputs(view("logits"), view("probs"), view("q"))
 
@@ -530,20 +837,33 @@ def _check(name, arr, shape, dtype=np.float32):
 
 
 def head_shared_floats(samples: int, n_atoms: int, width: int, n_branches: int, max_actions: int) -> int:
-    """float32 slots of dynamic shared memory one forward block uses (V | A | base | lse, support)."""
-    return samples * (n_atoms + width + n_branches * n_atoms + n_branches * max_actions) + n_atoms
+    """float32 slots of dynamic shared memory one forward block uses (A, then x | V | lse | support | row starts)."""
+    return samples * (width + n_atoms + 2 * n_branches * max_actions) + n_atoms
+
+
+def q_shared_floats(samples: int, width: int, n_atoms: int) -> int:
+    """float32 slots of dynamic shared memory one `dueling_q_kernel` block uses (A | V)."""
+    return samples * (width + n_atoms)
 
 
 def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None,
-                    block=None, samples=None) -> None:
+                    block=None, samples=None, q_kernel: str = "q") -> None:
     """The dueling combination and its softmax in one launch; writes only the outputs given.
 
     value [B, Z], adv [B, ΣA·Z]; logits, probs [B, n_branches, max_actions, Z]; lse, q
     [B, n_branches, max_actions] (both or neither). layout: Arena with int32 branch_sizes /
     branch_offsets, float32 branch_inv_sizes, support and the unused4 / unused3 stand-ins
     (`BranchedDuelingC51Head.layout`). block (lanes, thread rows) and samples (per block, at most)
-    default to HEAD_TX/HEAD_TY and HEAD_SAMPLES; every shape gives the same bits.
+    default to HEAD_TX/HEAD_TY and HEAD_SAMPLES (Q_TX/Q_TY and Q_SAMPLES for the Q-only kernel);
+    every shape gives the same bits.
+
+    q_kernel: for a Q-only pass (lse and q, no logits, no probs: acting, the next-obs pass), "q"
+    launches `dueling_q_kernel` and "head" the general `dueling_head_kernel` (kept for
+    `python -m numbarl.bench.head`, which times both); the two write the same bits. Passes with
+    logits or probs always use `dueling_head_kernel`.
     """
+    if q_kernel not in Q_KERNELS:
+        raise ValueError(f"c51 head: q_kernel must be one of {Q_KERNELS} (got {q_kernel!r})")
     given = [x for x in (logits, probs) if x is not None]
     if (lse is None) != (q is None):
         raise ValueError("c51 head: lse and q are written together: give both or neither")
@@ -565,6 +885,9 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
             _check(name, arr, shape4[:3])
     if adv.shape[1] % n_atoms:
         raise ValueError(f"c51 head: adv has {adv.shape[1]} columns, not a multiple of {n_atoms} atoms")
+    if q_kernel == "q" and not given:
+        _dueling_q(value, adv, layout, stream, lse, q, max_actions, block, samples)
+        return
     per_sample = (head_shared_floats(1, n_atoms, adv.shape[1], n_branches, max_actions) - n_atoms) * 4
     samples = min(HEAD_SAMPLES if samples is None else int(samples), (SHARED_BYTES_MAX - n_atoms * 4) // per_sample)
     if samples < 1:
@@ -582,11 +905,35 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         dueling_head_kernel[grid, block, stream, shared_bytes](
-            value.reshape(value.size), adv.reshape(adv.size), np.int64(n_atoms), np.int64(adv.shape[1]), sizes,
+            value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(adv.shape[1]), sizes,
             layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
-            np.int64(max_actions), np.int64(samples), logits is not None, q is not None, probs is not None,
-            u4 if logits is None else logits, u3 if lse is None else lse, u3 if q is None else q,
-            u4 if probs is None else probs)
+            np.uint64(max_actions), np.uint64(samples), logits is not None, q is not None, probs is not None,
+            _flat(u4 if logits is None else logits), _flat(u3 if lse is None else lse), _flat(u3 if q is None else q),
+            _flat(u4 if probs is None else probs))
+
+
+def _flat(array):
+    """A C-contiguous device array as a flat view (`dueling_head_kernel` writes its outputs by flat index)."""
+    return array.reshape(array.size)
+
+
+def _dueling_q(value, adv, layout: Arena, stream, lse, q, max_actions, block, samples) -> None:
+    """Launch `dueling_q_kernel` (shapes already checked by `dueling_forward`)."""
+    batch, n_atoms = value.shape
+    width = adv.shape[1]
+    per_sample = q_shared_floats(1, width, n_atoms) * 4
+    samples = min(Q_SAMPLES if samples is None else int(samples), SHARED_BYTES_MAX // per_sample)
+    if samples < 1:
+        raise ValueError(f"c51 head: {n_atoms} atoms x {width // n_atoms} actions need {per_sample} bytes of "
+                         f"shared memory per sample, more than a block's {SHARED_BYTES_MAX}")
+    block = (Q_TX, Q_TY) if block is None else tuple(int(x) for x in block)
+    grid = max(1, -(-batch // samples))
+    with warnings.catch_warnings():  # non-finite inputs: see dueling_forward
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dueling_q_kernel[grid, block, stream, q_shared_floats(samples, width, n_atoms) * 4](
+            value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(width),
+            layout["branch_sizes"], layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
+            np.uint64(max_actions), np.uint64(samples), lse, q)
 
 
 def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:
