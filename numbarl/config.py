@@ -62,7 +62,8 @@ class DataConfig:
     synth_bars_per_day: int = 0
     """Imbalance bars per synthetic session (0 = the scale's default)."""
     synth_mode: str = "planted"
-    """Synthetic market: 'planted' (order flow leads the mid) or 'memory' (its sign is a hidden regime: only history pays)."""
+    """Synthetic market: 'planted' (order flow leads the mid), 'memory' (its sign is a hidden regime: only history
+    pays) or 'walk' (a null whose mid is a random walk nothing observable leads: the queues do not move the price)."""
     synth_regime_bars: float = 40.0
     """Memory mode: mean duration of the hidden regime, in bars."""
     symbol: str = ""
@@ -75,7 +76,7 @@ class DataConfig:
         _check("data", "synth_signal", self.synth_signal, lo=0.0, hi=100.0)
         _check("data", "synth_scale", self.synth_scale, choices=("tiny", "default"))
         _check("data", "synth_bars_per_day", self.synth_bars_per_day, lo=0, hi=1_000_000)
-        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory"))
+        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory", "walk"))
         _check("data", "synth_regime_bars", self.synth_regime_bars, lo=1.0, hi=1_000_000.0)
 
 
@@ -184,6 +185,21 @@ class AgentConfig:
     """IQL: the expectile tau of the value loss |tau - 1{u<0}| u^2 (0.5 = mean regression)."""
     iql_hidden: int = 256
     """IQL: hidden width of the value head's SiLU layer."""
+    # --- recursive confidence (numbarl/rl/nets/confidence.py, numbarl/rl/losses/confidence.py) ---------
+    confidence_weight: float = 0.0
+    """Recursive confidence (issue 14 item 8): weight of the binary cross-entropy of a confidence head
+    c(s) = sigmoid(h.w + b) on the online trunk features against y = 1{the n-step move had the sign of the
+    online q_gap} where the window carries a verdict (a long/short taken, |R_n| >= agent.confidence_epsilon),
+    else the target network's c(s') at the n-step next state (1/2 at an episode end); an auxiliary loss
+    (every agent.aux_frequency train steps), optimizer group 'head.conf', its gradient adds to the trunk's.
+    0 = off (the default: nothing of it is built)."""
+    confidence_epsilon: float = 1e-6
+    """Recursive confidence: |R_n| below this carries no verdict on the conviction (bootstrapped target)."""
+    confidence_floor: float = 0.0
+    """Recursive confidence's selectivity gate (numbarl/rl/nets/confidence.py:ConfidenceGate): a flat env may not
+    enter (direction long / short) where c(s) < this, in the collect step and the backtest scores; holding and
+    exits stay allowed. 0 = no gate (needs agent.confidence_weight > 0; in [0, 1))."""
+    # --- end recursive confidence -------------------------------------------------------------------
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
@@ -329,11 +345,18 @@ class AgentConfig:
         if self.iql_expectile >= 1.0:
             raise ConfigError(f"agent.iql_expectile = {self.iql_expectile} must be < 1")
         _check("agent", "iql_hidden", self.iql_hidden, lo=1, hi=16384)
+        _check("agent", "confidence_weight", self.confidence_weight, lo=0.0, hi=1e3)  # recursive confidence
+        _check("agent", "confidence_epsilon", self.confidence_epsilon, lo=0.0, hi=1e9)
+        _check("agent", "confidence_floor", self.confidence_floor, lo=0.0, hi=1.0)
+        if self.confidence_floor >= 1.0 or (self.confidence_floor > 0 and not self.confidence_weight > 0):
+            raise ConfigError(f"agent.confidence_floor = {self.confidence_floor} needs 0 <= floor < 1 and the confidence "
+                              f"head trained (agent.confidence_weight > 0, got {self.confidence_weight})")
         _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
             groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]
             groups += ["head.iqn"] if self.iqn else []
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
+            groups += ["head.conf"] if self.confidence_weight > 0 else []  # recursive confidence
             groups += ["icm.forward", "icm.inverse"] if self.curiosity else []  # ICM (agent.curiosity_weight)
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
@@ -400,6 +423,7 @@ class AgentConfig:
         # --set agent.kind=ppo works.)
         if self.kind in ("ppo", "dt"):
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
+                        "confidence_weight": self.confidence_weight > 0,  # recursive confidence
                         "atom_entropy_max": self.atom_entropy_max > 0,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
                         "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate,

@@ -56,7 +56,7 @@ import time
 
 import numpy as np
 
-from numbarl.bench.ppo import NumbarlPPO, _market, _relerr, _time_numba, _time_torch
+from numbarl.bench.ppo import NumbarlPPO, _market, _relerr, _time_numba, _time_torch, row_writer
 from numbarl.cuda import backend
 
 LOSS_RTOL = 1e-5
@@ -457,15 +457,7 @@ def table(r: dict) -> str:
     computes = list(r["numbarl"])
     lines.append(f"{'':<60}" + "".join(f"{c + ' ms':>12}" for c in computes))
 
-    def row(label, get, fmt="{:>12.4f}"):
-        vals = []
-        for c in computes:
-            try:
-                v = get(c)
-            except KeyError:
-                v = None
-            vals.append(fmt.format(v) if v is not None else f"{'n/a':>12}")
-        lines.append(f"{label:<60}" + "".join(vals))
+    row = row_writer(lines, computes, 60, "{:>12.4f}")
 
     nb, t = r["numbarl"], r.get("torch") or {}
     row("numbarl train step (fwd, loss, bwd, AdamW; one graph)", lambda c: nb[c]["train_step_ms"])

@@ -121,6 +121,23 @@ def _time_torch(fn, iters: int, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def row_writer(lines: list, computes: list, width: int, default_fmt: str):
+    """row(label, get, fmt): append to `lines` one table line, the label padded to `width` and
+    get(c) for each compute precision c ('n/a' where it raises KeyError or returns None)."""
+
+    def row(label, get, fmt=default_fmt):
+        vals = []
+        for c in computes:
+            try:
+                v = get(c)
+            except KeyError:
+                v = None
+            vals.append(fmt.format(v) if v is not None else f"{'n/a':>12}")
+        lines.append(f"{label:<{width}}" + "".join(vals))
+
+    return row
+
+
 def _relerr(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -686,15 +703,7 @@ def table(r: dict) -> str:
     computes = list(r["numbarl"])
     lines.append(f"{'':<58}" + "".join(f"{c + ' ms':>12}" for c in computes))
 
-    def row(label, get, fmt="{:>12.3f}"):
-        vals = []
-        for c in computes:
-            try:
-                v = get(c)
-            except KeyError:
-                v = None
-            vals.append(fmt.format(v) if v is not None else f"{'n/a':>12}")
-        lines.append(f"{label:<58}" + "".join(vals))
+    row = row_writer(lines, computes, 58, "{:>12.3f}")
 
     nb = r["numbarl"]
     T = r["rollout"]

@@ -49,6 +49,18 @@ Oracle (memory mode): r · mean(b(e - W + 1 .. e)) at each record, the drift exp
 next W events (b from flow already seen, r the regime now): known at that moment. Per bar,
 ``oracle`` at the closing record as above; ``null=True`` sets signal 0 (no drift, oracle 0).
 
+Walk mode (``mode="walk"``, ``data.synth_mode=walk``): a null market in which nothing observable
+leads the mid. The same book, flow and calendar, no drift (signal 0, oracle 0), but the price no
+longer follows the queues: a best queue that trades or cancels away is refilled at its price, and
+before each event, with probability ``WALK_MOVE_P``, the book steps one tick up or down on a fair
+coin (the best ask goes and a bid level appears at its price, or the mirror). The mid is a random
+walk of whole ticks (about 0.9 tick per bar at the default sizes, as the planted market's null);
+the spread stays one tick. Why: in the event-driven book of ``null=True`` the mid moves when a
+queue empties, so the queue imbalance leads the next move (correlation 0.29 with the next bar's
+mid change) and a half-tick mid bounce makes bar returns mean-revert (variance ratio 0.7-0.8 for
+8-128 bars): a book's own structure, not a planted edge, and a learner can trade it (PPO did,
+docs/RESULTS.md). The walk mode is the null without it.
+
 Measured (``python -m numbarl.data.synth_probe``: 10 sessions of 30,000 events, 200 bars/day,
 seeds 1/2/3, fitted on the first half of the bars and scored on the second; synth_probe.py says
 what each number is):
@@ -116,7 +128,8 @@ NEW_LEVEL_MAX = 24
 LATENCY_NS = 20_000  # ts_recv - ts_event
 PRESSURE_EVENTS = 6000.0
 PASSIVE_COUPLING = 0.5
-MODES = ("planted", "memory")
+MODES = ("planted", "memory", "walk")
+WALK_MOVE_P = 0.008  # walk mode: chance per event that the book steps one tick (fair coin): ~0.9 tick per bar
 DEFAULT_REGIME_BARS = 40.0  # memory mode: mean regime duration in bars
 MEMORY_FLOW_FRACTION = 0.125  # memory mode: time constant of the flow EWMA / W (short: little momentum)
 MEMORY_COUPLING = 5.0  # memory mode: P(add on bid) = P(cancel on ask) = 1/2 + coupling · r · b (saturates above signal 0.2)
@@ -187,7 +200,7 @@ def _shift_in(q, c, size):
 
 @njit(cache=True)
 def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, tau, weights, out, oracle,
-                      memory, switch_p, flow_tau, lagbuf, mstate):
+                      memory, switch_p, flow_tau, lagbuf, mstate, walk_p):
     """One session of events. Returns (records written, best bid tick at the end, x at the end).
 
     times: int64 [n_events] event timestamps (ts_event); out: MBP10 records with room for
@@ -198,6 +211,11 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
     ring position, flow EWMA F, the last event's signed trade volume) the state carried across
     sessions, both updated in place; the regime flips with probability ``switch_p`` per event.
     Off, no extra random numbers are drawn and x drives everything: the planted market.
+
+    ``walk_p`` > 0 (the walk mode, module docstring): before each event, with probability walk_p,
+    the book steps one tick up or down (a fair coin: the best ask queue goes and a new bid level
+    appears at its price, or the mirror), and a best queue that trades or cancels away is refilled
+    at its price instead of moving it; 0: no extra random numbers (the other markets unchanged).
     """
     np.random.seed(seed)
     phi = math.exp(-1.0 / tau)
@@ -229,10 +247,31 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
     x = x0
     k = 0
     seq = 1
+    walk = walk_p > 0.0
     for e in range(n_events):
         x = phi * x + shock * np.random.standard_normal()
         delta = 0.5 * signal * math.tanh(x)
         ts = times[e]
+        if walk and np.random.random() < walk_p:
+            # STEP: the mid moves by one tick at random, whatever the book shows
+            size = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+            if np.random.random() < 0.5:
+                ba += 1
+                _shift_out(aq, ac)
+                bb += 1
+                _shift_in(bq, bc, size)
+                side, price = SIDE_BID, bb * tick
+            else:
+                bb -= 1
+                _shift_out(bq, bc)
+                ba -= 1
+                _shift_in(aq, ac, size)
+                side, price = SIDE_ASK, ba * tick
+            _write(out, k, ts, ACTION_ADD, side, price, size, F_LAST, 0, seq, bb, ba, bq, aq, bc, ac, tick)
+            oracle[k] = 0.0
+            k += 1
+            seq += 1
+            continue
         if memory:
             # b(e): the response to the signed trade flow before this event; the passive side
             # follows r·b(e - W) (W events ago), the oracle is the drift expected over the next
@@ -281,7 +320,10 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
                 oracle[k] = signal_now
                 k += 1
                 aq[0] -= size
-                if aq[0] == 0:
+                if aq[0] == 0 and walk:  # walk mode: the price does not follow the queues
+                    aq[0] = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+                    ac[0] = _orders(aq[0])
+                elif aq[0] == 0:
                     ba += 1
                     _shift_out(aq, ac)
                 else:
@@ -295,7 +337,10 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
                 oracle[k] = signal_now
                 k += 1
                 bq[0] -= size
-                if bq[0] == 0:
+                if bq[0] == 0 and walk:
+                    bq[0] = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+                    bc[0] = _orders(bq[0])
+                elif bq[0] == 0:
                     bb -= 1
                     _shift_out(bq, bc)
                 else:
@@ -344,7 +389,10 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
             q[level] -= size
             if c[level] > 1:
                 c[level] -= 1
-            if level == 0 and q[0] == 0:
+            if level == 0 and q[0] == 0 and walk:
+                q[0] = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
+                c[0] = _orders(q[0])
+            elif level == 0 and q[0] == 0:
                 if on_ask:
                     ba += 1
                 else:
@@ -413,6 +461,9 @@ def iter_sessions(
     if mode not in MODES:
         raise DataError(f"synthetic market: mode must be one of {list(MODES)}, got {mode!r}")
     memory = mode == "memory"
+    walk_p = WALK_MOVE_P if mode == "walk" else 0.0
+    if mode == "walk":  # no planted drift: the null of every mode
+        null = True
     if memory:
         if not (regime_events >= 1.0):
             raise DataError(f"synthetic market: regime_events must be >= 1, got {regime_events}")
@@ -440,6 +491,7 @@ def iter_sessions(
         k, start_tick, x = _simulate_session(
             sub_seed, events_per_session, times, start_tick, x, strength, coupling,
             float(pressure_events), ADD_LEVEL_WEIGHTS, out, oracle, memory, switch_p, flow_tau, lagbuf, mstate,
+            walk_p,
         )  # fmt: skip
         yield out[:k], oracle[:k]
 
@@ -554,6 +606,9 @@ def build_synthetic_cache(
             "pressure_events": None,  # no latent pressure drives this market
             "passive_coupling": 0.0 if null else MEMORY_COUPLING,
         })  # fmt: skip
+    if mode == "walk":
+        config.update({"mode": "walk", "signal": 0.0, "null": True, "passive_coupling": 0.0,
+                       "pressure_events": None, "walk_move_p": WALK_MOVE_P})
     if dbn_out is not None:  # first: a failed DBN write leaves no cache behind, and the reverse below
         try:
             write_dbn(dbn_out, np.concatenate(record_parts), dataset="SYNTH", mappings={SYMBOL: INSTRUMENT_ID})

@@ -117,6 +117,17 @@ COMPONENTS: tuple[Component, ...] = (
         "Kostrikov, Nair & Levine 2021, Eq. 5 (expectile regression L2^tau(u) = |tau - 1{u<0}| u^2)",
         ("tests/rl/test_iql.py",),
         "iql_loss", "> 0"),
+    # --- recursive confidence (agent.confidence_weight) ---------------------------------------------------
+    Component(
+        "recursive_confidence", "confidence head c(s) = sigmoid(h.w + b) on the shared trunk: cross-entropy to "
+        "y = 1{the n-step move had the sign of the online q_gap} where the window carries a verdict, else the target "
+        "network's c(s') at the n-step next state; an auxiliary loss whose trunk gradient adds to the C51 head's",
+        "agent.confidence_weight=0.5",
+        "numbarl/rl/losses/confidence.py (origin notes' 'recursive_confidence'; interpretation: binary cross-entropy "
+        "with a TD-style bootstrapped target, y = c_target(s') where the return gives no verdict)",
+        ("tests/rl/test_confidence.py", "tests/rl/test_gpu_confidence.py"),
+        "confidence_loss", "> 0"),
+    # --- end recursive confidence -----------------------------------------------------------------------
     Component(
         "icm_curiosity", "ICM curiosity: forward and inverse models on the detached trunk features of obs and "
         "next_obs, trained every train step; intrinsic reward w x forward error / its running scale added to the "

@@ -602,6 +602,52 @@ def iql_loss_and_grads(values: dict, h, q_target, actions, branch_sizes, expecti
             "v": v.detach().cpu().numpy(), "dh": h_t.grad.detach().cpu().numpy(), "grads": grads}
 
 
+# --- recursive confidence (agent.confidence_weight; numbarl/rl/nets/confidence.py, rl/losses/confidence.py) ---
+def confidence_loss_and_grads(values: dict, h, target_values: dict, h_next, q, actions, rewards, dones,
+                              epsilon: float = 1e-6, head: str = "conf", device="cpu"):
+    """The confidence head's loss the PyTorch way: z = nn.Linear(H, 1)(h) with numbarl's weights ([in, out],
+    transposed), the target z′ = the same layer with `target_values` on h_next (no grad), y built from the
+    online q_gap of the direction branch, the taken side and R_n (numbarl/rl/losses/confidence.py),
+    loss = F.binary_cross_entropy_with_logits(z, y), loss.backward().
+    Returns {"loss", "per_sample" [B], "c" [B], "y" [B], "dz" [B, 1], "dh" [B, H], "grads" {numbarl name}}."""
+    torch = _torch()
+    from torch import nn
+    from torch.nn import functional as F
+
+    from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
+
+    dev = torch.device(device)
+    f32 = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)), device=dev)  # noqa: E731
+    in_dim = int(np.shape(values[f"{head}.fc.w"])[0])
+    lin, lin_t = nn.Linear(in_dim, 1).to(dev), nn.Linear(in_dim, 1).to(dev)
+    with torch.no_grad():
+        for layer, vals in ((lin, values), (lin_t, target_values)):
+            layer.weight.copy_(f32(np.asarray(vals[f"{head}.fc.w"]).T))
+            layer.bias.copy_(f32(vals[f"{head}.fc.b"]))
+    h_t = f32(h).requires_grad_(True)
+    z = lin(h_t).squeeze(1)
+    z.retain_grad()
+    with torch.no_grad():
+        c_next = torch.sigmoid(lin_t(f32(h_next)).squeeze(1))
+        qt = f32(q)
+        gap = qt[:, BR_DIRECTION, DIR_LONG] - qt[:, BR_DIRECTION, DIR_SHORT]
+        a = torch.as_tensor(np.asarray(actions, np.int64)[:, BR_DIRECTION], device=dev)
+        side = (a == DIR_LONG).float() - (a == DIR_SHORT).float()
+        r, done = f32(rewards), f32(dones) != 0
+        informative = (side != 0) & (r.abs() >= epsilon)
+        right = (r * side * gap > 0).float()
+        y = torch.where(informative, right, torch.where(done, torch.full_like(r, 0.5), c_next))
+    per_sample = F.binary_cross_entropy_with_logits(z, y, reduction="none")
+    loss = per_sample.mean()
+    loss.backward()
+    grads = {f"{head}.fc.w": lin.weight.grad.detach().cpu().numpy().T.copy(),
+             f"{head}.fc.b": lin.bias.grad.detach().cpu().numpy().copy()}
+    return {"loss": float(loss.detach().cpu()), "per_sample": per_sample.detach().cpu().numpy(),
+            "c": torch.sigmoid(z).detach().cpu().numpy(), "y": y.cpu().numpy(),
+            "dz": z.grad.detach().cpu().numpy()[:, None], "dh": h_t.grad.detach().cpu().numpy(), "grads": grads}
+# --- end recursive confidence ------------------------------------------------------------------------------
+
+
 # --- spectral normalization (agent.spectral_norm; numbarl/rl/nets/spectral_norm.py) ----------------------
 def spectral_linear_peer(x, w, b, u, v, dy, n_power_iterations: int = 1):
     """A dense layer under torch.nn.utils.parametrizations.spectral_norm, with numbarl's vectors.

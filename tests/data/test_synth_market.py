@@ -133,3 +133,34 @@ def test_synthetic_bars_match_reference_on_one_session():
     got, want = build_bars(records, params), bars_ref(records, params)
     assert len(got) == len(want) > 10
     np.testing.assert_array_equal(got["close_index"], want["close_index"])
+
+
+def _next_move_stats(cache):
+    """(lag-1 autocorrelation of bar mid changes, corr(qi_1, next bar's mid change), the largest
+    |corr| of any feature with the next bar's mid change), within sessions."""
+    mid, sid = np.asarray(cache.mid, np.float64), np.asarray(cache.session_id)
+    feats, names = np.asarray(cache.features), list(cache.feature_names)
+    nxt = np.r_[np.diff(mid), 0.0]
+    same = np.r_[sid[1:] == sid[:-1], False]
+    r = np.concatenate([np.diff(mid[sid == s]) for s in np.unique(sid)])
+    ac1 = np.corrcoef(r[:-1], r[1:])[0, 1]
+    corr = [np.corrcoef(feats[same, j], nxt[same])[0, 1] for j in range(feats.shape[1]) if np.std(feats[same, j]) > 0]
+    return ac1, corr[names.index("qi_1")], max(abs(c) for c in corr)
+
+
+def test_walk_market_is_a_null_that_nothing_observable_leads(tmp_path):
+    """The book's own structure makes the null=True market predictable (queue imbalance leads the next
+    move, the mid's half-tick bounce reverts); the walk mode's mid is a random walk the features do
+    not lead. Same sizes, same seed: ~1,300 bars each (noise of a correlation ~0.03)."""
+    size = {"sessions": 6, "seed": 3, "null": True, "events_per_session": 30_000, "bars_per_day": 200}
+    walk = load_cache(synth.build_synthetic_cache(tmp_path / "walk", mode="walk", **size))
+    book = load_cache(synth.build_synthetic_cache(tmp_path / "null", **size))
+    assert np.all(walk.oracle == 0.0) and walk.meta["synthetic"]["mode"] == "walk" and walk.meta["synthetic"]["null"]
+    spread = np.asarray(walk.ask) - np.asarray(walk.bid)
+    np.testing.assert_allclose(spread, synth.TICK_SIZE)  # queues refill: the spread stays one tick
+    ac1, qi, most = _next_move_stats(walk)
+    assert abs(ac1) < 0.08 and abs(qi) < 0.1 and most < 0.12, (ac1, qi, most)
+    ac1, qi, most = _next_move_stats(book)  # measured -0.125, 0.226: what the walk mode removes
+    assert ac1 < -0.08 and qi > 0.15, (ac1, qi)
+    r = np.diff(np.asarray(walk.mid))
+    assert 0.5 < r.std() / synth.TICK_SIZE < 1.6  # about the null market's 0.9-1.1 tick per bar

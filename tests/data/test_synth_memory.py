@@ -77,7 +77,8 @@ def _session(mode, n_events, seed=3):
     mstate = np.array([1.0, 0.0, 0.0, 0.0])
     coupling = synth.MEMORY_COUPLING if memory else synth.PASSIVE_COUPLING
     k, _, _ = synth._simulate_session(seed, n_events, times, synth.START_PRICE_TICKS, 0.3, 0.2, coupling,
-                                      300.0, synth.ADD_LEVEL_WEIGHTS, out, oracle, memory, 1 / 400, 5.0, lagbuf, mstate)
+                                      300.0, synth.ADD_LEVEL_WEIGHTS, out, oracle, memory, 1 / 400, 5.0, lagbuf, mstate,
+                                      0.0)
     return out[:k], oracle[:k]
 
 

@@ -27,6 +27,7 @@ RUNS = {
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
                "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
                "--set", "agent.iql=true", "--set", "agent.iql_hidden=8",
+               "--set", "agent.confidence_weight=0.5",  # recursive confidence
                "--set", "agent.curiosity_weight=0.1", "--set", "agent.curiosity_hidden=8",
                "--set", "agent.curiosity_trunk_grad=true"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",

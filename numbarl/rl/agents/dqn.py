@@ -63,6 +63,17 @@ are those without them):
   train steps the value head's gradients are zeroed. Stats: iql_loss, iql_v_mean (train step),
   iql_adv_mean (diagnostics: A = Q̂ − V of the taken plans on the last train batch). A is a
   diagnostic only: acting stays C51-greedy.
+* ``agent.confidence_weight`` > 0 (A6, recursive confidence): a confidence head c(s) = σ(h·w + b) on the
+  online trunk output (numbarl/rl/nets/confidence.py, optimizer group 'head.conf'), an auxiliary loss: on
+  the aux train steps the LOSS phase runs the head on the online trunk output (obs) and, with target
+  parameters, on the TARGET pass's trunk output (next_obs: the TARGETS phase's pass, no extra trunk pass),
+  then the cross-entropy against y = 1{the n-step move had the sign of the online q_gap} where the window
+  carries a verdict, else c_target(s′) (numbarl/rl/losses/confidence.py). Its gradient, scaled by the
+  weight, adds into dh after the IQN / IQL heads' (the gradient ledger). On the other train steps its
+  gradients are zeroed. Stats: confidence_loss (unweighted), confidence_mean, confidence_boot_frac.
+  With agent.confidence_floor > 0 the gate (numbarl/rl/nets/confidence.py:ConfidenceGate) takes a flat env's
+  entries away where c(s) < floor: on the env's mask after the acting pass (collect) and on the greedy scores
+  (agent.scores), the head run on those passes' trunk outputs. Stats (diagnostics): confidence_gated_frac.
 * ``agent.spectral_norm`` (comma list of layers, e.g. "trunk.fc1,head.value"): every pass reads
   W_sn = W / σ for those weights (numbarl/rl/nets/spectral_norm.py, the store's substitutes). Two
   phases join the train step: "spectral_grad" before UPDATE (dW = (dW_sn − ⟨dW_sn, W_sn⟩ v uᵀ) / σ)
@@ -111,6 +122,7 @@ from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
 from numbarl.rl.losses.c51 import C51Loss
+from numbarl.rl.losses.confidence import ConfidenceLoss  # agent.confidence_weight
 from numbarl.rl.losses.cql import CqlLoss
 from numbarl.rl.losses.expectile import ExpectileLoss  # IQL (agent.iql)
 from numbarl.rl.losses.icm import (  # ICM (agent.curiosity_weight)
@@ -127,6 +139,7 @@ from numbarl.rl.losses.quantile_huber import (  # IQN (agent.iqn)
 )
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+from numbarl.rl.nets.confidence import ConfidenceHead  # agent.confidence_weight
 from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
 from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
@@ -534,6 +547,8 @@ class DQNAgent(Agent):
     _aux = True  # whether the train step being issued runs the auxiliary losses (train_step)
     iqn_head = None  # the implicit quantile head (agent.iqn)
     iql_head = None  # the IQL expectile value head (agent.iql)
+    conf_head = None  # the recursive-confidence head (agent.confidence_weight)
+    conf_gate = None  # its selectivity gate on new entries (agent.confidence_floor)
     icm = None  # the ICM curiosity models (agent.curiosity_weight)
     spectral = None  # spectral normalization of chosen layers (agent.spectral_norm)
     cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
@@ -603,6 +618,18 @@ class DQNAgent(Agent):
                 self.trunk.declare_acts(self.acts, B, tag, backward=False)
                 self.head.declare_acts(self.acts, B, tag, backward=False, outputs=outputs)
         # --- end multi-horizon C51 ---------------------------------------------------------------------
+        # --- recursive confidence (agent.confidence_weight): the head on the online trunk output (backward)
+        # and, with target parameters, on the target pass's (next_obs); declared last: the other
+        # parameters keep their init ----------------------------------------------------------------------
+        if cfg.confidence_weight > 0:
+            self.conf_head = ConfidenceHead("conf", self.trunk.out_dim, compute=cfg.compute)
+            self.conf_head.declare_params(self.store)
+            self.conf_head.declare_acts(self.acts, B, "online", backward=True)
+            self.conf_head.declare_acts(self.acts, B, "target", backward=False)
+            if cfg.confidence_floor > 0:  # the gate: the head on the acting and evaluation passes
+                self.conf_head.declare_acts(self.acts, self.n_envs, "act", backward=False)
+                self.conf_head.declare_acts(self.acts, int(eval_batch), "eval", backward=False)
+        # --- end recursive confidence --------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
@@ -693,6 +720,8 @@ class DQNAgent(Agent):
             self._init_iql()
         if self.icm is not None:  # ICM (agent.curiosity_weight): its loss, reward state and stats slots
             self._init_icm()
+        if self.conf_head is not None:  # recursive confidence (agent.confidence_weight): loss, dh, stats slots
+            self._init_conf()
         if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
             self._init_mh()
         # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
@@ -811,6 +840,48 @@ class DQNAgent(Agent):
         self.iql_diag.compute({"v": v, "q": q_target, "actions": self.replay.batch.action}, stream)
         self._iql_reducer.mean(self.iql_diag.adv, self.stats.device, stream, at=self._slot_iql_adv_mean)
     # --- end IQL -------------------------------------------------------------------------------------
+
+    # --- recursive confidence (agent.confidence_weight) -----------------------------------------------
+    def _init_conf(self) -> None:
+        """The cross-entropy loss, the dh buffer the heads write (when it is the only auxiliary head), the
+        reducer of the batch means and the stats slots; before the mapped stats are sized."""
+        cfg, B = self.cfg, self.cfg.batch_size
+        self.conf_loss = ConfidenceLoss(B, self.branch_sizes, cfg.confidence_epsilon)
+        self.conf_state = Arena("agent.confidence")
+        if self.iqn_head is None and self.iql_head is None:  # else the first auxiliary head's dh is the shared one
+            self.conf_state.add("dh", (B, self.trunk.out_dim), np.float32)
+        self.conf_state.allocate()
+        self._slot_conf_loss = self.stats_layout.slot("confidence_loss")
+        self._slot_conf_mean = self.stats_layout.slot("confidence_mean")
+        self._slot_conf_boot = self.stats_layout.slot("confidence_boot_frac")
+        self._conf_reducer = Reducer(B)
+        self._conf_grads = [self.store.grad(n) for n in self.conf_head.param_names]
+        if cfg.confidence_floor > 0:  # the selectivity gate on new entries
+            from numbarl.env.params import PORTFOLIO_FEATURES
+            from numbarl.rl.nets.confidence import ConfidenceGate
+
+            position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
+            self.conf_gate = ConfidenceGate(self.conf_head, cfg.confidence_floor, self.n_envs, position_col)
+            self._slot_conf_gated = self.stats_layout.slot("confidence_gated_frac")
+            self._conf_gate_reducer = Reducer(self.n_envs)
+
+    def _conf_forward_loss(self, stream) -> None:
+        """Aux steps: the head on the online pass's trunk output (obs) and, with target parameters, on the
+        target pass's (next_obs), then the cross-entropy; weight · ∂L/∂z stays in the loss's own buffer."""
+        batch, head = self.replay.batch, self.conf_head
+        z_next = head.forward(self.trunk.output("target"), stream, tag="target", role="target")
+        z = head.forward(self.trunk.output("online"), stream, tag="online")
+        self.conf_loss.apply({"logits": z, "target_logits": z_next, "q": self.head.outputs("online").q,
+                              "actions": batch.action, "rewards": batch.reward, "dones": batch.done},
+                             {"logits": self.conf_loss.grad("logits")}, stream, weight=self.cfg.confidence_weight,
+                             ledger=self.store)
+
+    def _conf_stats(self, stream) -> None:
+        """Aux steps: the (unweighted) loss, the batch means of c and of the bootstrapped share."""
+        stat_copy_kernel[1, 1, stream](self.conf_loss.loss, self.stats.device, np.int64(self._slot_conf_loss))
+        self._conf_reducer.mean(self.conf_loss.confidence, self.stats.device, stream, at=self._slot_conf_mean)
+        self._conf_reducer.mean(self.conf_loss.bootstrapped, self.stats.device, stream, at=self._slot_conf_boot)
+    # --- end recursive confidence --------------------------------------------------------------------
 
     # --- ICM (agent.curiosity_weight) ----------------------------------------------------------------
     def _init_icm(self) -> None:
@@ -1007,6 +1078,8 @@ class DQNAgent(Agent):
         _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
         if self.cvar_gate is not None:  # CVaR entry gate (agent.cvar_alpha): gated entries scored lowest
             self.cvar_gate.on_scores(obs, q_out, stream, tag="eval")
+        if self.conf_gate is not None:  # confidence gate (agent.confidence_floor)
+            self.conf_gate.on_scores(self.trunk.output("eval"), obs, q_out, stream, tag="eval")
         if self.feedback is not None:  # E9: no entries in gated regimes (numbarl/rl/feedback)
             self.feedback.on_scores(obs, q_out, stream)
 
@@ -1026,6 +1099,7 @@ class DQNAgent(Agent):
         aux = self.cql is not None or (self.feedback is not None and self.feedback.has_aux_loss)
         aux = aux or self.iqn_head is not None  # IQN (agent.iqn) is an auxiliary loss
         aux = aux or self.iql_head is not None  # IQL (agent.iql) is an auxiliary loss
+        aux = aux or self.conf_head is not None  # recursive confidence (agent.confidence_weight) too
         return int(self.cfg.aux_frequency) if aux else 1
 
     def step_functions(self, env) -> dict:
@@ -1064,6 +1138,8 @@ class DQNAgent(Agent):
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
         if self.cvar_gate is not None:                                 # CVaR entry gate on the mask (agent.cvar_alpha)
             self.cvar_gate.on_mask(obs, mask, stream, tag="act")
+        if self.conf_gate is not None:  # confidence gate (agent.confidence_floor)
+            self.conf_gate.on_mask(self.trunk.output("act"), obs, mask, stream, tag="act")
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
         epsilon_greedy(q, mask, self.scalars["epsilon"], env.seed_dev, env.counter, t.actions, preference, stream)
         out = env.step(t.actions, preference, stream=stream)           # fills, reward, done, reset
@@ -1141,16 +1217,20 @@ class DQNAgent(Agent):
             self._iqn_forward_loss(stream)
         if self.iql_head is not None and self._aux:  # IQL (agent.iql): the value head's expectile loss
             self._iql_forward_loss(stream)
+        if self.conf_head is not None and self._aux:  # recursive confidence: the head's cross-entropy
+            self._conf_forward_loss(stream)
 
     # BACKWARD (d logits → head → trunk)
     def _aux_heads(self) -> list:
         """[(head, its output gradient, its parameter gradients)] of the auxiliary heads on the
-        trunk (IQN, IQL), in the order their input gradients add into dh."""
+        trunk (IQN, IQL, confidence), in the order their input gradients add into dh."""
         heads = []
         if self.iqn_head is not None:
             heads.append((self.iqn_head, self.iqn_loss.grad("quantiles"), self._iqn_grads))
         if self.iql_head is not None:
             heads.append((self.iql_head, self.iql_loss.grad("v"), self._iql_grads))
+        if self.conf_head is not None:  # recursive confidence (agent.confidence_weight)
+            heads.append((self.conf_head, self.conf_loss.grad("logits"), self._conf_grads))
         return heads
 
     def _backward(self, stream):
@@ -1160,7 +1240,8 @@ class DQNAgent(Agent):
         stale gradient reaches Adam) and the backward is the plain one."""
         heads = self._aux_heads()
         if heads and self._aux:
-            shared = (self.iqn_state if self.iqn_head is not None else self.iql_state)["dh"]
+            shared = (self.iqn_state if self.iqn_head is not None else
+                      self.iql_state if self.iql_head is not None else self.conf_state)["dh"]  # the first one built
             dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=shared)
             for head, grad, _ in heads:
                 head.backward(grad, stream, tag="online", dx_out=dh)
@@ -1211,6 +1292,8 @@ class DQNAgent(Agent):
                                                np.int64(self._slot_iqn_ema))
         if self.iql_head is not None and self._aux:  # IQL (agent.iql): its loss and the mean V
             self._iql_stats(stream)
+        if self.conf_head is not None and self._aux:  # recursive confidence: loss, mean c, bootstrapped share
+            self._conf_stats(stream)
 
     def _atom_entropy_control(self, stream):
         B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
@@ -1247,6 +1330,8 @@ class DQNAgent(Agent):
             self._iql_diagnostics(q_target, stream)
         if self.cvar_gate is not None:  # CVaR entry gate (agent.cvar_alpha): the last collect step's share gated
             self.cvar_gate.write_stats(self.stats.device, self._slots_cvar, stream)
+        if self.conf_gate is not None:  # confidence gate: the last collect step's share
+            self._conf_gate_reducer.mean(self.conf_gate.gated, self.stats.device, stream, at=self._slot_conf_gated)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:

@@ -30,7 +30,6 @@ import numpy as np
 from numbarl.cuda import blas, reduce
 from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import cuda
-from numbarl.rl.nets.base import bias_uniform_init
 from numbarl.rl.nets.linear import linear_param_grads
 from numbarl.rl.nets.module import Buf, Ctx, Module, Param
 
