@@ -714,13 +714,18 @@ class DQNAgent(Agent):
         self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self._qgap_reducer = Reducer(self.n_envs)
         self._init_c51_extras()
-        if self.iqn_head is not None:  # IQN (agent.iqn): loss, shared dh, readiness state, stats slots
+        if any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head)):
+            # the trunk's output gradient that the C51 head writes and every auxiliary head adds into
+            self.aux_state = Arena("agent.aux")
+            self.aux_state.add("dh", (self.cfg.batch_size, self.trunk.out_dim), np.float32)
+            self.aux_state.allocate()
+        if self.iqn_head is not None:  # IQN (agent.iqn): loss, readiness state, stats slots
             self._init_iqn()
-        if self.iql_head is not None:  # IQL (agent.iql): losses, shared dh, reducer, stats slots
+        if self.iql_head is not None:  # IQL (agent.iql): losses, reducer, stats slots
             self._init_iql()
         if self.icm is not None:  # ICM (agent.curiosity_weight): its loss, reward state and stats slots
             self._init_icm()
-        if self.conf_head is not None:  # recursive confidence (agent.confidence_weight): loss, dh, stats slots
+        if self.conf_head is not None:  # recursive confidence (agent.confidence_weight): loss, stats slots
             self._init_conf()
         if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
             self._init_mh()
@@ -770,12 +775,11 @@ class DQNAgent(Agent):
 
     # --- IQN (agent.iqn) -----------------------------------------------------------------------------
     def _init_iqn(self) -> None:
-        """The quantile Huber loss, the dh buffer both heads write, the readiness state (float64
+        """The quantile Huber loss, the readiness state (float64
         (L_first, L_ema), checkpointed; L_first < 0: no step yet) and the stats slots."""
         cfg, B = self.cfg, self.cfg.batch_size
         self.iqn_loss = QuantileHuberLoss(B, self.branch_sizes, cfg.iqn_quantiles, cfg.iqn_quantiles)
         self.iqn_state = Arena("agent.iqn")
-        self.iqn_state.add("dh", (B, self.trunk.out_dim), np.float32)
         self.iqn_state.add("readiness_state", (2,), np.float64)
         self.iqn_state.allocate()
         self.iqn_state.load({"readiness_state": np.array([-1.0, -1.0], np.float64)})
@@ -804,14 +808,11 @@ class DQNAgent(Agent):
     # --- IQL (agent.iql) -----------------------------------------------------------------------------
     def _init_iql(self) -> None:
         """The expectile loss (and a second instance for the diagnostics' advantage, so a log interval
-        never touches the train step's gradient), the dh buffer the heads write, the reducer of the V
+        never touches the train step's gradient), the reducer of the V
         and advantage means and the stats slots; before the mapped stats are sized."""
         cfg, B = self.cfg, self.cfg.batch_size
         self.iql_loss = ExpectileLoss(B, self.branch_sizes, cfg.iql_expectile)
         self.iql_diag = ExpectileLoss(B, self.branch_sizes, cfg.iql_expectile)
-        self.iql_state = Arena("agent.iql")
-        self.iql_state.add("dh", (B, self.trunk.out_dim), np.float32)
-        self.iql_state.allocate()
         self._slot_iql_loss = self.stats_layout.slot("iql_loss")
         self._slot_iql_v_mean = self.stats_layout.slot("iql_v_mean")
         self._slot_iql_adv_mean = self.stats_layout.slot("iql_adv_mean")
@@ -843,14 +844,10 @@ class DQNAgent(Agent):
 
     # --- recursive confidence (agent.confidence_weight) -----------------------------------------------
     def _init_conf(self) -> None:
-        """The cross-entropy loss, the dh buffer the heads write (when it is the only auxiliary head), the
-        reducer of the batch means and the stats slots; before the mapped stats are sized."""
+        """The cross-entropy loss, the reducer of the batch means and the stats slots; before the mapped
+        stats are sized."""
         cfg, B = self.cfg, self.cfg.batch_size
         self.conf_loss = ConfidenceLoss(B, self.branch_sizes, cfg.confidence_epsilon)
-        self.conf_state = Arena("agent.confidence")
-        if self.iqn_head is None and self.iql_head is None:  # else the first auxiliary head's dh is the shared one
-            self.conf_state.add("dh", (B, self.trunk.out_dim), np.float32)
-        self.conf_state.allocate()
         self._slot_conf_loss = self.stats_layout.slot("confidence_loss")
         self._slot_conf_mean = self.stats_layout.slot("confidence_mean")
         self._slot_conf_boot = self.stats_layout.slot("confidence_boot_frac")
@@ -1240,9 +1237,7 @@ class DQNAgent(Agent):
         stale gradient reaches Adam) and the backward is the plain one."""
         heads = self._aux_heads()
         if heads and self._aux:
-            shared = (self.iqn_state if self.iqn_head is not None else
-                      self.iql_state if self.iql_head is not None else self.conf_state)["dh"]  # the first one built
-            dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=shared)
+            dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=self.aux_state["dh"])
             for head, grad, _ in heads:
                 head.backward(grad, stream, tag="online", dx_out=dh)
             self._trunk_backward(dh, stream)
