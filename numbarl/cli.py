@@ -198,7 +198,8 @@ def compare_main():
 # ---------------------------------------------------------------------------------------------
 BENCHES = {"runtime": "numbarl.bench.runtime", "kernels": "numbarl.bench.kernels",
            "env": "numbarl.bench.env", "head": "numbarl.bench.head", "train": "numbarl.bench.train",
-           "ppo": "numbarl.bench.ppo", "dt": "numbarl.bench.dt"}
+           "ppo": "numbarl.bench.ppo", "dt": "numbarl.bench.dt", "components": "numbarl.bench.components",
+           "gemm": "numbarl.bench.gemm"}
 
 
 BENCH_HELP = {"runtime": "Launch overhead (graph vs eager) and GEMM throughput vs torch.matmul.",
@@ -207,6 +208,9 @@ BENCH_HELP = {"runtime": "Launch overhead (graph vs eager) and GEMM throughput v
               "train": "Train step vs PyTorch (eager, CUDA-graphed) and JAX; --profile lists GPU time per kernel.",
               "ppo": "PPO env-steps/s including its update, vs a PyTorch PPO on the same shapes.",
               "dt": "Decision Transformer train step and acting step vs a PyTorch DT on the same shapes.",
+              "components": "ms each registry component adds to the c51 train step (and collect step), with its liveness.",
+              "gemm": "Every cuBLASLt GEMM of the collect and train steps: the heuristic's candidates timed; "
+                      "--write-tuning for NUMBARL_GEMM_TUNING.",
               "all": "Every benchmark, one after the other."}
 
 

@@ -214,6 +214,14 @@ class AgentConfig:
     """beta_max of the adaptive atom-entropy regulariser: beta = beta_max * clip((0.5 - u_ema) / 0.5, 0, 1)
     with u_ema the EMA of the share of atoms the taken actions' batch-mean distribution uses
     (numbarl/rl/agents/dqn.py); 0 = off (the spec suggests 1e-2)."""
+    adaptive_atoms: bool = False
+    """Adaptive atom positions (C4): the support's spacings z_{i+1} - z_i ∝ softplus(s_i) between the fixed
+    ends v_min, v_max are learned by gradient ascent on the entropy of the batch-mean projected target
+    (numbarl/rl/losses/atoms.py); the projection then uses each atom's own spacings. Off: the uniform support."""
+    adaptive_atoms_lr: float = 1e-3
+    """Adaptive atoms: step size of the ascent on the spacing parameters s (the origin notes' 1e-3)."""
+    adaptive_atoms_warmup: int = 500
+    """Adaptive atoms: train steps on the uniform support before the first spacing step (the origin notes' 500)."""
     atom_entropy_source: str = "taken"
     """What the atom-entropy controller measures utilization u on: 'taken' (the share of atoms whose
     batch-mean online probability at the taken action exceeds 0.1/Z) or 'target' (exp(H) / Z of the
@@ -242,6 +250,19 @@ class AgentConfig:
     """CVaR entry gate: the tolerated tail loss in reward units (>= 0): entry gated when
     budget * CVaR_alpha < -cvar_floor."""
     # --- end spectral normalization and the CVaR entry gate -------------------------------------------
+    # --- ensemble and the epistemic gate (numbarl/rl/nets/ensemble.py) ----------------------------------
+    ensemble_heads: int = 0
+    """Bootstrapped ensemble of C51 heads (Osband et al. 2016): M heads on the shared trunk, the agent's
+    head (acting) plus M - 1 extra heads (optimizer group 'head.ens'), each a double-DQN C51 loss with its
+    own target head, weighted per (transition, head) by a Bernoulli(1/2) mask of the replay row from the
+    counter RNG; auxiliary losses (every agent.aux_frequency train steps) whose trunk gradient adds to the
+    C51 head's. 0 or 1 = off; 2..16 (5 proposed)."""
+    epistemic_theta: float = 0.0
+    """Epistemic entry gate: a flat env may not enter a side d (long / short) where budget * u(s, d) > theta,
+    u = the std over the ensemble's heads of the direction-branch Q(s, d) (budget 1, or the IQN readiness^2
+    with agent.iqn), in the collect step and the backtest scores; holding and exits stay allowed.
+    0 = no gate (needs agent.ensemble_heads >= 2)."""
+    # --- end ensemble and the epistemic gate ------------------------------------------------------------
     # --- ICM curiosity (numbarl/rl/nets/icm.py, numbarl/rl/losses/icm.py) --------------------------------
     curiosity_weight: float = 0.0
     """ICM curiosity (Pathak et al. 2017): weight w of the intrinsic reward w * e / scale added to the
@@ -357,6 +378,7 @@ class AgentConfig:
             groups += ["head.iqn"] if self.iqn else []
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
             groups += ["head.conf"] if self.confidence_weight > 0 else []  # recursive confidence
+            groups += ["head.ens"] if self.ensemble_heads >= 2 else []  # ensemble
             groups += ["icm.forward", "icm.inverse"] if self.curiosity else []  # ICM (agent.curiosity_weight)
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
@@ -388,6 +410,11 @@ class AgentConfig:
         _check("agent", "atom_entropy_source", self.atom_entropy_source, choices=("taken", "target"))
         _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)
         _check("agent", "atom_entropy_max", self.atom_entropy_max, lo=0.0, hi=10.0)
+        _check("agent", "adaptive_atoms_lr", self.adaptive_atoms_lr, lo=0.0, hi=1.0, lo_open=True)
+        _check("agent", "adaptive_atoms_warmup", self.adaptive_atoms_warmup, lo=0, hi=10**9)
+        if self.adaptive_atoms and self.n_atoms < 3:
+            raise ConfigError(f"agent.adaptive_atoms needs agent.n_atoms >= 3 (got {self.n_atoms}): with two atoms "
+                              "both are the fixed ends and no spacing can move")
         _check("agent", "freeze_eps", self.freeze_eps, lo=0.0, hi=1e6, lo_open=True)
         _check("agent", "freeze_epochs", self.freeze_epochs, lo=1, hi=10**6)
         _check("agent", "freeze_grad_min", self.freeze_grad_min, lo=0.0, hi=1e9)
@@ -424,9 +451,10 @@ class AgentConfig:
         if self.kind in ("ppo", "dt"):
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
                         "confidence_weight": self.confidence_weight > 0,  # recursive confidence
-                        "atom_entropy_max": self.atom_entropy_max > 0,
+                        "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
                         "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate,
+                        "ensemble_heads": self.ensemble_heads >= 2,  # ensemble
                         "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups),
                         "curiosity_weight": self.curiosity}  # ICM: the c51 agent's hooks only
             on = [f"agent.{name}" for name, value in c51_only.items() if value]
@@ -451,6 +479,15 @@ class AgentConfig:
         # spectral normalization and the CVaR entry gate
         _check("agent", "cvar_alpha", self.cvar_alpha, lo=0.0, hi=1.0)
         _check("agent", "cvar_floor", self.cvar_floor, lo=0.0, hi=1e9)
+        # ensemble and the epistemic gate
+        _check("agent", "ensemble_heads", self.ensemble_heads, lo=0, hi=16)
+        _check("agent", "epistemic_theta", self.epistemic_theta, lo=0.0, hi=1e9)
+        if self.epistemic_theta > 0 and self.ensemble_heads < 2:
+            raise ConfigError(f"agent.epistemic_theta = {self.epistemic_theta} gates on the spread of an ensemble: "
+                              f"set agent.ensemble_heads >= 2 (got {self.ensemble_heads}) or the theta to 0")
+        if self.ensemble_heads >= 2 and getattr(self, "adaptive_atoms", False):
+            raise ConfigError("agent.ensemble_heads and agent.adaptive_atoms are not combined yet (the extra heads keep "
+                              "the fixed or fitted support, not the moved atoms): turn one of them off")
         if self.spectral_norm and not all(t.strip() for t in self.spectral_norm.split(",")):
             raise ConfigError(f"agent.spectral_norm = {self.spectral_norm!r}: an empty layer name in the list")
 

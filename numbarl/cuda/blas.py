@@ -40,6 +40,15 @@ first eager GEMM, so its address is fixed under capture and GEMMs on forked bran
 share scratch. (Two graphs captured on one stream share its workspace: replay them on one stream,
 one after the other.)
 
+Tuned algorithms. The heuristic's first algorithm is not always the fastest for a geometry (an
+autotuner times the candidates, as XLA does). ``numbarl-bench gemm`` times the heuristic's first
+candidates for every GEMM of the train and collect steps and writes a tuning file: per plan key,
+the index of the fastest candidate in the heuristic's list. With ``NUMBARL_GEMM_TUNING=FILE`` (or
+:func:`load_tuning`) a new plan takes that candidate instead of the first. The choice is a file,
+not a timing made by each run, so two runs with the same file use the same algorithms and give
+the same bits; a file written on another GPU model or cuBLASLt version is refused with one error.
+:func:`tuning_info` says which file and how many plans it changed (run summaries record it).
+
 alpha / beta. Python floats use host pointer mode: the values are read when the call is
 enqueued, i.e. frozen into a graph at capture. For a scale that changes between replays pass
 ``alpha`` as a device float32[1] array (device pointer mode; beta is then read from a small
@@ -393,6 +402,10 @@ class GemmPlanError(RuntimeError):
     """cuBLASLt could not plan or run a GEMM (no algorithm, bad layout, planning during capture)."""
 
 
+class GemmTuningError(GemmPlanError):
+    """A GEMM tuning file does not fit this machine or this plan (never answered by a fallback)."""
+
+
 class _Lt:
     """Process-wide cuBLASLt state: the handle, per-stream workspaces, device constants."""
 
@@ -410,6 +423,82 @@ def set_workspace_bytes(nbytes: int) -> None:
     if nbytes < 0:
         raise ValueError(f"workspace size must be >= 0, got {nbytes}")
     WORKSPACE_BYTES = int(nbytes)
+
+
+class _Tuning:
+    """The loaded tuning file (load_tuning / NUMBARL_GEMM_TUNING): {plan key: candidate index}."""
+
+    path = None
+    indices: dict = {}
+    applied = 0  # plans created with a tuned (non-first) candidate
+    checked = False  # NUMBARL_GEMM_TUNING looked at
+
+
+def plan_key_text(key) -> str:
+    """A plan key as the tuning file writes it."""
+    return repr(tuple(key))
+
+
+def tuning_identity() -> dict:
+    """What a tuning file must have been written on: the GPU model, the cuBLASLt version and the
+    workspace size (the heuristic's candidate list depends on all three)."""
+    from numbarl.cuda.runtime import device_name
+
+    lt = _lt()
+    return {"device": device_name(), "cublaslt_version": int(lt.get_version()), "workspace_bytes": WORKSPACE_BYTES}
+
+
+def algo_text(result) -> str:
+    """The algorithm of one heuristic result (its `algo` bytes, hex): what a tuning file pins."""
+    return bytes(np.asarray(result["algo"]).tobytes()).hex()
+
+
+def load_tuning(path) -> int:
+    """Use the tuned candidates of `path` (written by ``numbarl-bench gemm --write-tuning``) for
+    the plans created from now on; returns how many keys it holds. One clear error (GemmPlanError)
+    for a missing or malformed file or one written on another GPU model / cuBLASLt version."""
+    import json
+
+    if _PLANS:
+        raise GemmTuningError(f"load_tuning({path}): {len(_PLANS)} cuBLASLt plans already exist; load the "
+                              "tuning before the first GEMM")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        identity, plans = doc["identity"], doc["plans"]
+        indices = {str(k): (int(v["index"]), v.get("algo")) for k, v in plans.items()}
+    except FileNotFoundError:
+        raise GemmTuningError(f"GEMM tuning file {path}: not found") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise GemmTuningError(f"GEMM tuning file {path}: not a numbarl-bench gemm tuning file ({e})") from None
+    here = tuning_identity()
+    if identity != here:
+        raise GemmTuningError(f"GEMM tuning file {path} was written for {identity}, this machine is {here}: "
+                              "re-run numbarl-bench gemm --write-tuning here")
+    if any(i < 0 for i, _ in indices.values()):
+        raise GemmTuningError(f"GEMM tuning file {path}: negative candidate index")
+    _Tuning.path, _Tuning.indices, _Tuning.applied, _Tuning.checked = str(path), indices, 0, True
+    return len(indices)
+
+
+def clear_tuning() -> None:
+    """Back to the heuristic's first candidate for plans created from now on."""
+    _Tuning.path, _Tuning.indices, _Tuning.applied, _Tuning.checked = None, {}, 0, True
+
+
+def tuning_info() -> dict:
+    """{"file": path or None, "keys": entries in it, "applied": plans that took a tuned candidate}."""
+    return {"file": _Tuning.path, "keys": len(_Tuning.indices), "applied": _Tuning.applied}
+
+
+def _tuned(key) -> tuple:
+    """(candidate index, its pinned algo hex or None) of a plan key: (0, None) without a tuning."""
+    if not _Tuning.checked:
+        path = os.environ.get("NUMBARL_GEMM_TUNING")
+        if path:
+            load_tuning(path)  # an error here stays an error at every later plan, never a silent default
+        _Tuning.checked = True
+    return _Tuning.indices.get(plan_key_text(key), (0, None))
 
 
 def _lt():
@@ -471,7 +560,8 @@ class Plan:
 
     def __init__(self, key, lt, handle, bias_ptr=0, aux_ptr=0, fuse_bgrad=True):
         (M, N, K, lda, ldb, ldc, ldaux, trans_a, trans_b, epilogue, has_bias, compute,
-         device_alpha, beta_dev, align_a, align_b, align_c) = key
+         device_alpha, beta_dev, *_alignments) = key  # the alignments: `candidates`
+        tuned, pinned = _tuned(key)  # before any descriptor exists (a bad file raises here)
         self.key = key
         # bgrad epilogues: fused into the GEMM (BGRADA/BGRADB) when cuBLASLt has an algorithm
         # for this geometry, else a plain GEMM plus colsum_kernel (same result, one more launch)
@@ -516,6 +606,34 @@ class Plan:
         if has_bias:
             self._set(lt.MatmulDescAttribute.BIAS_POINTER, np.int64(bias_ptr or _MAX_ALIGN))
 
+        try:
+            found = self.candidates(tuned + 1)
+        except GemmPlanError:
+            self.destroy()
+            raise
+        if len(found) < 1:
+            self.destroy()
+            raise GemmPlanError(f"cuBLASLt found no algorithm for {self.describe()}")
+        if tuned >= len(found):
+            self.destroy()
+            raise GemmTuningError(f"GEMM tuning file {_Tuning.path}: candidate {tuned} of {self.describe()} does "
+                                  f"not exist here (the heuristic offers {len(found)})")
+        if pinned is not None and algo_text(found[tuned]) != pinned:
+            self.destroy()
+            raise GemmTuningError(f"GEMM tuning file {_Tuning.path}: candidate {tuned} of {self.describe()} is not "
+                                  "the algorithm the file pinned (the heuristic's list changed): re-run "
+                                  "numbarl-bench gemm --write-tuning here")
+        self.use_candidate(found, tuned)
+        _Tuning.applied += tuned > 0
+
+    def candidates(self, n: int):
+        """The heuristic's first n algorithms for this plan (fewer if it has fewer), best-ranked
+        first: a numpy array of matmul_heuristic_result_dtype (workspace ≤ WORKSPACE_BYTES, the
+        key's pointer alignments)."""
+        lt = self._lt
+        align_a, align_b, align_c = self.key[14:17]
+        results = np.zeros(max(1, int(n)), dtype=lt.matmul_heuristic_result_dtype)
+        count = np.zeros(1, dtype=np.int32)
         pref = lt.matmul_preference_create()
         try:
             self._pref_set(pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, np.uint64(WORKSPACE_BYTES))
@@ -524,19 +642,19 @@ class Plan:
             self._pref_set(pref, lt.MatmulPreferenceAttribute.MIN_ALIGNMENT_B_BYTES, np.uint32(align_a))
             self._pref_set(pref, lt.MatmulPreferenceAttribute.MIN_ALIGNMENT_C_BYTES, np.uint32(align_c))
             self._pref_set(pref, lt.MatmulPreferenceAttribute.MIN_ALIGNMENT_D_BYTES, np.uint32(align_c))
-            self.heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
-            count = np.zeros(1, dtype=np.int32)
-            try:
-                lt.matmul_algo_get_heuristic(handle, self.desc, la, lb, lc, lc, pref, 1,
-                                             self.heuristic.ctypes.data, count.ctypes.data)
-            except lt.cuBLASLtError as e:
-                self.destroy()
-                raise GemmPlanError(f"cuBLASLt found no algorithm for {self.describe()}: {e}") from None
-            if count[0] < 1:
-                self.destroy()
-                raise GemmPlanError(f"cuBLASLt found no algorithm for {self.describe()}")
+            lt.matmul_algo_get_heuristic(_Lt.handle, self.desc, self.a_layout, self.b_layout, self.c_layout,
+                                         self.c_layout, pref, len(results), results.ctypes.data, count.ctypes.data)
+        except lt.cuBLASLtError as e:
+            raise GemmPlanError(f"cuBLASLt found no algorithm for {self.describe()}: {e}") from None
         finally:
             lt.matmul_preference_destroy(pref)
+        return results[: int(count[0])].copy()
+
+    def use_candidate(self, found, index: int) -> None:
+        """Run with candidate `index` of `candidates(...)`'s result from now on (before any capture
+        that holds this plan: a captured graph keeps the algorithm it was captured with)."""
+        self.heuristic = found[index : index + 1].copy()
+        self.algo_index = int(index)
         self.algo_ptr = self.heuristic.ctypes.data  # the algo is the struct's first field
         self.workspace_needed = int(self.heuristic["workspace_size"][0])
 
@@ -650,6 +768,8 @@ def _get_plan(key, stream_int, bias=None, aux=None):
         ptrs = {"bias_ptr": 0 if bias is None else _pointer(bias), "aux_ptr": 0 if aux is None else _pointer(aux)}
         try:
             p = Plan(key, lt, _Lt.handle, **ptrs)
+        except GemmTuningError:
+            raise
         except GemmPlanError:
             if key[9] not in ("bgrad_a", "bgrad_b"):
                 raise

@@ -46,6 +46,10 @@ from numbarl.cuda.runtime import stream as default_stream
 
 _cuda = cuda()
 _EAGER = False
+# callables capture() runs before it begins a GLOBAL-mode capture: device work of another thread
+# (allocations, host copies) must not run during one; such a thread registers the wait for it here
+# (numbarl/run/fold_benchmarks.py)
+BEFORE_CAPTURE: list = []
 
 HINTS = (
     "allocation inside capture (device_array/to_device/mapped_array, or a buffer created on first use)",
@@ -225,6 +229,8 @@ def capture(step_fn, stream=None, warmup=True, eager=None) -> Graph:
             "cannot capture the legacy default stream; use numbarl.cuda.runtime.stream() or new_stream()"
         )
     s.synchronize()  # warm-up errors surface here, outside the capture
+    for wait in tuple(BEFORE_CAPTURE):
+        wait()
     sentinel = _sentinel_stream()
     h_main = driver.CUstream(handle)
     h_sentinel = driver.CUstream(stream_handle(sentinel))

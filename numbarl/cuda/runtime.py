@@ -17,6 +17,8 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +160,31 @@ class View:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+_SNAPSHOT = threading.local()  # .pool: the pinned buffers of the pinned_snapshots block this thread is in
+
+
+@contextlib.contextmanager
+def pinned_snapshots(pool: dict):
+    """Inside the block, Arena.to_host copies into page-locked host buffers kept in `pool` (made at
+    the first use, reused by every later block with the same pool): one asynchronous copy per view
+    and no fresh pageable memory. The arrays returned stay valid (and unchanged) until the next
+    block with this pool; a caller that hands them to another thread (a background checkpoint
+    write) waits for it before that block. Checkpoint snapshots: numbarl/run/trainer.py."""
+    previous = getattr(_SNAPSHOT, "pool", None)
+    _SNAPSHOT.pool = pool
+    try:
+        yield pool
+    finally:
+        _SNAPSHOT.pool = previous
+
+
+def _pinned(pool: dict, key, view: View) -> np.ndarray:
+    buf = pool.get(key)
+    if buf is None or buf.shape != view.shape or buf.dtype != view.dtype:
+        buf = pool[key] = cuda().pinned_array(view.shape, dtype=view.dtype)
+    return buf
+
+
 class Arena:
     """One device allocation per role, carved into named views with fixed addresses."""
 
@@ -246,9 +273,15 @@ class Arena:
         return self._buffer
 
     def to_host(self) -> dict[str, np.ndarray]:
-        """Copy every view to host numpy arrays (checkpoints, tests). Syncs the stream."""
+        """Copy every view to host numpy arrays (checkpoints, tests). Syncs the stream. Inside a
+        `pinned_snapshots(pool)` block the arrays are the pool's page-locked buffers (see there)."""
         s = stream()
-        out = {name: self[name].copy_to_host(stream=s) for name in self.views}
+        pool = getattr(_SNAPSHOT, "pool", None)
+        if pool is None:
+            out = {name: self[name].copy_to_host(stream=s) for name in self.views}
+        else:
+            out = {name: self[name].copy_to_host(_pinned(pool, (id(self), name), self.views[name]), stream=s)
+                   for name in self.views}
         s.synchronize()
         return out
 

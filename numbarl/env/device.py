@@ -78,25 +78,35 @@ def gather_kernel(obs, mask, st, mk, k, branch_sizes):
 
 
 @_cuda.jit(cache=True)
-def features_kernel(obs, cursor, features):
+def features_kernel(obs, cursor, features, ring, count, to_ring):
     """obs[i, j] = features[cursor[i], j] for the market features j < F: one element per thread,
     nothing else in the kernel (a light copy at full occupancy; the portfolio features' float64
-    arithmetic and the mask are `portfolio_kernel`'s)."""
+    arithmetic and the mask are `portfolio_kernel`'s). to_ring: also into ring[count % n_slots]
+    (the replay's obs row of this step, so the learner's collect step skips its own obs copy)."""
     e = _cuda.grid(1)
     n_feat = features.shape[1]
     if e >= obs.shape[0] * n_feat:
         return
     i = e // n_feat
     j = e - i * n_feat
-    obs[i, j] = features[cursor[i], j]
+    v = features[cursor[i], j]
+    obs[i, j] = v
+    if to_ring:
+        ring[count[0] % ring.shape[0], i, j] = v
 
 
 @_cuda.jit(cache=True)
-def portfolio_kernel(obs, mask, st, mk, k, branch_sizes):
+def portfolio_kernel(obs, mask, st, mk, k, branch_sizes, ring, count, to_ring):
     e = _cuda.grid(1)
-    if e >= obs.shape[0] * (obs.shape[1] - mk.features.shape[1]):
+    n_feat = mk.features.shape[1]
+    n_port = obs.shape[1] - n_feat
+    if e >= obs.shape[0] * n_port:
         return
     _gather_portfolio_row(obs, mask, e, st, mk, k, branch_sizes)
+    if to_ring:
+        i = e // n_port
+        j = n_feat + (e - i * n_port)
+        ring[count[0] % ring.shape[0], i, j] = obs[i, j]
 
 
 @_cuda.jit(cache=True)
@@ -135,14 +145,26 @@ def launch_gather(obs, mask, st, mk, k, branch_sizes, stream):
     gather_kernel[launch_dims(obs.shape[0] * obs.shape[1]) + (stream,)](obs, mask, st, mk, k, branch_sizes)
 
 
-def launch_gather_split(obs, mask, st, mk, k, branch_sizes, stream):
+def launch_gather_split(obs, mask, st, mk, k, branch_sizes, stream, ring=None, counter=None):
     """The env's gather in two launches: the market features' copy, then the portfolio features
-    and the mask; the same values as `launch_gather`."""
+    and the mask; the same values as `launch_gather`. ring: None, or (store [n_slots, N,
+    state_dim] float32, count int64 [1]) into whose row count % n_slots obs is written as well;
+    counter: any int64 [1] device array, the kernels' unread count argument when ring is None."""
     n, n_feat = obs.shape[0], mk.features.shape[1]
     if obs.shape[1] - n_feat < 1:
         raise ValueError(f"obs has {obs.shape[1]} columns for {n_feat} market features: no portfolio block")
-    features_kernel[launch_dims(n * n_feat) + (stream,)](obs, st.cursor, mk.features)
-    portfolio_kernel[launch_dims(n * (obs.shape[1] - n_feat)) + (stream,)](obs, mask, st, mk, k, branch_sizes)
+    if ring is None:
+        if counter is None:
+            raise ValueError("launch_gather_split: pass ring=(store, count) or the env's counter")
+        store, count, to_ring = obs.reshape(1, obs.shape[0], obs.shape[1]), counter, False
+    else:
+        (store, count), to_ring = ring, True
+        if tuple(store.shape[1:]) != tuple(obs.shape) or np.dtype(store.dtype) != np.float32:
+            raise ValueError(f"ring store must be float32 [n_slots, {obs.shape[0]}, {obs.shape[1]}], got "
+                             f"{np.dtype(store.dtype)} {list(store.shape)}")
+    features_kernel[launch_dims(n * n_feat) + (stream,)](obs, st.cursor, mk.features, store, count, to_ring)
+    portfolio_kernel[launch_dims(n * (obs.shape[1] - n_feat)) + (stream,)](
+        obs, mask, st, mk, k, branch_sizes, store, count, to_ring)
 
 
 def launch_step(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc, stream):
@@ -264,14 +286,16 @@ class DeviceEnv:
         return out
 
     # -- launches (capturable) ------------------------------------------------------------------
-    def gather(self, obs=None, mask=None, stream=None):
+    def gather(self, obs=None, mask=None, stream=None, ring=None):
         """obs [N, state_dim] and the action mask [N, n_branches, max_actions] (uint8, 1 = allowed)
-        at the current cursors; returns (obs, mask)."""
+        at the current cursors; returns (obs, mask). ring: (store, count) of a replay's `obs_ring`,
+        whose row count % n_slots gets obs as well."""
         obs = self.arena["obs"] if obs is None else obs
         mask = self.arena["mask"] if mask is None else mask
         _check("obs", obs, (self.n_envs, self.state_dim), np.float32)
         _check("mask", mask, (self.n_envs, self.params.n_branches, self.params.max_actions), np.uint8)
-        launch_gather_split(obs, mask, self.state, self.mk, self.k, self.branch_sizes, _s(stream))
+        launch_gather_split(obs, mask, self.state, self.mk, self.k, self.branch_sizes, _s(stream), ring=ring,
+                            counter=self.counter)
         return obs, mask
 
     def step(self, actions=None, preference=None, counter=None, stream=None):

@@ -178,6 +178,14 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_support.py",),
         "support_fits", "> 0"),
     Component(
+        "adaptive_atoms", "learned C51 atom positions: spacings softplus(s) between the fixed support ends, "
+        "ascent on the entropy of the batch-mean projected target; non-uniform projection once they move",
+        "agent.adaptive_atoms=true",
+        "numbarl/rl/losses/atoms.py (analytic ∂J/∂s, checked by central differences); Bellemare, Dabney & Munos "
+        "2017, Algorithm 1 (projection on any ascending support)",
+        ("tests/rl/test_adaptive_atoms.py",),
+        "atom_spacing_ratio", "> 1"),
+    Component(
         "freeze_reset", "freeze detector (Q mean, Q std and atom utilization unchanged for k epochs while the "
         "gradient flows) resetting Adam's moments of the branch advantages",
         "agent.freeze_reset=true",
@@ -254,6 +262,17 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_cvar_gate.py",),
         "cvar_blocked_frac", "> 0"),
     # --- end spectral normalization and the CVaR entry gate --------------------------------------------
+    # --- ensemble and the epistemic gate (agent.ensemble_heads, agent.epistemic_theta) -------------------
+    Component(
+        "ensemble", "bootstrapped ensemble of C51 heads on the shared trunk: M - 1 extra double-DQN C51 heads, each "
+        "loss weighted per (transition, head) by a Bernoulli(1/2) mask of the replay row, an auxiliary loss whose "
+        "trunk gradient adds to the C51 head's; epistemic score u = std over the M heads of the direction Q; with "
+        "agent.epistemic_theta no entry where budget x u > theta (collect mask and backtest scores)",
+        "agent.ensemble_heads=5",
+        "Osband, Blundell, Pritzel & Van Roy 2016, Algorithm 1 (bootstrap masks, shared torso, K heads)",
+        ("tests/rl/test_ensemble.py", "tests/rl/test_gpu_ensemble.py"),
+        "ensemble_std", "> 0"),
+    # --- end ensemble and the epistemic gate ----------------------------------------------------------------
     # --- the env's fractional-Kelly size cap (env.kelly_lambda; numbarl/env/core.py:kelly_size) ---------------
     Component(
         "kelly_sizing", "fractional-Kelly size cap at order time in the shared step (training env, backtest, CPU "

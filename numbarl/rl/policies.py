@@ -71,6 +71,17 @@ def epsilon_greedy_row(q, mask, i, epsilon, seed, counter, actions, preference):
     preference[i] = q[i, BR_DIRECTION, DIR_LONG] - q[i, BR_DIRECTION, DIR_SHORT]
 
 
+@row_jit
+def scheduled_epsilon(t, schedule, decay_steps):
+    """The exploration rate at collect step t: max(end, start − (start − end)·t/decay), linear in
+    float64, rounded once to float32. schedule = (start, end) float32 and decay_steps int64 [1] are
+    device scalars (a feedback loop changes them between replays without re-capture); every
+    thread of `scheduled_epsilon_greedy_kernel` and the learner's collect-tail kernel compute it
+    with these same operations, so they agree to the bit."""
+    frac = min(np.float64(t) / np.float64(decay_steps[0]), np.float64(1.0))
+    return np.float32(schedule[0] + (schedule[1] - schedule[0]) * frac)
+
+
 # ---------------------------------------------------------------------------------------------
 # reference: the same row function in a CPU loop
 # ---------------------------------------------------------------------------------------------
@@ -109,17 +120,28 @@ def epsilon_greedy_kernel(q, mask, epsilon, seed, counter, actions, preference):
     _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
 
 
+_scheduled_epsilon = device_function(scheduled_epsilon)
+
+
+@_cuda.jit(cache=True)
+def scheduled_epsilon_greedy_kernel(q, mask, step, schedule, decay_steps, seed, counter, actions, preference):
+    """epsilon_greedy_kernel with the rate of collect step step[0] computed in every thread (no
+    one-thread schedule kernel before it; whoever advances step[0] does so after this launch)."""
+    i = _cuda.grid(1)
+    if i >= q.shape[0]:
+        return
+    eps = _scheduled_epsilon(step[0], schedule, decay_steps)
+    _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
+
+
 def _check_shapes(q, mask) -> None:
     if q.ndim != 3 or tuple(mask.shape) != tuple(q.shape):
         raise ValueError(f"q [N, n_branches, max_actions] and the env's mask must have one shape, "
                          f"got q {list(q.shape)} and mask {list(mask.shape)}")
 
 
-def epsilon_greedy(q, mask, epsilon, seed, counter, actions, preference, stream) -> None:
-    """Enqueue epsilon-greedy actions from q [N, n_branches, max_actions] float32 over the env's
-    mask (uint8, same shape) into actions [N, n_branches] int32 and preference [N] float32.
-    epsilon: device float32 [1] or [N]; seed: device uint64 [1]; counter: device int64 [1] (the
-    env's `seed_dev` and `counter`). Only launches: capturable."""
+def _check_io(q, mask, actions, preference) -> int:
+    """The launchers' checks of q, the mask and the outputs; returns N."""
     _check_shapes(q, mask)
     n = q.shape[0]
     if np.dtype(q.dtype) != np.float32 or np.dtype(mask.dtype) != np.uint8:
@@ -128,6 +150,26 @@ def epsilon_greedy(q, mask, epsilon, seed, counter, actions, preference, stream)
         raise ValueError(f"actions must be int32 {list(q.shape[:2])}, got {actions.dtype} {list(actions.shape)}")
     if tuple(preference.shape) != (n,) or np.dtype(preference.dtype) != np.float32:
         raise ValueError(f"preference must be float32 [{n}], got {preference.dtype} {list(preference.shape)}")
+    return n
+
+
+def epsilon_greedy(q, mask, epsilon, seed, counter, actions, preference, stream) -> None:
+    """Enqueue epsilon-greedy actions from q [N, n_branches, max_actions] float32 over the env's
+    mask (uint8, same shape) into actions [N, n_branches] int32 and preference [N] float32.
+    epsilon: device float32 [1] or [N]; seed: device uint64 [1]; counter: device int64 [1] (the
+    env's `seed_dev` and `counter`). Only launches: capturable."""
+    n = _check_io(q, mask, actions, preference)
     if np.dtype(epsilon.dtype) != np.float32 or epsilon.shape[0] not in (1, n):
         raise ValueError(f"epsilon must be float32 [1] or [{n}], got {epsilon.dtype} {list(epsilon.shape)}")
     epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](q, mask, epsilon, seed, counter, actions, preference)
+
+
+def scheduled_epsilon_greedy(q, mask, step, schedule, decay_steps, seed, counter, actions, preference, stream) -> None:
+    """epsilon_greedy at the rate `scheduled_epsilon(step[0], schedule, decay_steps)` (device int64
+    [1], float32 [2], int64 [1]), computed inside the launch; the same actions and preference as
+    epsilon_greedy with epsilon = [that rate]. Only launches: capturable."""
+    n = _check_io(q, mask, actions, preference)
+    if np.dtype(schedule.dtype) != np.float32 or tuple(schedule.shape) != (2,):
+        raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
+    scheduled_epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](
+        q, mask, step, schedule, decay_steps, seed, counter, actions, preference)

@@ -679,11 +679,16 @@ class Replay:
         return self
 
     # -- capturable launchers ---------------------------------------------------------------------
-    def write(self, obs, action, reward, done, stream, weight=None, mask=None) -> None:
+    def write(self, obs, action, reward, done, stream, weight=None, mask=None, obs_written=False,
+              advance=True) -> None:
         """Append one transition per env: obs [N, state_dim] f32 (obs_t), action [N, n_branches] i32,
         reward [N] f32, done [N] (any integer/bool/float dtype, nonzero = done), weight [N] f32 or None,
         mask [N, n_branches, max_actions] u8 (the env's mask of obs_t; required iff built with max_actions).
-        """
+
+        obs_written: obs is already in the ring's slot (the env's gather wrote it there too, through
+        `obs_ring`), so only the per-env fields are copied. advance=False leaves count[0] += 1 to
+        the caller (one launch of its own that also advances its other counters, after this write
+        and before the next write or sample)."""
         N, D = self.n_envs, self.state_dim
         if obs.shape != (N, D) or action.shape != (N, self.n_branches) or reward.shape != (N,) or done.shape != (N,):
             raise ValueError(
@@ -707,11 +712,18 @@ class Replay:
         # two launches: the obs copy alone (one thread per element), then one thread per env for
         # the small fields (one launch whose obs threads also carried the per-env fields took
         # 21.6 µs at N = 16,384 on the H200)
-        write_obs_kernel[_grid(N * D), BLOCK, stream](s["obs"], s["count"], obs)
+        if not obs_written:
+            write_obs_kernel[_grid(N * D), BLOCK, stream](s["obs"], s["count"], obs)
         write_row_kernel[_grid(N), BLOCK, stream](
             s["action"], s["reward"], s["done"], s["weight"], s["mask"], s["count"],
             action, reward, done, w, use_weight, m, mask is not None)
-        advance_kernel[1, 1, stream](s["count"])
+        if advance:
+            advance_kernel[1, 1, stream](s["count"])
+
+    def obs_ring(self):
+        """(obs store [n_slots, N, state_dim], count [1]): where a gather writes obs_t straight into
+        row count % n_slots (before `write(..., obs_written=True)` of the same step)."""
+        return self.store["obs"], self.store["count"]
 
     def sample(self, counter, stream, factor=None) -> ReplayBatch:
         """Draw batch_size transitions uniformly (key: seed, lane = batch row, counter[0], rng_slot)

@@ -24,6 +24,10 @@ n = 3: ×4.1). A persistent mean (e.g. a holding cost paid every bar) instead ac
 larger of the two, so that neither a fat-tailed zero-mean stream nor a constant drift piles the
 value mass on the support's ends. Returns beyond ±v are clipped by the projection as before. A
 v below MIN_HALF_WIDTH or non-finite (no non-zero reward in the prefill) keeps the configured support.
+
+With adaptive atom positions (agent.adaptive_atoms, numbarl/rl/losses/atoms.py) the fit sets only the
+ends: the support is v_min + (v_max − v_min)·c_i/c_{Z−1} of the learned spacings, which are still the
+uniform ones at the fit (it runs before the first train step, the spacings move after their warm-up).
 """
 
 from __future__ import annotations

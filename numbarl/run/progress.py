@@ -20,7 +20,8 @@ PHASES = ("step", "backtest", "checkpoint")
 # which compiles its kernels and captures its graph), steps (collect + train replays), validation
 # and test backtests, checkpoints (the critical path only: the device-to-host snapshot, and the waits
 # for a background write that had not finished when the run needed it), report; `other` is the rest
-# of the wall time (start-up imports, the oracle's backtest, writing summaries and trade lists)
+# of the wall time (start-up imports, the wait for the oracle and buy-and-hold backtests that run
+# beside the training, writing summaries and trade lists: summary.json's time_other_s)
 BUDGET = ("data", "compile", "steps", "validation", "test", "checkpoint", "report")  # a collect step (+ its train step), a backtest bar, a checkpoint
 LOG_FILE = "train.log"
 
@@ -54,6 +55,7 @@ class Progress:
         # where this process's wall time went, measured (seconds): summary.json's time_budget_s
         self.budget = {name: 0.0 for name in BUDGET}
         self._charged = 0.0  # every second charged so far (a part of `other` does not count them twice)
+        self._parted = 0.0  # every second of a part of `other` so far (a part inside another counts once)
         self.other = {}  # measured parts of the budget's `other` entry (summary.json's time_other_s)
         self._last_width = 0
         self._file = None
@@ -138,16 +140,18 @@ class Progress:
         self.budget[name] += float(seconds)
         self._charged += float(seconds)
 
-    def part_begin(self) -> tuple[float, float]:
+    def part_begin(self) -> tuple[float, float, float]:
         """Start timing a part of the budget's `other` entry; end it with :meth:`part_end`."""
-        return self._clock(), self._charged
+        return self._clock(), self._charged, self._parted
 
-    def part_end(self, name: str, begun: tuple[float, float]) -> None:
+    def part_end(self, name: str, begun: tuple[float, float, float]) -> None:
         """The part `name` of `other` took the time since `begun`, less what was charged to a budget
-        entry meanwhile (e.g. a wait for a checkpoint write: counted under checkpoint)."""
-        t0, charged = begun
-        seconds = max(self._clock() - t0 - (self._charged - charged), 0.0)
+        entry meanwhile (e.g. a wait for a checkpoint write: counted under checkpoint) and less the
+        parts timed inside it (e.g. the wait for the fold's benchmarks inside its results)."""
+        t0, charged, parted = begun
+        seconds = max(self._clock() - t0 - (self._charged - charged) - (self._parted - parted), 0.0)
         self.other[name] = self.other.get(name, 0.0) + seconds
+        self._parted += seconds
 
     def time_other(self, previous: dict | None = None) -> dict:
         """{part: seconds} of the budget's `other` entry: the parts measured with part_begin/part_end

@@ -621,7 +621,8 @@ class RunDir:
         return self._commit_checkpoint(self._prepare_checkpoint(tag, arrays, state, latest, resume_arrays))
 
     def save_checkpoint_async(self, tag: str, arrays: dict, state: dict, latest: bool = True,
-                              resume_arrays: dict | None = None, mark_best: tuple | None = None) -> None:
+                              resume_arrays: dict | None = None, mark_best: tuple | None = None,
+                              handed_over: bool = False) -> None:
         """:meth:`save_checkpoint` with the writing (serialization, fsync, atomic renames) on a
         background thread, off the caller's critical path; then, when `mark_best` is given
         (`(tag, score)` or `(tag, score, higher_is_better)`), :meth:`mark_best` after the commit, so
@@ -629,7 +630,10 @@ class RunDir:
 
         The caller hands `arrays` and `resume_arrays` over: they must be host snapshots it does
         not modify afterwards (device copies, as the trainer makes); views of other memory are
-        copied here. `state` is serialized here, so later changes to it do not reach the file.
+        copied here, unless `handed_over`: the caller's promise that it leaves every array as it is
+        until this write is waited for (the trainer's reused page-locked snapshot buffers, which
+        it refills only after :meth:`wait_checkpoint`). `state` is serialized here, so later
+        changes to it do not reach the file.
         Names, dtypes and the state are checked here too (errors raise at once).
 
         At most one write is in flight: a second save first waits for the first. Every method
@@ -641,7 +645,7 @@ class RunDir:
         commit steps are those of :meth:`save_checkpoint`).
         """
         self.wait_checkpoint()
-        job = self._prepare_checkpoint(tag, arrays, state, latest, resume_arrays, own=True)
+        job = self._prepare_checkpoint(tag, arrays, state, latest, resume_arrays, own=not handed_over)
         write = _BackgroundWrite(self, job, mark_best)
         self._pending = write
         try:

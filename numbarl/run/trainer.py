@@ -13,8 +13,10 @@ Read top to bottom it is the algorithm::
             for step:   collect.replay(); train.replay()    captured CUDA graphs
                         every log_interval: read mapped stats (the only host syncs)
             val    = backtest(fold.val, greedy agent)       full metrics, logged
+                     after the first: the oracle and buy-and-hold backtests of fold.test start,
+                     in a thread beside the training (run/fold_benchmarks.py)
             checkpoint(epoch); best ← val Sharpe (mean of the last select_window epochs)
-        test   = backtest(fold.test, best checkpoint)       scored once
+        test   = backtest(fold.test, best checkpoint)       scored once (then the benchmarks joined)
     pooled = metrics(concatenated test windows of the folds) the headline (run/pooled.py)
     summary.json, trades_<split>.csv, equity/, train.log, report.html/png
 
@@ -43,6 +45,7 @@ from numbarl import config as config_mod
 from numbarl.config import Config, ConfigError
 from numbarl.data.errors import DataError
 from numbarl.rl.feedback.split import feedback_on, split_validation
+from numbarl.run.fold_benchmarks import FoldBenchmarkError, FoldBenchmarks, background_ok
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
 
@@ -259,17 +262,30 @@ class FoldTrainer:
         self.best_tag = None
         self.best_val = None  # the best epoch's validation BacktestResult (not kept across a resume)
         self.val_history = []
+        self.snapshot_buffers = {}  # the checkpoints' page-locked host buffers (save)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def tag(self, epoch: int) -> str:
         return f"fold{self.fold.index}-epoch{epoch:04d}"
 
     def save(self):
-        arrays = self.agent.state_arrays()
-        for name, value in self.env.arena.to_host().items():
-            arrays[f"env/{name}"] = value
-        if self.loop is not None:  # E6/E8 device state
-            arrays.update({f"feedback/{k}": v for k, v in self.loop.state_arrays().items()})
+        from numbarl.cuda.runtime import pinned_snapshots
+
+        # the device state's host snapshot (the critical path) goes into page-locked buffers made at
+        # the first checkpoint and refilled by each later one, once the write of the one before has
+        # finished (the writer thread reads them): no fresh pageable memory per checkpoint (the
+        # replay alone is ~0.4 GB at the default preset), one asynchronous copy per view
+        self.run.wait_checkpoint()
+        with pinned_snapshots(self.snapshot_buffers):
+            arrays = self.agent.state_arrays()
+            for name, value in self.env.arena.to_host().items():
+                arrays[f"env/{name}"] = value
+            if self.loop is not None:  # E6/E8 device state
+                arrays.update({f"feedback/{k}": v for k, v in self.loop.state_arrays().items()})
+        # handed to the writer thread as they are: the buffers above, and copies of anything else
+        # that is a view of memory its owner may change meanwhile
+        buffers = {id(buf) for buf in self.snapshot_buffers.values()}
+        arrays = {name: _owned(value, buffers) for name, value in arrays.items()}
         # the replay buffer (most of the bytes) only matters to an exact resume: latest checkpoint only
         replay = {name: arrays.pop(name) for name in [n for n in arrays if n.startswith("replay/")]}
         state = {"fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps,
@@ -288,7 +304,7 @@ class FoldTrainer:
         best = None
         if self.best_tag is not None:
             best = (self.best_tag, self.best_sharpe if math.isfinite(self.best_sharpe) else -1e300)
-        self.run.save_checkpoint_async(tag, arrays, state, resume_arrays=replay, mark_best=best)
+        self.run.save_checkpoint_async(tag, arrays, state, resume_arrays=replay, mark_best=best, handed_over=True)
         return tag
 
     def restore(self, arrays: dict, state: dict):
@@ -442,6 +458,15 @@ class FoldTrainer:
         return result, m, selection_score(self.val_history, self.cfg.train.select_window)
 
 
+def _owned(value, buffers: set) -> np.ndarray:
+    """`value` as an array nobody else changes: itself when it is one of the snapshot `buffers`
+    (ids) or owns its memory, else a copy."""
+    array = np.asarray(value)
+    if id(array) in buffers or (array.flags.owndata and array.base is None):
+        return array
+    return array.copy()
+
+
 def fold_seed(seed: int, fold: int) -> int:
     """The seed of walk-forward fold `fold`: the run's seed for fold 0, a splitmix64 mix of (seed, fold)
     otherwise, so that no two (seed, fold) pairs of a seed sweep share a stream (seed + 1000·fold did:
@@ -473,30 +498,6 @@ def _capture(step_fn, stream, graph: bool):
 # ---------------------------------------------------------------------------------------------
 # the whole run
 # ---------------------------------------------------------------------------------------------
-def _oracle_actions(cache, window, params):
-    """Oracle policy: long when the planted signal says up, short when down (synthetic data)."""
-    if cache.oracle is None:
-        return None
-    lo, hi = window
-    sig = np.asarray(cache.oracle[lo:hi], np.float64)
-    direction = np.where(sig > 0, 2, np.where(sig < 0, 0, 1)).astype(np.int32)
-    acts = np.zeros((hi - lo, 4), np.int32)
-    acts[:, 0] = direction
-    acts[:, 1] = len(params.sizes) - 1
-    return acts
-
-
-def _hold_actions(window, params):
-    """Buy and hold: long the largest size on every bar of the window (no target, no stop), the
-    benchmark a test result is read against (on a market without an edge, its t is the window's
-    drift: a long-biased policy earns it too)."""
-    lo, hi = window
-    acts = np.zeros((hi - lo, 4), np.int32)
-    acts[:, 0] = 2
-    acts[:, 1] = len(params.sizes) - 1
-    return acts
-
-
 def _plan(progress: Progress, tcfg, folds_left, resume):
     """The work left for the ETA: collect steps, backtest bars (each epoch's validation, each fold's
     test and oracle) and checkpoints of the folds not finished yet."""
@@ -528,6 +529,20 @@ def _tidy_prices(trades, tick: float):
     return out
 
 
+def write_fold_results(run: RunDir, cache, fold: int, results, tick: float) -> None:
+    """The trade list (trades_<split>.csv) and per-bar series (equity/<split>_fold<k>) of each
+    (split, BacktestResult) of fold `fold`, in order."""
+    for split, result in results:
+        trades = _tidy_prices(result.trades, tick)
+        if trades is not None and len(trades):
+            trades = trades.assign(fold=fold)
+        run.write_trades(split, trades, fold=fold)
+        lo = result.window[0]
+        run.write_equity(split, fold, {"pnl": result.pnl[0], "position": result.position[0],
+                                       "session_id": np.asarray(result.session_id),
+                                       "timestamps": np.asarray(cache.timestamps[lo:lo + result.pnl.shape[1]])})
+
+
 def pooled_summary(run: RunDir, bars_per_day: float, initial_capital: float) -> dict:
     """summary.json's "pooled" (the metrics of each split's fold windows concatenated: the
     out-of-sample track record, numbarl/run/pooled.py) and "headline" (the pooled test window's
@@ -544,6 +559,19 @@ def pooled_summary(run: RunDir, bars_per_day: float, initial_capital: float) -> 
     headline = {"split": "test", "folds": len(run.read_equity("test"))}
     headline.update({k: test.get(k) for k in HEADLINE_KEYS})
     return {"pooled": pooled, "headline": headline}
+
+
+def _benchmark_times(previous: dict | None, bench: FoldBenchmarks) -> dict:
+    """summary.json's "fold_benchmarks": the oracle and buy-and-hold backtests of the folds so far
+    (a resumed run adds to the killed one's): `job_s` their own seconds (beside the training when
+    `overlapped` folds > 0), `waited_s` what the run waited for them at the folds' ends (inside
+    time_other_s's `benchmarks`; the rest of job_s was hidden behind the training)."""
+    out = {"folds": 0, "overlapped": 0, "job_s": 0.0, "waited_s": 0.0, **(previous or {})}
+    out["folds"] += 1
+    out["overlapped"] += int(bench.overlapped)
+    out["job_s"] = round(out["job_s"] + bench.job_s, 3)
+    out["waited_s"] = round(out["waited_s"] + bench.waited_s, 3)
+    return out
 
 
 def _checkpoint_written(progress: Progress, info: dict) -> None:
@@ -570,7 +598,6 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     `resuming`: the run folder already holds a (killed) run, whose records after its last
     checkpoint are dropped so the resumed log reads like an uninterrupted one."""
     from numbarl.cuda.runtime import device_name
-    from numbarl.env.backtest import backtest
     from numbarl.env.market import MarketData
 
     folds = make_folds(cache, cfg.train)
@@ -604,79 +631,96 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
         if cache.oracle is not None and hasattr(ft.agent, "set_behavior_signal"):
             ft.agent.set_behavior_signal(cache.oracle)  # dt: on synthetic data the planted oracle is the behavior policy
         run.reset_best()  # best.json: the best checkpoint of the fold in training
-        if resume is not None and resume[1]["fold"] == fold.index:
-            ft.restore(*resume)
-            # records after the checkpoint, and a test record of this fold (logged at its step), go
-            run.truncate_log(ft.collect_steps, fold=fold.index, closing_kinds=("test",))
-            if ft.best_tag is not None:  # a kill between save and mark_best left best.json behind
-                run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
-            progress.log(f"resumed fold {fold.index} after epoch {ft.epoch} (step {ft.collect_steps})")
-        elif resuming:  # the fold starts over: whatever it logged before the kill goes
-            run.truncate_log(-1, fold=fold.index)
-        while ft.epoch < cfg.train.epochs:
-            ft.run_epoch()
-            begun = progress.part_begin()
-            ft.after_epoch()
-            progress.part_end("epoch_records", begun)
-            # VALIDATE (logged before the checkpoint so a resume keeps it)
-            begun = progress.part_begin()
-            val_result, m, score = ft.validate()  # the backtest's seconds are the budget's validation
-            progress.part_end("validation_metrics", begun)
-            if score > ft.best_sharpe or ft.best_tag is None:
-                ft.best_sharpe, ft.best_tag, ft.best_val = score, ft.tag(ft.epoch), val_result
-            run.wait_checkpoint()  # the last epoch's background write (done by now, unless the disk is slow)
-            t0 = time.perf_counter()
-            progress.status(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs} checkpoint {ft.tag(ft.epoch)} "
-                            f"{progress.bar()} ETA {progress.eta()}")
-            tag = ft.save()  # the snapshot; the write (and the best pointer) in the background
-            progress.done("checkpoint", 1, time.perf_counter() - t0)
-            writing = " (writing)" if run.pending_checkpoint() == tag else ""
-            progress.log(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs}: val Sharpe "
-                         f"{_num(m.get('sharpe'), '.2f')} | trades {_num(m.get('n_trades'), 'd')} | return "
-                         f"{_num(m.get('total_return'), '.3%')} | checkpoint {tag}{writing} | ETA {progress.eta()}")
-        # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
-        begun = progress.part_begin()  # the test's backtest and any checkpoint wait are budget entries
-        best_arrays, best_state = run.load_checkpoint(ft.best_tag, prefix="params/")
-        ft.agent.load_params(best_arrays)
-        if ft.loop is not None:  # the policy includes the E9 gate it was validated with
-            ft.loop.set_gate(best_state.get("feedback_gate"))
-        val_result = ft.best_val if ft.best_val is not None else ft.backtest_timed(ft.val_window, "validation (best epoch)")
-        test_result = ft.backtest_timed(fold.test, "test (out-of-sample)")
-        val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
-        run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps, **test_m}))
-        results = [("val", val_result), ("test", test_result)]
-        entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
-                 **({"validation_split": {"feedback": list(ft.feedback_window), "selection": list(ft.val_window)}}
-                    if ft.loop is not None else {}),
-                 "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
-                 "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history}
-        oracle = _oracle_actions(cache, fold.test, cfg.env)
-        if oracle is not None:
-            o = backtest(host_market, fold.test, cfg.env, actions=oracle)
-            entry["oracle_test"] = metrics_dict(o.metrics())
-            results.append(("oracle_test", o))
-        hold = backtest(host_market, fold.test, cfg.env, actions=_hold_actions(fold.test, cfg.env))
-        entry["hold_test"] = metrics_dict(hold.metrics())
-        results.append(("hold_test", hold))
-        tick = cfg.env.resolved_tick_size(cache.tick_size)
-        for split, result in results:
-            trades = _tidy_prices(result.trades, tick)
-            if trades is not None and len(trades):
-                trades = trades.assign(fold=fold.index)
-            run.write_trades(split, trades, fold=fold.index)
-            lo = result.window[0]
-            run.write_equity(split, fold.index, {"pnl": result.pnl[0], "position": result.position[0],
-                                                 "session_id": np.asarray(result.session_id),
-                                                 "timestamps": np.asarray(cache.timestamps[lo:lo + result.pnl.shape[1]])})
-        summary["folds"].append(entry)
-        summary.update(pooled_summary(run, cache.bars_per_day, cfg.env.initial_capital))
-        summary["wall_time_s"] = summary.get("wall_time_s", 0.0) + (time.time() - t_start)
-        t_start = time.time()
-        run.write_summary(summary)
-        progress.part_end("fold_results", begun)
-        progress.log(f"fold {fold.index} test: {_headline_text(test_m)}"
-                     + (f" | oracle daily Sharpe {_num(entry['oracle_test'].get('daily_sharpe'), '.2f')}"
-                        if oracle is not None else ""))
+        # the oracle and buy-and-hold backtests of the test window read only the market: they run
+        # beside epochs 2.. of the fold (numbarl/run/fold_benchmarks.py), started after the fold's
+        # first validation (its graphs are captured by then)
+        bench = FoldBenchmarks(cache, market, fold, cfg.env, background=background_ok())
+        try:
+            if resume is not None and resume[1]["fold"] == fold.index:
+                ft.restore(*resume)
+                # records after the checkpoint, and a test record of this fold (logged at its step), go
+                run.truncate_log(ft.collect_steps, fold=fold.index, closing_kinds=("test",))
+                if ft.best_tag is not None:  # a kill between save and mark_best left best.json behind
+                    run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
+                progress.log(f"resumed fold {fold.index} after epoch {ft.epoch} (step {ft.collect_steps})")
+            elif resuming:  # the fold starts over: whatever it logged before the kill goes
+                run.truncate_log(-1, fold=fold.index)
+            while ft.epoch < cfg.train.epochs:
+                ft.run_epoch()
+                begun = progress.part_begin()
+                ft.after_epoch()
+                progress.part_end("epoch_records", begun)
+                # VALIDATE (logged before the checkpoint so a resume keeps it)
+                begun = progress.part_begin()
+                val_result, m, score = ft.validate()  # the backtest's seconds are the budget's validation
+                progress.part_end("validation_metrics", begun)
+                if ft.epoch < cfg.train.epochs and not bench.started:  # epochs follow to run them beside
+                    begun = progress.part_begin()
+                    bench.start()  # a thread on a GPU (at once); computed here under the simulator
+                    progress.part_end("benchmarks", begun)
+                if score > ft.best_sharpe or ft.best_tag is None:
+                    ft.best_sharpe, ft.best_tag, ft.best_val = score, ft.tag(ft.epoch), val_result
+                run.wait_checkpoint()  # the last epoch's background write (done by now, unless the disk is slow)
+                t0 = time.perf_counter()
+                progress.status(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs} checkpoint {ft.tag(ft.epoch)} "
+                                f"{progress.bar()} ETA {progress.eta()}")
+                tag = ft.save()  # the snapshot; the write (and the best pointer) in the background
+                progress.done("checkpoint", 1, time.perf_counter() - t0)
+                bench.check()  # a failed benchmark job stops the run now (after this epoch's checkpoint)
+                writing = " (writing)" if run.pending_checkpoint() == tag else ""
+                progress.log(f"fold {fold.index} epoch {ft.epoch}/{cfg.train.epochs}: val Sharpe "
+                             f"{_num(m.get('sharpe'), '.2f')} | trades {_num(m.get('n_trades'), 'd')} | return "
+                             f"{_num(m.get('total_return'), '.3%')} | checkpoint {tag}{writing} | ETA {progress.eta()}")
+            # the benchmarks' job ends before the test backtest captures its graph (a capture would
+            # wait for it too, but then the wait would count as test time)
+            waited = progress.part_begin()
+            bench.join()
+            progress.part_end("benchmarks", waited)
+            # TEST: the best-by-validation checkpoint, scored once on the out-of-sample window
+            begun = progress.part_begin()  # the test's backtest and any checkpoint wait are budget entries
+            best_arrays, best_state = run.load_checkpoint(ft.best_tag, prefix=ft.agent.policy_prefixes)
+            ft.agent.load_params(best_arrays)
+            if ft.loop is not None:  # the policy includes the E9 gate it was validated with
+                ft.loop.set_gate(best_state.get("feedback_gate"))
+            val_result = (ft.best_val if ft.best_val is not None
+                          else ft.backtest_timed(ft.val_window, "validation (best epoch)"))
+            test_result = ft.backtest_timed(fold.test, "test (out-of-sample)")
+            val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
+            run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps,
+                                    **test_m}))
+            results = [("val", val_result), ("test", test_result)]
+            entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
+                     **({"validation_split": {"feedback": list(ft.feedback_window), "selection": list(ft.val_window)}}
+                        if ft.loop is not None else {}),
+                     "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
+                     "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history}
+            # the oracle and buy-and-hold results (computed beside the training, or now): the wait
+            # for them is a part of `other` of its own
+            waited = progress.part_begin()
+            for split, result, metrics in bench.results():
+                entry[split] = metrics
+                results.append((split, result))
+            progress.part_end("benchmarks", waited)
+            summary["fold_benchmarks"] = _benchmark_times(summary.get("fold_benchmarks"), bench)
+            from numbarl.cuda import blas
+
+            gemm_tuning = blas.tuning_info()  # NUMBARL_GEMM_TUNING: which algorithms the GEMMs ran
+            if gemm_tuning["file"]:
+                summary["gemm_tuning"] = gemm_tuning
+            oracle = "oracle_test" in entry
+            write_fold_results(run, cache, fold.index, results, cfg.env.resolved_tick_size(cache.tick_size))
+            summary["folds"].append(entry)
+            summary.update(pooled_summary(run, cache.bars_per_day, cfg.env.initial_capital))
+            summary["wall_time_s"] = summary.get("wall_time_s", 0.0) + (time.time() - t_start)
+            t_start = time.time()
+            run.write_summary(summary)
+            progress.part_end("fold_results", begun)
+            progress.log(f"fold {fold.index} test: {_headline_text(test_m)}"
+                         + (f" | oracle daily Sharpe {_num(entry['oracle_test'].get('daily_sharpe'), '.2f')}"
+                            if oracle else ""))
+        except BaseException:
+            bench.join()  # a stopping run leaves no job on the device (the job's own error, if any, is dropped)
+            raise
     if len(summary["folds"]) > 1:
         headline = summary.get("headline") or {}
         progress.log(f"out-of-sample, the {len(summary['folds'])} folds' test windows pooled: "
@@ -702,7 +746,10 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
     cw = summary["checkpoint_writes"]
     progress.note("time other: " + ", ".join(f"{k} {v:.2f} s" for k, v in summary["time_other_s"].items())
                   + f" | checkpoints written in the background: {cw['count']}, {cw['bytes'] / 2**20:.0f} MiB in "
-                  f"{cw['write_s']:.2f} s, of which the run waited {cw['waited_s']:.2f} s")
+                  f"{cw['write_s']:.2f} s, of which the run waited {cw['waited_s']:.2f} s"
+                  + (f" | oracle and buy-and-hold backtests: {fb['job_s']:.2f} s ({fb['overlapped']} of {fb['folds']} "
+                     f"fold(s) beside the training), of which the run waited {fb['waited_s']:.2f} s"
+                     if (fb := summary.get("fold_benchmarks")) else ""))
     if len(summary["folds"]) > 1:  # the out-of-sample spread over the folds (numbarl-compare's table)
         from numbarl.run import compare
 
@@ -797,7 +844,7 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
             progress.note(f"interrupted ({'SIGTERM' if type(e) is not KeyboardInterrupt else 'Ctrl-C'}); "
                           f"continue with: numbarl-train --resume {run.path}")
         raise Interrupted(run.path if run is not None else None, e) from None
-    except NonFiniteError as e:
+    except (NonFiniteError, FoldBenchmarkError) as e:
         progress.log(f"error: {e}")
         raise
     finally:
@@ -900,7 +947,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     rows = []
     loops = {}
     for tag, f in tags:
-        arrays, state = run.load_checkpoint(tag, prefix="params/")
+        arrays, state = run.load_checkpoint(tag, prefix=agent.policy_prefixes)
         agent.load_params(arrays)
         if cfg.train.e9_tradability_gate:  # the policy includes the E9 gate it was validated with
             from numbarl.rl.feedback.loop import FeedbackLoop

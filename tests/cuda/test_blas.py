@@ -260,8 +260,13 @@ class FakeCublasLt:
     def matmul_desc_destroy(self, desc):
         pass
 
+    n_algos = 1  # candidates the emulated heuristic offers; candidate i's algo starts with int32 i + 1
+
     def matmul_algo_get_heuristic(self, handle, desc, a, b, c, d, pref, n, results, count):
-        found = 0 if self.reject(self.objects[desc]) else 1
+        found = 0 if self.reject(self.objects[desc]) else min(n, self.n_algos)
+        size = np.dtype(self.matmul_heuristic_result_dtype).itemsize
+        for i in range(found):
+            ctypes.c_int32.from_address(results + i * size).value = i + 1
         ctypes.c_int32.from_address(count).value = found
 
     def _view(self, ptr, layout):
@@ -279,7 +284,7 @@ class FakeCublasLt:
     def matmul(self, handle, desc, alpha, a, adesc, b, bdesc, beta, c, cdesc, d, ddesc, algo, ws, ws_bytes, stream):
         D = self.objects[desc]
         E = self.Epilogue
-        self.calls.append(dict(D))
+        self.calls.append(dict(D, algo=ctypes.c_int32.from_address(algo).value - 1))
         opa = self._view(a, adesc).astype(np.float64)
         opb = self._view(b, bdesc).astype(np.float64)
         opa = opa.T if D["TRANSA"] else opa  # [m, k]
@@ -384,3 +389,91 @@ def test_cublaslt_bgrad_falls_back_when_no_fused_algorithm(rng, fake_lt):
     _close(db, dy.astype(np.float64).sum(axis=0))
     (plan,) = blas._PLANS.values()
     assert plan.bgrad_separate and fake_lt.calls[-1]["EPILOGUE"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# tuned algorithms (NUMBARL_GEMM_TUNING): the plan takes the file's candidate, nothing else changes
+# ---------------------------------------------------------------------------------------------
+IDENTITY = {"device": "emulated", "cublaslt_version": 1}
+
+
+@pytest.fixture
+def tuned_lt(fake_lt, monkeypatch):
+    fake_lt.n_algos = 4
+    monkeypatch.setattr(blas, "tuning_identity", lambda: dict(IDENTITY))
+    monkeypatch.delenv("NUMBARL_GEMM_TUNING", raising=False)
+    blas.clear_tuning()
+    yield fake_lt
+    blas.clear_tuning()
+
+
+def _tuning_file(path, entries, identity=IDENTITY):
+    import json
+
+    path.write_text(json.dumps({"identity": identity, "plans": {k: {"index": i} for k, i in entries.items()}}))
+    return path
+
+
+def test_tuning_file_picks_the_plans_candidate_and_the_same_numbers(rng, tuned_lt, tmp_path, monkeypatch):
+    A, B, C = _operands(rng, 5, 23, 7, False, False)
+    _run_lt(A, B, C)  # untuned: the heuristic's first candidate
+    (key,) = blas._PLANS
+    assert tuned_lt.calls[-1]["algo"] == 0 and blas.tuning_info()["applied"] == 0
+    first = C.copy()
+    monkeypatch.setattr(blas, "_PLANS", {})
+    monkeypatch.setenv("NUMBARL_GEMM_TUNING", str(_tuning_file(tmp_path / "t.json", {blas.plan_key_text(key): 2})))
+    blas._Tuning.checked = False  # a fresh process: the variable is read at the first plan
+    C[...] = 0
+    _run_lt(A, B, C)
+    assert tuned_lt.calls[-1]["algo"] == 2
+    assert blas.tuning_info() == {"file": str(tmp_path / "t.json"), "keys": 1, "applied": 1}
+    np.testing.assert_array_equal(C, first)  # (the emulator's algorithms all compute alike)
+    # another geometry is not in the file: first candidate
+    A2, B2, C2 = _operands(rng, 3, 4, 5, False, False)
+    _run_lt(A2, B2, C2)
+    assert tuned_lt.calls[-1]["algo"] == 0 and blas.tuning_info()["applied"] == 1
+
+
+def test_tuning_file_errors_name_the_file_and_the_problem(rng, tuned_lt, tmp_path):
+    with pytest.raises(blas.GemmPlanError, match="not found"):
+        blas.load_tuning(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(blas.GemmPlanError, match="bad.json: not a numbarl-bench gemm tuning file"):
+        blas.load_tuning(tmp_path / "bad.json")
+    other = _tuning_file(tmp_path / "other.json", {}, identity={"device": "another GPU", "cublaslt_version": 1})
+    with pytest.raises(blas.GemmPlanError, match="was written for .*another GPU.*re-run numbarl-bench gemm"):
+        blas.load_tuning(other)
+    A, B, C = _operands(rng, 5, 23, 7, False, False)
+    key = blas._plan_key(A, B, C, False, False, 1.0, 0.0, None, None, None, None, "fp32",
+                         blas._check(A, B, C, False, False, 1.0, 0.0, None, None, None, None, "fp32"))
+    assert blas.load_tuning(_tuning_file(tmp_path / "far.json", {blas.plan_key_text(key): 9})) == 1
+    with pytest.raises(blas.GemmPlanError, match="candidate 9 .* does not exist here .*offers 4"):
+        _run_lt(A, B, C)
+    blas.clear_tuning()
+    _run_lt(A, B, C)
+    with pytest.raises(blas.GemmPlanError, match="plans already exist"):
+        blas.load_tuning(tmp_path / "far.json")
+
+
+def test_tuning_file_pins_the_algorithm_and_a_bgrad_plan_never_falls_back_on_it(rng, tuned_lt, tmp_path,
+                                                                                 monkeypatch):
+    x = rng.standard_normal((9, 4)).astype(np.float32)
+    dy = rng.standard_normal((9, 3)).astype(np.float32)
+    dW, db = np.zeros((4, 3), np.float32), np.zeros(3, np.float32)
+    _run_lt(x, dy, dW, ta=True, epilogue="bgrad", bias_grad=db)
+    (key,) = blas._PLANS
+    found = blas._PLANS[key].candidates(4)
+    text = blas.plan_key_text(key)
+    for algo, ok in ((blas.algo_text(found[3]), True), (blas.algo_text(found[1]), False)):
+        monkeypatch.setattr(blas, "_PLANS", {})
+        blas.clear_tuning()
+        path = tmp_path / f"pin-{ok}.json"
+        path.write_text(__import__("json").dumps({"identity": IDENTITY, "plans": {text: {"index": 3, "algo": algo}}}))
+        blas.load_tuning(path)
+        if ok:
+            _run_lt(x, dy, dW, ta=True, epilogue="bgrad", bias_grad=db)
+            assert tuned_lt.calls[-1]["algo"] == 3 and not blas._PLANS[key].bgrad_separate
+        else:  # the pinned algorithm is not candidate 3 here: an error, not the unfused fallback
+            with pytest.raises(blas.GemmTuningError, match="not the algorithm the file pinned"):
+                _run_lt(x, dy, dW, ta=True, epilogue="bgrad", bias_grad=db)
+            assert not blas._PLANS

@@ -131,6 +131,17 @@ def test_gather_matches_numpy(rng, make_market):
     launch_gather(one_obs, one_mask, dev.state, dev.mk, dev.k, dev.branch_sizes, stream())
     np.testing.assert_array_equal(one_obs.copy_to_host(), obs)
     np.testing.assert_array_equal(one_mask.copy_to_host(), dev.gather()[1].copy_to_host())
+    # the learner's collect step gathers into the replay's row of the step as well (count % n_slots)
+    ring = _cuda.to_device(np.full((3,) + obs.shape, np.nan, np.float32))
+    count = _cuda.to_device(np.array([4], np.int64))
+    ring_obs, ring_mask = dev.gather(_cuda.to_device(np.zeros_like(obs)), None, ring=(ring, count))
+    got = ring.copy_to_host()
+    np.testing.assert_array_equal(ring_obs.copy_to_host(), obs)
+    np.testing.assert_array_equal(got[1], obs)  # 4 % 3
+    assert np.isnan(got[[0, 2]]).all()
+    np.testing.assert_array_equal(ring_mask.copy_to_host(), one_mask.copy_to_host())
+    with pytest.raises(ValueError, match="ring store must be float32"):
+        dev.gather(ring=(_cuda.to_device(np.zeros((3, 7, 2), np.float32)), count))
 
 
 def _mask_numpy(position, branch_sizes, max_actions, lock):

@@ -44,9 +44,14 @@ RUNS = {
                  "--set", "agent.spectral_norm=trunk.fc0,head.value"],
     # the CVaR entry gate at a strict floor gates (nearly) every entry, which would starve the feedback
     # switches of the periodic run of trades: its own one-epoch run
-    "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0"],
+    "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0",
+             # the ensemble and its epistemic gate (agent.ensemble_heads): +5 s here, +19 s in the polyak run
+             "--set", "agent.ensemble_heads=2", "--set", "agent.epistemic_theta=0.01"],
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
-    "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5"],
+    # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)
+    "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5",
+           "--set", "agent.adaptive_atoms=true", "--set", "agent.adaptive_atoms_warmup=0",
+           "--set", "agent.aux_frequency=1"],  # the atoms step on aux steps; the run has few train steps
     # PPO (agent.kind = "ppo"): an update after every second collect step
     "ppo": ["--set", "agent.kind=ppo", "--set", "agent.ppo_rollout=2", "--set", "agent.ppo_epochs=2",
             "--set", "agent.ppo_minibatches=2"],
@@ -84,7 +89,8 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
-          "spectral_norm": "periodic", "cvar_gate": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh"}
+          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh",
+          "adaptive_atoms": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
 ALWAYS_ON = ("c51", "double_dqn")

@@ -17,6 +17,8 @@ from numbarl.rl.policies import (
     SLOT_RANDOM,
     epsilon_greedy,
     epsilon_greedy_ref,
+    scheduled_epsilon,
+    scheduled_epsilon_greedy,
 )
 
 _cuda = cuda()
@@ -107,6 +109,29 @@ def test_device_matches_reference_with_per_env_epsilon_past_one_block(rng):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(preference, want_pref)
     assert (got != _greedy_numpy(q, position, params.branch_sizes, True)).any()  # some envs explored
+
+
+@pytest.mark.parametrize("step", [0, 7, 40])
+def test_scheduled_rate_in_every_thread_equals_the_explicit_rate(rng, step):
+    """The collect step's ε-greedy computes its rate from the schedule inside the launch: the same
+    actions and preference as epsilon_greedy at that rate (linear from 0.9 to 0.2 over 20 steps,
+    then flat)."""
+    data = synthetic_market(30, 5, seed=int(rng.integers(1000)))
+    params = EnvParams()
+    m = 37
+    position = rng.choice(np.array([-1.0, 0.0, 2.0], np.float32), m)
+    env = _env_with_positions(data, params, position, seed=9)
+    q = rng.standard_normal((m, 4, params.max_actions)).astype(np.float32)
+    schedule, decay = np.array([0.9, 0.2], np.float32), np.array([20], np.int64)
+    eps = scheduled_epsilon(np.int64(step), schedule, decay)
+    assert eps == np.float32(np.float64(schedule[0]) + (schedule[1] - schedule[0]) * min(step / 20, 1.0))
+    want, want_pref = _run(env, q, eps)
+    actions, preference = env.arena["actions"], env.arena["preference"]
+    scheduled_epsilon_greedy(_cuda.to_device(q), env.arena["mask"], _cuda.to_device(np.array([step], np.int64)),
+                             _cuda.to_device(schedule), _cuda.to_device(decay), env.seed_dev, env.counter,
+                             actions, preference, stream())
+    np.testing.assert_array_equal(actions.copy_to_host(), want)
+    np.testing.assert_array_equal(preference.copy_to_host(), want_pref)
 
 
 def test_exploration_is_uniform_over_the_allowed_actions():

@@ -244,7 +244,7 @@ def test_the_time_budget_counts_snapshots_and_waits_and_sums_to_the_total():
 def test_a_run_writes_its_checkpoints_in_the_background_complete_and_identical(tmp_path, monkeypatch):
     """A tiny run with a slow disk: the trainer hands each epoch's snapshot to the writer and goes
     on; after the run every checkpoint on disk is bitwise the snapshot it was given (the latest with
-    its replay), best.json names a saved checkpoint, train.log says when each one was on disk, and
+    its replay; the snapshot buffers are refilled by the next epoch's checkpoint), best.json names a saved checkpoint, train.log says when each one was on disk, and
     the time budget (waits under checkpoint) still sums to the total."""
     from click.testing import CliRunner
 
@@ -254,10 +254,11 @@ def test_a_run_writes_its_checkpoints_in_the_background_complete_and_identical(t
     handed = {}
     original = RunDir.save_checkpoint_async
 
-    def recording(self, tag, arrays, state, latest=True, resume_arrays=None, mark_best=None):
+    def recording(self, tag, arrays, state, latest=True, resume_arrays=None, mark_best=None, handed_over=False):
         handed[tag] = ({k: np.array(v, copy=True) for k, v in arrays.items()},
                        {k: np.array(v, copy=True) for k, v in (resume_arrays or {}).items()})
-        return original(self, tag, arrays, state, latest=latest, resume_arrays=resume_arrays, mark_best=mark_best)
+        return original(self, tag, arrays, state, latest=latest, resume_arrays=resume_arrays, mark_best=mark_best,
+                        handed_over=handed_over)
 
     real_write, real_wait = runio.atomic_write, RunDir.wait_checkpoint
     disk_done = threading.Event()
@@ -298,3 +299,29 @@ def test_a_run_writes_its_checkpoints_in_the_background_complete_and_identical(t
     assert writes["count"] == 2 and writes["write_s"] >= 0.3
     assert budget["checkpoint"] >= writes["waited_s"] > 0.1  # the slow write was waited for, and counted
     assert sum(summary["time_other_s"].values()) == pytest.approx(budget["other"], abs=0.01)
+
+
+def test_snapshot_buffers_are_refilled_only_after_their_write(run):
+    """The trainer's checkpoint snapshots (FoldTrainer.save): Arena.to_host inside pinned_snapshots
+    copies into the pool's buffers, the same ones at every checkpoint, handed to the writer thread
+    without a copy; each is refilled only after the write that reads it, so every checkpoint on
+    disk holds its own epoch's values."""
+    from numbarl.cuda.runtime import Arena, pinned_snapshots
+
+    arena = Arena("snapshot-test")
+    arena.add("x", (1000,), np.float32)
+    arena.add("n", (3,), np.int64)
+    arena.allocate()
+    pool, first = {}, None
+    for k in range(3):
+        arena.load({"x": np.full(1000, k, np.float32), "n": np.arange(3) + k})
+        run.wait_checkpoint()  # FoldTrainer.save waits before it refills
+        with pinned_snapshots(pool):
+            arrays = arena.to_host()
+        first = first or arrays
+        assert all(arrays[name] is first[name] for name in arrays)  # refilled, not made again
+        run.save_checkpoint_async(f"e{k}", arrays, {"k": k}, resume_arrays={}, handed_over=True)
+    for k in range(3):
+        arrays, state = run.load_checkpoint(f"e{k}")
+        assert state["k"] == k and (arrays["x"] == k).all() and (arrays["n"] == np.arange(3) + k).all()
+    assert arena.to_host()["x"] is not first["x"]  # outside a block: fresh arrays, as before

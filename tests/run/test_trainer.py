@@ -116,6 +116,39 @@ def test_tiny_run_leaves_complete_run_folder(full_run):
     assert len(resume_files) == 1 and resume_files[0].startswith("fold0-epoch0002.")
 
 
+def test_fold_benchmarks_write_what_the_fold_end_wrote(full_run, cache_dir, monkeypatch, tmp_path):
+    """The oracle and buy-and-hold of a fold run beside its training (numbarl/run/fold_benchmarks.py;
+    under the simulator: after the first validation, in the run's thread) and on the run's device
+    market: the run's files are byte for byte those of the fold's-end backtests of the host
+    MarketData (the path before), recomputed here and written by the same writer."""
+    from numbarl import config as config_mod
+    from numbarl.env.backtest import backtest
+    from numbarl.env.market import MarketData
+    from numbarl.run.fold_benchmarks import hold_actions, oracle_actions
+    from numbarl.run.runio import to_jsonable
+
+    monkeypatch.setenv("NUMBARL_CACHE", str(cache_dir))
+    cfg = config_mod.from_dict(RunDir.open(full_run).config)
+    cache = trainer.prepare_data(cfg.data, log=lambda m: None)
+    fold = trainer.make_folds(cache, cfg.train)[0]
+    host = MarketData.from_cache(cache)
+    before = [(split, backtest(host, fold.test, cfg.env, actions=acts))
+              for split, acts in (("oracle_test", oracle_actions(cache, fold.test, cfg.env)),
+                                  ("hold_test", hold_actions(fold.test, cfg.env)))]
+    fresh = RunDir.create(tmp_path / "before", {})
+    trainer.write_fold_results(fresh, cache, fold.index, before, cfg.env.resolved_tick_size(cache.tick_size))
+    for split, result in before:
+        for name in (f"trades_{split}.csv", f"equity/{split}_fold0.csv", f"equity/{split}_fold0.npz"):
+            assert (full_run / name).read_bytes() == (fresh.path / name).read_bytes(), name
+        summary = json.loads((full_run / "summary.json").read_text())
+        assert summary["folds"][0][split] == to_jsonable(trainer.metrics_dict(result.metrics()))
+    # the time budget shows them: their own seconds, the run's wait, a part of `other`
+    bench = summary["fold_benchmarks"]
+    assert bench["folds"] == 1 and bench["overlapped"] == 0 and bench["job_s"] > 0  # simulator: not overlapped
+    assert bench["waited_s"] >= bench["job_s"] - 0.05 and summary["time_other_s"]["benchmarks"] >= bench["waited_s"] - 0.05
+    assert sum(summary["time_other_s"].values()) == pytest.approx(summary["time_budget_s"]["other"], abs=0.01)
+
+
 def test_run_folder_a_user_can_read(full_run):
     """Issue 12's glitches: the run's log file with timestamped progress over every phase, a wall-clock
     column, checkpoints with their step, integer columns as integers, trade prices without float

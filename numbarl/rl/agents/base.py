@@ -105,6 +105,10 @@ class Agent:
     def load_state(self, arrays: dict) -> None:
         pass
 
+    # the checkpoint arrays a policy needs (load_params reads them): the trainer's test backtest and
+    # numbarl-backtest load only these from a checkpoint
+    policy_prefixes: tuple = ("params/",)
+
     def load_params(self, arrays: dict) -> None:
         pass
 

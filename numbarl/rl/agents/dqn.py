@@ -43,6 +43,10 @@ are those without them):
   utilisation u (fixed-order column sum), its EMA and the next step's β, all on the device.
 * ``agent.support = "fit"``: the trainer calls ``fit_support(stream)`` once after the replay
   prefill (numbarl/rl/support.py); the support is device memory every graph reads.
+* ``agent.adaptive_atoms`` (C4): the support's spacings are learned (numbarl/rl/losses/atoms.py):
+  every C51 loss projects onto the head's device support (non-uniform Algorithm 1 once it moved),
+  and the stats phase of the aux train steps, after agent.adaptive_atoms_warmup train steps, takes
+  one ascent step on the entropy of the batch-mean projected target and rewrites that support.
 * ``agent.freeze_reset``: the trainer feeds numbarl.rl.freeze.FreezeDetector one record per epoch
   and calls ``on_freeze(stream)`` when it fires (Adam moments of group 'head.adv' zeroed).
 * ``agent.iqn`` (A1): an implicit quantile head on the trunk output (numbarl/rl/nets/iqn_head.py,
@@ -102,6 +106,16 @@ are those without them):
   the acting pass (collect) and on the greedy scores (agent.scores): no entry on a side whose
   direction-branch CVaR_α is below −agent.cvar_floor (budget 1, or the IQN readiness² with
   agent.iqn). Stats (diagnostics): cvar_blocked_frac, cvar_mean, cvar_budget.
+* ``agent.ensemble_heads`` = M >= 2: a bootstrapped ensemble (numbarl/rl/nets/ensemble.py, Osband et al.
+  2016): M − 1 extra C51 heads on the trunk (optimizer group 'head.ens'), auxiliary losses: on the aux train
+  steps the LOSS phase runs each extra head on the next / target / online passes' trunk outputs (its own
+  double-DQN target) and its C51 loss with a per-(replay row, head) Bernoulli(1/2) mask as per-sample
+  weights; BACKWARD adds their dh after the other auxiliary heads' (the gradient ledger). On the other train
+  steps their gradients are zeroed. Stats: ensemble_std (batch mean of the std over the M heads of the
+  direction-branch Q at the taken direction). With agent.epistemic_theta > 0 the epistemic gate takes a flat
+  env's entry side d away where budget · u(s, d) > θ, on the env's mask after the acting pass (collect) and
+  on the greedy scores (agent.scores), budget as the CVaR gate's. Stats (diagnostics):
+  epistemic_blocked_frac, epistemic_score_mean, epistemic_budget.
 """
 
 from __future__ import annotations
@@ -161,7 +175,7 @@ from numbarl.rl.optim import (
     AdamConfig,
     TargetConfig,
 )
-from numbarl.rl.policies import epsilon_greedy
+from numbarl.rl.policies import scheduled_epsilon, scheduled_epsilon_greedy
 from numbarl.rl.replay import Replay
 from numbarl.rl.schedules import ScheduleConfig
 
@@ -187,6 +201,7 @@ STAT_Q_MEAN = AGENT_STATS.slot("q_mean", 9)  # mean over the batch and branches 
 STAT_Q_NEXT_MAX = AGENT_STATS.slot("q_next_max", 10)  # mean over batch and branches of max_a Q_online(next_obs, a)
 STAT_EPSILON = AGENT_STATS.slot("epsilon", 11)  # exploration rate of the last collect step
 STAT_COLLECT_STEP = AGENT_STATS.slot("collect_step", 12, kind="int")  # collect steps done (float32: exact to 2**24)
+_scheduled_epsilon = launch.device_function(scheduled_epsilon)
 STAT_TRAIN_STEP = AGENT_STATS.slot("train_step", 13, kind="int")  # train steps done
 STAT_NONFINITE_STEP = AGENT_STATS.slot("nonfinite_step", 14, kind="int")  # first train step whose loss or grad norm was not finite (-1 = none)
 STAT_NONFINITE_WHAT = AGENT_STATS.slot("nonfinite_what", 15, kind="int")  # 1 = loss, 2 = gradients
@@ -208,20 +223,20 @@ _ONE = np.float32(1.0)
 # kernels (tiny, one block: bookkeeping and fixed-order batch statistics)
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
-def epsilon_kernel(collect_step, schedule, decay_steps, epsilon, stats):
-    """epsilon = max(end, start − (start − end)·t/decay) at collect step t; t += 1 afterwards.
-    schedule = (start, end) float32 and decay_steps int64 [1] are device scalars: a feedback loop
-    changes them between replays without re-capture."""
+def collect_tail_kernel(collect_step, schedule, decay_steps, epsilon, stats, replay_count, env_counter):
+    """The collect step's bookkeeping, one launch after its replay write: epsilon[0] = the rate
+    the step's ε-greedy used (numbarl.rl.policies.scheduled_epsilon, computed there in every
+    thread), collect_step += 1, the replay's write count += 1 and the env's RNG counter += 1
+    (three one-thread launches, ~1 µs each plus their gaps, before it was folded)."""
     if _cuda.grid(1) == 0:
         t = collect_step[0]
-        eps_start = schedule[0]
-        eps_end = schedule[1]
-        frac = min(np.float64(t) / np.float64(decay_steps[0]), np.float64(1.0))
-        eps = np.float32(eps_start + (eps_end - eps_start) * frac)
+        eps = _scheduled_epsilon(t, schedule, decay_steps)
         epsilon[0] = eps
         collect_step[0] = t + 1
         stats[STAT_EPSILON] = eps
         stats[STAT_COLLECT_STEP] = np.float32(t + 1)
+        replay_count[0] += 1
+        env_counter[0] += 1
 
 
 @_cuda.jit(cache=True)
@@ -552,7 +567,10 @@ class DQNAgent(Agent):
     icm = None  # the ICM curiosity models (agent.curiosity_weight)
     spectral = None  # spectral normalization of chosen layers (agent.spectral_norm)
     cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
+    ens_heads = ()  # the ensemble's extra C51 heads (agent.ensemble_heads)
+    ens_gate = None  # the epistemic entry gate (agent.epistemic_theta)
     mh = None  # the multi-horizon C51 loss (agent.horizons)
+    atoms = None  # the adaptive support's spacings (agent.adaptive_atoms)
     extra_horizons = ()  # the horizons other than n_step (agent.horizons)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
@@ -630,19 +648,26 @@ class DQNAgent(Agent):
                 self.conf_head.declare_acts(self.acts, self.n_envs, "act", backward=False)
                 self.conf_head.declare_acts(self.acts, int(eval_batch), "eval", backward=False)
         # --- end recursive confidence --------------------------------------------------------------------
+        # --- ensemble (agent.ensemble_heads): M − 1 extra C51 heads on the online (backward), next and
+        # target passes' trunk outputs, with the gate also on acting and evaluation; declared last ----------
+        if cfg.ensemble_heads >= 2:
+            self._declare_ensemble(int(eval_batch))
+        # --- end ensemble -----------------------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
 
         # LOSS, OPTIMIZER, REPLAY
-        self.loss = C51Loss.for_head(self.head, B, entropy_reg=cfg.atom_entropy_max > 0)
+        self.loss = C51Loss.for_head(self.head, B, entropy_reg=cfg.atom_entropy_max > 0,
+                                     adaptive_support=cfg.adaptive_atoms)
         # the CQL regularizer on the same logits: its gradient adds into the C51 loss's (loss contract)
         self.cql = CqlLoss.for_head(self.head, B) if cfg.cql_alpha > 0 else None
         if self.horizons:  # multi-horizon C51: one C51 loss per horizon, the agent's own at n_step
             if cfg.n_step not in self.horizons or len(self.horizons) < 2:
                 raise ValueError(f"agent.horizons = {cfg.horizons!r} must name at least two windows, one of them "
                                  f"agent.n_step = {cfg.n_step}")
-            losses = [self.loss if h == cfg.n_step else C51Loss.for_head(self.head, B) for h in self.horizons]
+            losses = [self.loss if h == cfg.n_step
+                      else C51Loss.for_head(self.head, B, adaptive_support=cfg.adaptive_atoms) for h in self.horizons]
             if not 0 <= cfg.horizon_regime_col < self.state_dim:
                 raise ValueError(f"agent.horizon_regime_col = {cfg.horizon_regime_col} is outside the observation "
                                  f"[0, {self.state_dim}); set it to the obs column of the trend-strength feature")
@@ -714,7 +739,7 @@ class DQNAgent(Agent):
         self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self._qgap_reducer = Reducer(self.n_envs)
         self._init_c51_extras()
-        if any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head)):
+        if any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head)) or self.ens_heads:
             # the trunk's output gradient that the C51 head writes and every auxiliary head adds into
             self.aux_state = Arena("agent.aux")
             self.aux_state.add("dh", (self.cfg.batch_size, self.trunk.out_dim), np.float32)
@@ -727,6 +752,8 @@ class DQNAgent(Agent):
             self._init_icm()
         if self.conf_head is not None:  # recursive confidence (agent.confidence_weight): loss, stats slots
             self._init_conf()
+        if self.ens_heads:  # ensemble (agent.ensemble_heads): losses, masks, stats slots, the epistemic gate
+            self._init_ensemble()
         if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
             self._init_mh()
         # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
@@ -772,6 +799,18 @@ class DQNAgent(Agent):
             self.atom_reg.allocate()
             self.atom_reg.load({"u_ema": np.array([-1.0], np.float32)})  # < 0: no step yet
             self._entropy_reducer = Reducer(rows)
+        if cfg.adaptive_atoms:  # C4: every C51 loss projects onto the head's support, which the atoms rewrite
+            if getattr(cfg, "ensemble_heads", 0) >= 2:
+                raise ValueError("agent.adaptive_atoms with agent.ensemble_heads: the ensemble's heads keep their own "
+                                 "uniform supports; turn one of them off")
+            from numbarl.rl.losses.atoms import AdaptiveAtoms
+
+            self.atoms = AdaptiveAtoms(B, self.n_branches, cfg.n_atoms, lr=cfg.adaptive_atoms_lr,
+                                       warmup=cfg.adaptive_atoms_warmup)
+            for loss in (self.mh.losses if self.mh is not None else (self.loss,)):
+                loss.bind_support(self.head.support, self.atoms.support_mode)
+            self._slot_support_entropy = self.stats_layout.slot("support_entropy_J")
+            self._slot_spacing_ratio = self.stats_layout.slot("atom_spacing_ratio")
 
     # --- IQN (agent.iqn) -----------------------------------------------------------------------------
     def _init_iqn(self) -> None:
@@ -879,6 +918,80 @@ class DQNAgent(Agent):
         self._conf_reducer.mean(self.conf_loss.confidence, self.stats.device, stream, at=self._slot_conf_mean)
         self._conf_reducer.mean(self.conf_loss.bootstrapped, self.stats.device, stream, at=self._slot_conf_boot)
     # --- end recursive confidence --------------------------------------------------------------------
+
+    # --- ensemble + epistemic gate (agent.ensemble_heads, agent.epistemic_theta; numbarl/rl/nets/ensemble.py) ---
+    def _declare_ensemble(self, eval_batch: int) -> None:
+        """The M − 1 extra heads' parameters (group 'head.ens') and passes: online (backward; logits for the
+        loss, q for ensemble_std), next (q: each head's double-DQN argmax), target (probs); with the gate
+        act and eval (q)."""
+        from numbarl.rl.nets.ensemble import make_extra_heads
+
+        cfg, B = self.cfg, self.cfg.batch_size
+        self.ens_heads = make_extra_heads(cfg.ensemble_heads, self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
+                                          cfg.v_min, cfg.v_max, cfg.compute)
+        passes = [("online", B, True, ("logits", "q")), ("next", B, False, ("q",)), ("target", B, False, ("probs",))]
+        self._ens_eval_batch = eval_batch
+        if cfg.epistemic_theta > 0:
+            passes += [("act", self.n_envs, False, ("q",)), ("eval", eval_batch, False, ("q",))]
+        for head in self.ens_heads:
+            head.declare_params(self.store)
+            for tag, batch, backward, outputs in passes:
+                head.declare_acts(self.acts, batch, tag, backward=backward, outputs=outputs)
+
+    def _init_ensemble(self) -> None:
+        """One C51 loss per extra head, the masks [M − 1, B], the direction-Q stack and score of the train
+        batch, the stats slots and the gate; before the mapped stats are sized."""
+        from numbarl.env.params import PORTFOLIO_FEATURES
+        from numbarl.rl.nets.ensemble import EpistemicGate
+
+        cfg, B, M = self.cfg, self.cfg.batch_size, len(self.ens_heads) + 1
+        self.ens_losses = [C51Loss.for_head(head, B) for head in self.ens_heads]
+        self.ens_state = Arena("agent.ensemble")
+        self.ens_state.add("mask", (M - 1, B), np.float32)
+        self.ens_state.add("dir_q", (M, B, 1), np.float32)
+        self.ens_state.add("score", (B, 1), np.float32)
+        self.ens_state.allocate()
+        self._ens_grads = [[self.store.grad(n) for n in head.param_names.values()] for head in self.ens_heads]
+        self._slot_ens_std = self.stats_layout.slot("ensemble_std")
+        self._ens_reducer = Reducer(B)
+        if cfg.epistemic_theta > 0:
+            position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
+            readiness = self.iqn_state["readiness_state"] if self.iqn_head is not None else None
+            self.ens_gate = EpistemicGate([self.head, *self.ens_heads], cfg.epistemic_theta, self.n_envs,
+                                          self._ens_eval_batch, position_col, readiness)
+            self._slots_ens_gate = [self.stats_layout.slot(n) for n in
+                                    ("epistemic_blocked_frac", "epistemic_score_mean", "epistemic_budget")]
+
+    def _ens_forward_loss(self, stream) -> None:
+        """Aux steps: the masks, then per extra head its next (online) and target passes on the trunk outputs
+        the TARGETS phase left, its online pass, and its C51 loss with the mask as per-sample weights."""
+        from numbarl.rl.nets.ensemble import bootstrap_masks
+
+        batch, cfg = self.replay.batch, self.cfg
+        mask = self.ens_state["mask"]
+        bootstrap_masks(self.seed, batch.index, mask, stream,
+                        weights=batch.weight if self.replay.normalize_weights else None)
+        h_next, h_target, h = self.trunk.output("next"), self.trunk.output("target"), self.trunk.output("online")
+        for m, (head, loss) in enumerate(zip(self.ens_heads, self.ens_losses)):
+            head.forward(h_next, stream, tag="next")
+            head.forward(h_target, stream, tag="target", role="target")
+            out = head.forward(h, stream, tag="online")
+            inputs = {"logits": out.logits, "actions": batch.action, "next_q": head.outputs("next").q,
+                      "target_probs": head.outputs("target").probs, "rewards": self._rewards(), "dones": batch.done,
+                      "discounts": batch.discount, "next_mask": batch.next_mask if cfg.lock_aware_target else None,
+                      "weights": mask[m]}
+            loss.apply(inputs, {"logits": loss.d_logits}, stream, ledger=self.store)
+
+    def _ens_stats(self, stream) -> None:
+        """Aux steps: ensemble_std = batch mean of u at the taken direction on the online pass."""
+        from numbarl.rl.nets.ensemble import direction_q, epistemic_score
+
+        dir_q, score = self.ens_state["dir_q"], self.ens_state["score"]
+        direction_q([h.outputs("online").q for h in (self.head, *self.ens_heads)], dir_q, stream,
+                    actions=self.replay.batch.action)
+        epistemic_score(dir_q, score, stream)
+        self._ens_reducer.mean(score.reshape(score.size), self.stats.device, stream, at=self._slot_ens_std)
+    # --- end ensemble + epistemic gate ---------------------------------------------------------------
 
     # --- ICM (agent.curiosity_weight) ----------------------------------------------------------------
     def _init_icm(self) -> None:
@@ -1013,9 +1126,15 @@ class DQNAgent(Agent):
         for loss in (self.mh.losses if self.mh is not None else ()):  # multi-horizon C51: the other horizons'
             if loss is not self.loss:
                 loss.set_support(v_min, v_max)
+        if self.ens_heads:  # ensemble (agent.ensemble_heads): the extra heads and their losses
+            for head, loss in zip(self.ens_heads, self.ens_losses):
+                head.set_support(v_min, v_max)
+                loss.set_support(v_min, v_max)
         if self.cql is not None:
             self.cql.arena.load({"support": self.head.support_host})
         self.support_state.load({"range": np.array([v_min, v_max], np.float64)})
+        if self.atoms is not None and int(self.atoms.support_mode.copy_to_host()[0]) != 0:
+            self._write_live_support(self.atoms.host_support(v_min, v_max))  # moved atoms: their spacing, new range
         self.stats.host[self._slot_support] = np.float32(v_min)
         self.stats.host[self._slot_support + 1] = np.float32(v_max)
 
@@ -1077,6 +1196,8 @@ class DQNAgent(Agent):
             self.cvar_gate.on_scores(obs, q_out, stream, tag="eval")
         if self.conf_gate is not None:  # confidence gate (agent.confidence_floor)
             self.conf_gate.on_scores(self.trunk.output("eval"), obs, q_out, stream, tag="eval")
+        if self.ens_gate is not None:  # epistemic gate (agent.epistemic_theta)
+            self.ens_gate.on_scores(self.trunk.output("eval"), obs, q_out, stream, tag="eval")
         if self.feedback is not None:  # E9: no entries in gated regimes (numbarl/rl/feedback)
             self.feedback.on_scores(obs, q_out, stream)
 
@@ -1097,6 +1218,8 @@ class DQNAgent(Agent):
         aux = aux or self.iqn_head is not None  # IQN (agent.iqn) is an auxiliary loss
         aux = aux or self.iql_head is not None  # IQL (agent.iql) is an auxiliary loss
         aux = aux or self.conf_head is not None  # recursive confidence (agent.confidence_weight) too
+        aux = aux or self.atoms is not None  # adaptive atoms (agent.adaptive_atoms) step on the aux steps
+        aux = aux or bool(self.ens_heads)  # the ensemble's extra heads (agent.ensemble_heads) too
         return int(self.cfg.aux_frequency) if aux else 1
 
     def step_functions(self, env) -> dict:
@@ -1126,10 +1249,9 @@ class DQNAgent(Agent):
     # -- the two step functions (captured as graphs) --------------------------------------------
     def collect_step(self, env, stream):
         # COLLECT
-        epsilon_kernel[1, 1, stream](self.scalars["collect_step"], self.scalars["epsilon_schedule"],
-                                     self.scalars["epsilon_decay_steps"], self.scalars["epsilon"], self.stats.device)
-        t = env.transition
-        obs, mask = env.gather(t.obs, t.mask, stream)                  # [N, state_dim], the env's action mask
+        t, sc = env.transition, self.scalars
+        # obs_t also straight into the replay's row of this step (no separate obs copy)
+        obs, mask = env.gather(t.obs, t.mask, stream, ring=self.replay.obs_ring())
         if self.feedback is not None:                                  # E9 gate on the mask (feedback loop)
             self.feedback.on_mask(obs, mask, stream)
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
@@ -1137,13 +1259,18 @@ class DQNAgent(Agent):
             self.cvar_gate.on_mask(obs, mask, stream, tag="act")
         if self.conf_gate is not None:  # confidence gate (agent.confidence_floor)
             self.conf_gate.on_mask(self.trunk.output("act"), obs, mask, stream, tag="act")
+        if self.ens_gate is not None:  # epistemic gate (agent.epistemic_theta)
+            self.ens_gate.on_mask(self.trunk.output("act"), obs, mask, stream, tag="act")
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
-        epsilon_greedy(q, mask, self.scalars["epsilon"], env.seed_dev, env.counter, t.actions, preference, stream)
+        scheduled_epsilon_greedy(q, mask, sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
+                                 env.seed_dev, env.counter, t.actions, preference, stream)
         out = env.step(t.actions, preference, stream=stream)           # fills, reward, done, reset
-        self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask)
+        self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask, obs_written=True, advance=False)
+        # ε, the collect-step count, the replay's write count and the env's RNG counter: one launch
+        collect_tail_kernel[1, 1, stream](sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
+                                          sc["epsilon"], self.stats.device, self.replay.count, env.counter)
         if self.feedback is not None:                                  # E6: rows of winning trades
             self.feedback.on_written(out, env, self.replay, stream)
-        env.advance(stream)
 
     def train_phases(self) -> list:
         """The train step's phases in program order (train_step opens the gradient ledger's step and
@@ -1216,11 +1343,13 @@ class DQNAgent(Agent):
             self._iql_forward_loss(stream)
         if self.conf_head is not None and self._aux:  # recursive confidence: the head's cross-entropy
             self._conf_forward_loss(stream)
+        if self.ens_heads and self._aux:  # ensemble: the extra heads' masked C51 losses
+            self._ens_forward_loss(stream)
 
     # BACKWARD (d logits → head → trunk)
     def _aux_heads(self) -> list:
         """[(head, its output gradient, its parameter gradients)] of the auxiliary heads on the
-        trunk (IQN, IQL, confidence), in the order their input gradients add into dh."""
+        trunk (IQN, IQL, confidence, the ensemble's extra heads), in the order their input gradients add into dh."""
         heads = []
         if self.iqn_head is not None:
             heads.append((self.iqn_head, self.iqn_loss.grad("quantiles"), self._iqn_grads))
@@ -1228,6 +1357,9 @@ class DQNAgent(Agent):
             heads.append((self.iql_head, self.iql_loss.grad("v"), self._iql_grads))
         if self.conf_head is not None:  # recursive confidence (agent.confidence_weight)
             heads.append((self.conf_head, self.conf_loss.grad("logits"), self._conf_grads))
+        if self.ens_heads:  # ensemble (agent.ensemble_heads): the extra heads, in head order
+            heads += [(head, loss.d_logits, grads) for head, loss, grads in
+                      zip(self.ens_heads, self.ens_losses, self._ens_grads)]
         return heads
 
     def _backward(self, stream):
@@ -1281,6 +1413,8 @@ class DQNAgent(Agent):
             self._mh_stats(stream)
         if self.atom_reg is not None:  # C5: utilisation of the taken actions' atoms → u_ema → next step's β
             self._atom_entropy_control(stream)
+        if self.atoms is not None and self._aux:  # C4: J, ∂J/∂s, the spacing step, the new live support
+            self._adaptive_atoms(stream)
         if self.iqn_head is not None and self._aux:  # IQN (agent.iqn): loss, its EMA and readiness, on the device
             iqn_readiness_kernel[1, 1, stream](self.iqn_loss.loss, self.iqn_state["readiness_state"], self.stats.device,
                                                np.int64(self._slot_iqn_loss), np.int64(self._slot_iqn_ready),
@@ -1289,6 +1423,8 @@ class DQNAgent(Agent):
             self._iql_stats(stream)
         if self.conf_head is not None and self._aux:  # recursive confidence: loss, mean c, bootstrapped share
             self._conf_stats(stream)
+        if self.ens_heads and self._aux:  # ensemble: the batch-mean epistemic score
+            self._ens_stats(stream)
 
     def _atom_entropy_control(self, stream):
         B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
@@ -1301,6 +1437,24 @@ class DQNAgent(Agent):
                                                   self.loss.entropy_beta, self.stats.device,
                                                   np.int64(self._slot_util), np.int64(self._slot_util_ema),
                                                   np.int64(self._slot_beta), np.int64(1 if target else 0))
+
+    def _adaptive_atoms(self, stream):
+        batch = self.replay.batch
+        self.atoms.step(self.loss, self._rewards(), batch.done, batch.discount, batch.action,
+                        self.head.outputs("target").probs, self.head.support, self.support_state["range"],
+                        self.scalars["train_step"], self.stats.device, self._slot_support_entropy,
+                        self._slot_spacing_ratio, stream)
+        if self.cql is not None:  # the CQL term keeps its own copy of the support
+            support = self.head.support
+            _copy_kernel[_blocks(support.size), 256, stream](support, self.cql.arena["support"])
+
+    def _write_live_support(self, support) -> None:
+        """Host write of a float32 [Z] support into the head's device support (every pass and every
+        bound C51 loss read it) and the CQL term's copy (adaptive atoms; between replays)."""
+        support = np.asarray(support, np.float32)
+        self.head.layout.load({"support": support})
+        if self.cql is not None:
+            self.cql.arena.load({"support": support})
 
     # DIAGNOSTICS (log intervals only: what the last train and collect steps left in their buffers)
     def diagnostics_step(self, env, stream):
@@ -1327,6 +1481,8 @@ class DQNAgent(Agent):
             self.cvar_gate.write_stats(self.stats.device, self._slots_cvar, stream)
         if self.conf_gate is not None:  # confidence gate: the last collect step's share
             self._conf_gate_reducer.mean(self.conf_gate.gated, self.stats.device, stream, at=self._slot_conf_gated)
+        if self.ens_gate is not None:  # epistemic gate: the last collect step's share gated
+            self.ens_gate.write_stats(self.stats.device, self._slots_ens_gate, stream)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -1344,6 +1500,9 @@ class DQNAgent(Agent):
             out[f"agent/{name}"] = value
         out["agent/stats"] = self.stats.host.copy()
         out["support/range"] = self.support_state["range"].copy_to_host()
+        if self.atoms is not None:  # adaptive atoms: the spacings, the mode flag and the live support itself
+            out.update(self.atoms.state_arrays())
+            out["atoms/support"] = self.head.support.copy_to_host()
         if self.atom_reg is not None:
             out["atom_entropy/u_ema"] = self.atom_reg["u_ema"].copy_to_host()
             out["atom_entropy/beta"] = self.loss.entropy_beta.copy_to_host()
@@ -1397,13 +1556,24 @@ class DQNAgent(Agent):
             v_min, v_max = (float(x) for x in np.asarray(arrays["support/range"], np.float64))
             if (v_min, v_max) != self.support_range:
                 self.set_support(v_min, v_max)
+        if self.atoms is not None and "atoms/spacing_raw" in arrays:  # adaptive atoms: the exact live support
+            self.atoms.load_arrays(arrays)
+            self._write_live_support(arrays["atoms/support"])
+
+    # what the greedy policy reads besides the weights: the support (fitted range, adaptive atoms'
+    # live support), spectral norm's vectors, and the IQN readiness the entry gates' budget is
+    policy_prefixes = ("params/", "support/", "atoms/", "spectral/", "iqn/")
 
     def load_params(self, arrays: dict[str, np.ndarray]) -> None:
-        """Load the online network's weights from checkpoint arrays ("params/<name>" entries)."""
+        """Load the policy from checkpoint arrays (the `policy_prefixes` entries): the online
+        network's weights ("params/<name>"), the support it was trained with, spectral norm's
+        vectors and the IQN readiness (the CVaR / epistemic gates' budget)."""
         self.store.load({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("params/")})
         self._load_support(arrays)  # the Q of a fitted support needs that support
         if self.spectral is not None:  # spectral norm (agent.spectral_norm): vectors, then W_sn of the loaded W
             self.spectral.load_arrays(arrays)
+        if self.iqn_head is not None and "iqn/readiness_state" in arrays:  # the gates' budget
+            self.iqn_state.load({"readiness_state": np.asarray(arrays["iqn/readiness_state"], np.float64)})
 
     def read_stats(self, stream) -> dict[str, float]:
         """Host read of the mapped stats by name (waits on an event behind the writers; log

@@ -40,6 +40,19 @@ The support (z, and the projection's v_min, v_max, 1/Δz) is read from device me
 (`support` [Z] and `support_scalars` [3]): `set_support` rewrites both from the host between
 graph replays (e.g. a support fitted to the replay's returns) and the captured graph follows.
 
+Non-uniform support (adaptive atom positions, agent.adaptive_atoms; numbarl/rl/losses/atoms.py):
+the support z_0 < z_1 < ... < z_{Z-1} is then any ascending array, and the hat of atom i has its
+own left and right spacings (Bellemare et al. 2017, Algorithm 1, whose floor/ceil become a search):
+
+    x_j = clip(r_b + γ_b z_j, z_0, z_{Z-1}),   l = searchsorted(z, x_j, side="right") - 1,  u = l + 1
+    m_l += p_j (z_u - x_j) / (z_u - z_l),      m_u += p_j (x_j - z_l) / (z_u - z_l)   (l = Z-1: m_l += p_j)
+
+`project_row_nonuniform_dev` evaluates it. A loss built with adaptive_support=True reads a device
+flag `support_mode` [1] (owned by numbarl.rl.losses.atoms.AdaptiveAtoms): 0 = the uniform Eq. 7
+below, bit for bit (the support is still the configured linspace: warm-up, or never moved), 1 =
+the non-uniform form. A loss built without it never reads the flag: the default launches and bits
+are unchanged.
+
 The dense form replaces the scatter of Algorithm 1 (floor/ceil + index_add) by a Z×Z hat-function
 product: no atomics, no `l == u` special case (an atom landing exactly on z_i gets weight 1 there
 and 0 on both neighbours), and a thread owns every value it writes.
@@ -148,6 +161,40 @@ def project_distribution_ref(rewards, dones, discounts, next_probs, support):
     target_z = np.clip(r + gamma * z[None, :], v_min, v_max)  # [B, Z_j]  T z_j
     hat = np.clip(1.0 - np.abs(target_z[:, None, :] - z[None, :, None]) / delta_z, 0.0, 1.0)  # [B, Z_i, Z_j]
     return np.einsum("bij,bj->bi", hat, p)
+
+
+def project_distribution_nonuniform_ref(rewards, dones, discounts, next_probs, support):
+    """Bellemare et al. 2017, Algorithm 1 on an ascending support with any spacings (float64).
+
+    x_j = clip(r + γ z_j, z_0, z_{Z-1}); l = searchsorted(z, x_j, "right") - 1, u = l + 1; p_j goes
+    to z_l and z_u in the ratio (z_u - x_j) : (x_j - z_l) (all of it to z_l when x_j = z_{Z-1} or
+    x_j lands exactly on z_l). On an evenly spaced support this is Eq. 7 up to rounding.
+
+    Hand-computed example (also `tests/rl/test_adaptive_atoms.py`): z = [-1, 0, 2], p = [0.2, 0.5,
+    0.3], r = 0.5, γ = 0.5: T z = [0, 0.5, 1.5]; atom 0 lands on z_1 (0.2 → m_1), atom 1 is a
+    quarter of the way from 0 to 2 (0.375 → m_1, 0.125 → m_2), atom 2 three quarters
+    (0.075 → m_1, 0.225 → m_2): m = [0, 0.65, 0.35].
+
+    Args: as `project_distribution_ref`, with support [Z] strictly ascending.
+    Returns: [B, Z] float64, each row summing to Σ_j p_j.
+    """
+    r = np.asarray(rewards, np.float64)[:, None]  # [B, 1]
+    gamma = (np.asarray(discounts, np.float64) * (1.0 - np.asarray(dones, np.float64)))[:, None]  # [B, 1]
+    z = np.asarray(support, np.float64)  # [Z]
+    p = np.asarray(next_probs, np.float64)  # [B, Z]
+    n_atoms = z.size
+    x = np.clip(r + gamma * z[None, :], z[0], z[-1])  # [B, Z_j]  T z_j
+    lower = np.searchsorted(z, x, side="right") - 1  # z_l <= x < z_u; Z-1 when x = z_{Z-1}
+    top = lower >= n_atoms - 1
+    l = np.minimum(lower, n_atoms - 2)
+    dz = z[l + 1] - z[l]
+    w_l = np.where(top, 0.0, (z[l + 1] - x) / dz)
+    w_u = np.where(top, 1.0, (x - z[l]) / dz)  # at the top: all of p_j to z_{Z-1} (= z_u of the last interval)
+    rows = np.broadcast_to(np.arange(p.shape[0])[:, None], x.shape)
+    out = np.zeros(p.shape)
+    np.add.at(out, (rows, l), p * w_l)
+    np.add.at(out, (rows, l + 1), p * w_u)
+    return out
 
 
 def double_dqn_actions_ref(next_q, branch_sizes, next_mask=None):
@@ -328,6 +375,39 @@ def project_row_dev(reward, gamma, probs_row, support, v_min, v_max, inv_delta_z
 
 
 @_cuda.jit(device=True)
+def project_row_nonuniform_dev(reward, gamma, probs_row, support, out_row):
+    """out_row = Algorithm 1 on the ascending support (`project_distribution_nonuniform_ref`):
+    each target atom x_j splits p_j between its two neighbours z_l <= x_j < z_u in proportion to
+    its distance, with the spacing z_u - z_l of that interval. The clip bounds are the support's
+    own ends. γ >= 0 makes x_j non-decreasing in j, so l only moves right (one pass, O(Z)); the
+    row is owned by this thread, so the scatter needs no atomics. Sums in j order."""
+    n_atoms = np.uint64(support.shape[0])
+    last = n_atoms - _U1
+    v_min = support[0]
+    v_max = support[last]
+    i = _U0
+    while i < n_atoms:
+        out_row[i] = _ZERO
+        i += _U1
+    lo = _U0
+    j = _U0
+    while j < n_atoms:
+        x = target_atom(reward, gamma, support[j], v_min, v_max)
+        while lo < last and support[lo + _U1] <= x:
+            lo += _U1  # searchsorted(z, x, "right") - 1
+        p = probs_row[j]
+        if lo == last:
+            out_row[last] += p
+        else:
+            z_l = support[lo]
+            z_u = support[lo + _U1]
+            dz = z_u - z_l
+            out_row[lo] += p * ((z_u - x) / dz)
+            out_row[lo + _U1] += p * ((x - z_l) / dz)
+        j += _U1
+
+
+@_cuda.jit(device=True)
 def bootstrap_gamma_dev(discounts, dones, b):
     """γ_b = γ^m · (1 - done_b) as float32 for any numeric done dtype."""
     if dones[b] != 0:
@@ -389,14 +469,17 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
 @_cuda.jit(cache=True)
 def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
                       branch_sizes, next_mask, use_mask, support_scalars, target_dist, lse, ce, use_entropy,
-                      entropy):
+                      entropy, adaptive, support_mode, best_action):
     """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
     Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
     into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
     an out-of-bounds read. With use_mask, the argmax skips the actions next_mask[b, k, :] (the env's
     mask of next_obs) marks unavailable. support_scalars = (v_min, v_max, 1/Δz) float32 [3] in device
     memory (never kernel arguments: a captured graph reads the current support). With use_entropy,
-    entropy[b, k] = H(softmax of the taken action's logits).
+    entropy[b, k] = H(softmax of the taken action's logits). With adaptive (a loss built with
+    adaptive_support), best_action[b, k] = a* (the adaptive atoms' gradient reads it) and, once the
+    device flag support_mode[0] is 1, the projection is the non-uniform one (module docstring);
+    without it neither is read or written.
     uint64 indices; the atom loops unrolled by four with the loads first and every sum in atom
     order i = 0..Z-1 (the same float32 operations as one atom per step).
     """
@@ -429,8 +512,13 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
         a += _U1
     gamma = bootstrap_gamma_dev(discounts, dones, b)
     m_row = target_dist[b, k]
-    project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars[0], support_scalars[1],
-                    support_scalars[2], m_row)
+    if adaptive != 0:
+        best_action[b, k] = np.int32(best)
+    if adaptive != 0 and support_mode[0] != 0:  # adaptive atoms, moved: Algorithm 1 on the live support
+        project_row_nonuniform_dev(rewards[b], gamma, target_probs[b, k, best], support, m_row)
+    else:
+        project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars[0], support_scalars[1],
+                        support_scalars[2], m_row)
 
     # log-sum-exp of the online logits at the taken action, then CE = -Σ m_i log p_i
     logits_row = online_logits[b, k, taken]
@@ -680,9 +768,10 @@ class C51Loss(Loss):
     """
 
     def __init__(self, batch: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0, v_max: float = 10.0,
-                 entropy_reg: bool = False):
+                 entropy_reg: bool = False, adaptive_support: bool = False):
         self.batch = int(batch)
         self.entropy_reg = bool(entropy_reg)
+        self.adaptive_support = bool(adaptive_support)  # adaptive atoms: the support may become non-uniform
         self.branch_sizes = tuple(int(a) for a in branch_sizes)
         if self.batch < 1:
             raise ValueError(f"C51Loss: batch must be >= 1 (got {batch})")
@@ -716,10 +805,29 @@ class C51Loss(Loss):
             arena.add("entropy", (1, 1), np.float32)
             arena.add("taken_probs", (1, 1, 1), np.float32)
             arena.add("entropy_beta", (1,), np.float32)
+        if self.adaptive_support:  # a* for the atoms' gradient; the uniform/non-uniform flag until bound
+            arena.add("best_action", (self.batch, self.n_branches), np.int32)
+            arena.add("support_mode", (1,), np.int32)
+        else:  # stand-ins of the right rank, never read
+            arena.add("best_action", (1, 1), np.int32)
+            arena.add("support_mode", (1,), np.int32)
         arena.allocate()
+        arena.load({"support_mode": np.zeros(1, np.int32)})
         arena.load({"support": self.support_host, "branch_sizes": np.asarray(self.branch_sizes, np.int32),
                     "support_scalars": np.array([self.v_min, self.v_max, self.inv_delta_z], np.float32)})
         self.arena = arena
+        self._support = arena["support"]  # what the target kernel reads (bind_support may share another's)
+        self._support_mode = arena["support_mode"]
+
+    def bind_support(self, support, support_mode) -> None:
+        """Adaptive atoms: project onto the device arrays `support` (float32 [Z], e.g. the head's, which
+        numbarl.rl.losses.atoms rewrites on the device) and follow the flag `support_mode` (int32 [1]:
+        0 uniform Eq. 7 with this loss's (v_min, v_max, 1/Δz), 1 non-uniform). Before capture."""
+        if not self.adaptive_support:
+            raise ValueError("C51Loss.bind_support: built without adaptive_support")
+        _check("support", support, (self.n_atoms,), _F32)
+        _check("support_mode", support_mode, (1,), (np.dtype(np.int32),))
+        self._support, self._support_mode = support, support_mode
 
     def set_support(self, v_min: float, v_max: float) -> None:
         """Write a new support z = linspace(v_min, v_max, Z) and the projection's (v_min, v_max, 1/Δz)
@@ -750,9 +858,10 @@ class C51Loss(Loss):
         return self.d_logits
 
     @classmethod
-    def for_head(cls, head, batch: int, entropy_reg: bool = False) -> "C51Loss":
+    def for_head(cls, head, batch: int, entropy_reg: bool = False, adaptive_support: bool = False) -> "C51Loss":
         """A loss plan matching a `BranchedDuelingC51Head` (same branches and support)."""
-        return cls(batch, head.branch_sizes, head.n_atoms, head.v_min, head.v_max, entropy_reg=entropy_reg)
+        return cls(batch, head.branch_sizes, head.n_atoms, head.v_min, head.v_max, entropy_reg=entropy_reg,
+                   adaptive_support=adaptive_support)
 
     @property
     def d_logits(self):
@@ -771,7 +880,13 @@ class C51Loss(Loss):
 
     @property
     def support(self):
-        return self.arena["support"]
+        """The float32 [Z] device support the projection reads (this loss's own, or the bound one)."""
+        return self._support
+
+    @property
+    def best_action(self):
+        """int32 [B, n_branches] double-DQN a* of the last call (adaptive_support only)."""
+        return self.arena["best_action"]
 
     @property
     def entropy(self):
@@ -813,7 +928,8 @@ class C51Loss(Loss):
             online_logits, actions, next_q, target_probs, rewards, dones, discounts, self.support,
             self.arena["branch_sizes"], self.arena["no_mask"] if next_mask is None else next_mask,
             np.int32(next_mask is not None), self.arena["support_scalars"], target_dist, lse, self.ce,
-            np.int32(self.entropy_reg), self.entropy)
+            np.int32(self.entropy_reg), self.entropy, np.int32(self.adaptive_support), self._support_mode,
+            self.arena["best_action"])
         c51_grad_kernel[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
             self.grad_scale, self.d_logits, np.int32(self.entropy_reg), self.entropy_beta, self.entropy,

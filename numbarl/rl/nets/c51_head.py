@@ -247,6 +247,56 @@ def _add_four_dev(sh, at, n_atoms, n_left, base):
 
 
 @_cuda.jit(device=True)
+def _row_stats_dev(sh, row, n_atoms, sup, sup_at):
+    """(lse, q) of the logits row sh[row .. row + Z): the row max, then Σ e and Σ e·z with
+    e = exp(x_z - max), each in atom order z = 0..Z-1, unrolled by four so the shared loads and exps
+    of four atoms issue before the running sums take them; lse = max + log Σ e, q = Σ e·z / Σ e.
+    The support z is sup[sup_at + z] (shared memory in the general head kernel, the global support
+    in the Q-only kernel): one arithmetic for both, so both give the same bits."""
+    mx = _NEG_INF
+    z = _U0
+    while z + _U3 < n_atoms:
+        at = row + z
+        x0 = sh[at]
+        x1 = sh[at + _U1]
+        x2 = sh[at + _U2]
+        x3 = sh[at + _U3]
+        mx = max(mx, x0)
+        mx = max(mx, x1)
+        mx = max(mx, x2)
+        mx = max(mx, x3)
+        z += _U4
+    while z < n_atoms:
+        mx = max(mx, sh[row + z])
+        z += _U1
+    total = _ZERO
+    expected = _ZERO
+    z = _U0
+    while z + _U3 < n_atoms:
+        at = row + z
+        zs = sup_at + z
+        e0 = math.exp(sh[at] - mx)
+        e1 = math.exp(sh[at + _U1] - mx)
+        e2 = math.exp(sh[at + _U2] - mx)
+        e3 = math.exp(sh[at + _U3] - mx)
+        total += e0
+        expected += e0 * sup[zs]
+        total += e1
+        expected += e1 * sup[zs + _U1]
+        total += e2
+        expected += e2 * sup[zs + _U2]
+        total += e3
+        expected += e3 * sup[zs + _U3]
+        z += _U4
+    while z < n_atoms:
+        e = math.exp(sh[row + z] - mx)
+        total += e
+        expected += e * sup[sup_at + z]
+        z += _U1
+    return mx + math.log(total), expected / total
+
+
+@_cuda.jit(device=True)
 def _load_span_dev(sh, adv, value, adv_start, value_start, n_adv, n_load, t, threads):
     """sh[i] = element i of a block's span A rows | V rows for i < n_load, thread t of `threads`:
     unguarded rounds of eight loads in flight over A, then guarded rounds of eight over the rest of
@@ -398,48 +448,7 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
                 row = s * width + (np.uint64(branch_offsets[k]) + a) * n_atoms
                 x_start = float32(row)  # exact: shared offsets stay far below 2^24
                 if want_stats or want_probs:
-                    mx = _NEG_INF
-                    z = _U0
-                    while z + _U3 < n_atoms:
-                        at = row + z
-                        x0 = sh[at]
-                        x1 = sh[at + _U1]
-                        x2 = sh[at + _U2]
-                        x3 = sh[at + _U3]
-                        mx = max(mx, x0)
-                        mx = max(mx, x1)
-                        mx = max(mx, x2)
-                        mx = max(mx, x3)
-                        z += _U4
-                    while z < n_atoms:
-                        mx = max(mx, sh[row + z])
-                        z += _U1
-                    total = _ZERO
-                    expected = _ZERO
-                    z = _U0
-                    while z + _U3 < n_atoms:
-                        at = row + z
-                        zs = off_support + z
-                        e0 = math.exp(sh[at] - mx)
-                        e1 = math.exp(sh[at + _U1] - mx)
-                        e2 = math.exp(sh[at + _U2] - mx)
-                        e3 = math.exp(sh[at + _U3] - mx)
-                        total += e0
-                        expected += e0 * sh[zs]
-                        total += e1
-                        expected += e1 * sh[zs + _U1]
-                        total += e2
-                        expected += e2 * sh[zs + _U2]
-                        total += e3
-                        expected += e3 * sh[zs + _U3]
-                        z += _U4
-                    while z < n_atoms:
-                        e = math.exp(sh[row + z] - mx)
-                        total += e
-                        expected += e * sh[off_support + z]
-                        z += _U1
-                    log_norm = mx + math.log(total)
-                    q_val = expected / total
+                    log_norm, q_val = _row_stats_dev(sh, row, n_atoms, sh, off_support)
             sh[off_lse + r] = log_norm
             sh[off_rows + r] = x_start
             if want_stats:
@@ -566,47 +575,7 @@ def dueling_q_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, b
         q_val = _NEG_INF
         if a < np.uint64(branch_sizes[k]):
             row = s * width + (np.uint64(branch_offsets[k]) + a) * n_atoms
-            mx = _NEG_INF
-            z = _U0
-            while z + _U3 < n_atoms:
-                at = row + z
-                x0 = sh[at]
-                x1 = sh[at + _U1]
-                x2 = sh[at + _U2]
-                x3 = sh[at + _U3]
-                mx = max(mx, x0)
-                mx = max(mx, x1)
-                mx = max(mx, x2)
-                mx = max(mx, x3)
-                z += _U4
-            while z < n_atoms:
-                mx = max(mx, sh[row + z])
-                z += _U1
-            total = _ZERO
-            expected = _ZERO
-            z = _U0
-            while z + _U3 < n_atoms:
-                at = row + z
-                e0 = math.exp(sh[at] - mx)
-                e1 = math.exp(sh[at + _U1] - mx)
-                e2 = math.exp(sh[at + _U2] - mx)
-                e3 = math.exp(sh[at + _U3] - mx)
-                total += e0
-                expected += e0 * support[z]
-                total += e1
-                expected += e1 * support[z + _U1]
-                total += e2
-                expected += e2 * support[z + _U2]
-                total += e3
-                expected += e3 * support[z + _U3]
-                z += _U4
-            while z < n_atoms:
-                e = math.exp(sh[row + z] - mx)
-                total += e
-                expected += e * support[z]
-                z += _U1
-            log_norm = mx + math.log(total)
-            q_val = expected / total
+            log_norm, q_val = _row_stats_dev(sh, row, n_atoms, support, _U0)
         lse[b0 + s, k, a] = log_norm
         q[b0 + s, k, a] = q_val
         r += threads

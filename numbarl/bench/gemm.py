@@ -1,0 +1,215 @@
+"""GEMM algorithm benchmark: every cuBLASLt GEMM of the C51 collect and train steps, each of the
+heuristic's first candidates timed on the GPU, and an optional tuning file.
+
+cuBLASLt's heuristic ranks algorithms by a model, not by timing, and numbarl's plans take its first
+(numbarl/cuda/blas.py). This benchmark builds the C51 agent at the train bench's shapes, runs one
+collect and one train step eagerly (which plans every GEMM and counts how often each plan runs per
+step), then for each plan times the heuristic's first ``--candidates`` algorithms on buffers of the
+plan's geometry (CUDA events, median of repeats). It prints, per plan, the first candidate's time,
+the fastest candidate's and the predicted saving per step (calls per step × the difference), and
+with ``--write-tuning FILE`` writes the fastest candidate of every plan whose gain clears
+``--min-gain`` (noise), for ``NUMBARL_GEMM_TUNING=FILE`` (a later process's plans take them; the
+same file gives the same algorithms, so the same bits, run after run).
+
+    python -m numbarl.bench.gemm [--candidates 16] [--compute fp32,tf32] [--write-tuning F] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+from numbarl.cuda import backend
+
+
+def _count_calls(blas, fn, s) -> dict:
+    """{plan key: calls} while fn(s) runs (eagerly)."""
+    counts: dict = {}
+    original = blas.Plan.run
+
+    def counting(self, *a, **kw):
+        counts[self.key] = counts.get(self.key, 0) + 1
+        return original(self, *a, **kw)
+
+    blas.Plan.run = counting
+    try:
+        fn(s)
+        s.synchronize()
+    finally:
+        blas.Plan.run = original
+    return counts
+
+
+def _buffers(plan, rng):
+    """Device buffers of the plan's geometry: A, B, C, alpha, bias, aux, bias_grad (random data)."""
+    from numbarl.cuda.runtime import cuda
+
+    c = cuda()
+    (M, N, K, lda, ldb, ldc, ldaux, trans_a, trans_b, epilogue, has_bias, _compute, device_alpha, *_rest) = plan.key
+
+    def mat(rows, ld):
+        return c.to_device((rng.standard_normal((rows, ld)) * 0.05).astype(np.float32))
+
+    A = mat(K if trans_a else M, lda)
+    B = mat(N if trans_b else K, ldb)
+    C = mat(M, ldc)
+    alpha = c.to_device(np.ones(1, np.float32)) if device_alpha else 1.0
+    bias = c.to_device(np.zeros(N, np.float32)) if has_bias else None
+    aux = mat(M, ldaux) if epilogue == "gelu_aux" else None
+    bias_grad = c.to_device(np.zeros(max(M, N), np.float32)) if epilogue in ("bgrad_a", "bgrad_b") else None
+    return A, B, C, alpha, bias, aux, bias_grad
+
+
+def _time_plan(plan, bufs, s, iters: int, repeats: int) -> float:
+    """Median µs per call of the plan's current algorithm."""
+    from numbarl.cuda.runtime import cuda, stream_handle
+
+    c = cuda()
+    A, B, C, alpha, bias, aux, bias_grad = bufs
+    beta = plan.key[13] if plan.key[12] else 0.0
+    sh = stream_handle(s)
+    for _ in range(3):
+        plan.run(A, B, C, alpha, beta, bias, aux, bias_grad, s, sh)
+    s.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = c.event(timing=True), c.event(timing=True)
+        start.record(s)
+        for _ in range(iters):
+            plan.run(A, B, C, alpha, beta, bias, aux, bias_grad, s, sh)
+        end.record(s)
+        end.synchronize()
+        times.append(c.event_elapsed_time(start, end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def _agent_steps(compute: str, args):
+    from numbarl.bench.train import _market
+    from numbarl.config import AgentConfig
+    from numbarl.env.device import DeviceEnv
+    from numbarl.env.params import EnvParams
+    from numbarl.rl.agents.base import make_agent
+
+    params = EnvParams()
+    market = _market(args.bars, args.features, args.seed).to_device(params.vol_span, params.vol_horizon_bars)
+    trunk = tuple(int(w) for w in args.trunk.split(","))
+    cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute)
+    env = DeviceEnv(market, params, args.n_envs, seed=args.seed)
+    agent = make_agent(cfg, env.state_dim, params.branch_sizes, args.n_envs, args.seed, epsilon=(1.0, 0.05, 100))
+    return agent, env
+
+
+def run(args) -> dict:
+    from numbarl.cuda import blas
+    from numbarl.cuda.runtime import device_name, stream
+
+    s = stream()
+    rng = np.random.default_rng(args.seed)
+    results = {"device": device_name(), "identity": blas.tuning_identity(), "candidates": args.candidates,
+               "tuning_loaded": blas.tuning_info(), "computes": {}}
+    tuning = {}
+    for compute in args.compute.split(","):
+        agent, env = _agent_steps(compute, args)
+        env.reset(args.seed, s)
+        steps = agent.step_functions(env)
+        for _ in range(8):  # fill the replay past its n-step window
+            steps["collect"](s)
+        per_step = {"collect": _count_calls(blas, steps["collect"], s), "train": _count_calls(blas, steps["train"], s)}
+        rows = []
+        for key in sorted(set(per_step["collect"]) | set(per_step["train"]), key=blas.plan_key_text):
+            plan = blas._PLANS[key]
+            kept, kept_index = plan.heuristic.copy(), plan.algo_index
+            found = plan.candidates(args.candidates)
+            bufs = _buffers(plan, rng)
+            times = []
+            for i in range(len(found)):
+                plan.use_candidate(found, i)
+                try:
+                    times.append(_time_plan(plan, bufs, s, args.iters, args.repeats))
+                except blas.GemmPlanError as e:  # a candidate that fails to run is skipped
+                    times.append(float("inf"))
+                    print(f"  candidate {i} of {plan.describe()}: {e}", file=sys.stderr)
+            plan.use_candidate(kept, 0)
+            plan.algo_index = kept_index
+            best = int(np.argmin(times))
+            gain = (times[0] - times[best]) / times[0] if np.isfinite(times[0]) else 0.0
+            chosen = best if gain >= args.min_gain else 0
+            calls = {k: per_step[k].get(key, 0) for k in per_step}
+            rows.append({"plan": plan.describe(), "key": blas.plan_key_text(key), "calls": calls,
+                         "candidates": len(found), "us": times, "first_us": times[0], "best_us": times[best],
+                         "best_index": best, "chosen_index": chosen, "gain": gain,
+                         "saving_us": {k: calls[k] * (times[0] - times[chosen]) for k in calls}})
+            if chosen:
+                tuning[blas.plan_key_text(key)] = {"index": chosen, "algo": blas.algo_text(found[chosen]),
+                                                   "first_us": times[0], "us": times[chosen], "plan": plan.describe()}
+        results["computes"][compute] = {
+            "plans": rows,
+            "train_gemm_us": {"first": sum(r["calls"]["train"] * r["first_us"] for r in rows),
+                              "tuned": sum(r["calls"]["train"] * r["us"][r["chosen_index"]] for r in rows)},
+            "collect_gemm_us": {"first": sum(r["calls"]["collect"] * r["first_us"] for r in rows),
+                                "tuned": sum(r["calls"]["collect"] * r["us"][r["chosen_index"]] for r in rows)}}
+        del agent, env
+    results["tuning"] = {"identity": results["identity"], "plans": tuning}
+    return results
+
+
+def table(results: dict) -> str:
+    lines = [(f"GEMM candidates on {results['device']} (cuBLASLt {results['identity']['cublaslt_version']}), "
+              f"up to {results['candidates']} per plan")]
+    for compute, r in results["computes"].items():
+        lines.append(f"\n{compute}: train step GEMMs {r['train_gemm_us']['first']:.1f} -> {r['train_gemm_us']['tuned']:.1f} µs, "
+                     f"collect step GEMMs {r['collect_gemm_us']['first']:.1f} -> {r['collect_gemm_us']['tuned']:.1f} µs")
+        lines.append(f"  {'calls t/c':>9}  {'n':>3}  {'first µs':>9}  {'best µs':>9}  {'idx':>3}  {'gain':>6}  plan")
+        for row in r["plans"]:
+            c = row["calls"]
+            lines.append(f"  {c['train']:>4}/{c['collect']:<4}  {row['candidates']:>3}  {row['first_us']:9.1f}  "
+                         f"{row['best_us']:9.1f}  {row['best_index']:>3}  {row['gain']:6.1%}  {row['plan']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    backend.select()
+    p = argparse.ArgumentParser(prog="numbarl-bench gemm", description=__doc__.split("\n")[0])
+    p.add_argument("--candidates", type=int, default=16, help="heuristic candidates timed per plan (default: %(default)s)")
+    p.add_argument("--compute", default="fp32,tf32", help="fp32 and/or tf32 (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=20, help="calls per timing (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="timings per candidate, median (default: %(default)s)")
+    p.add_argument("--min-gain", type=float, default=0.03,
+                   help="a candidate replaces the first only when this much faster (default: %(default)s)")
+    p.add_argument("--write-tuning", default=None, metavar="PATH", help="write the tuning file (NUMBARL_GEMM_TUNING)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--batch", type=int, default=16384, help="transitions per train step (default: %(default)s)")
+    p.add_argument("--n-envs", type=int, default=16384, help="parallel envs of the collect step (default: %(default)s)")
+    p.add_argument("--trunk", default="512,512", help="hidden widths of the trunk MLP (default: %(default)s)")
+    p.add_argument("--features", type=int, default=64, help="features per bar (default: %(default)s)")
+    p.add_argument("--bars", type=int, default=200_000, help="bars of the synthetic market (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.candidates < 1 or args.iters < 1 or args.repeats < 1:
+        print("error: --candidates, --iters and --repeats must be >= 1. Nothing was written.", file=sys.stderr)
+        return 2
+    if set(args.compute.split(",")) - {"fp32", "tf32"}:
+        print(f"error: --compute {args.compute!r}: choose fp32 and/or tf32. Nothing was written.", file=sys.stderr)
+        return 2
+    if backend.simulator_active():
+        print("error: numbarl-bench gemm needs a CUDA GPU with cuBLASLt: no GPU was found (or --simulate was "
+              "given). Nothing was written.", file=sys.stderr)
+        return 2
+    results = run(args)
+    print(table(results))
+    if args.write_tuning:
+        with open(args.write_tuning, "w") as f:
+            json.dump(results["tuning"], f, indent=2)
+        print(f"tuning: {len(results['tuning']['plans'])} plans -> {args.write_tuning}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Mamba2-style temporal scan (numbarl/rl/nets/mamba.py, kernels numbarl/cuda/kernels/ssm.py) on the
+simulator: a hand-computed case; the float64 reference's BPTT against finite differences through all
+K steps; the kernels (rank-one adjoint) against the reference (dense adjoint) for the output, the
+input gradient of every row and every parameter gradient, with masks; the gradient rule; mask
+semantics; the acting step against the scan; the PyTorch peer (autograd through a Python loop).
+GPU checks at a real size: tests/rl/test_gpu_mamba.py."""
+
+import math
+
+import numpy as np
+import pytest
+
+from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.testing import assert_close
+from numbarl.rl.nets.base import ParamStore
+from numbarl.rl.nets.mamba import GROUP, MambaScan
+
+_cuda = cuda()
+N_SEQ, K, H, N_HEADS = 3, 4, 8, 2  # head_dim 4; d_state is the kernels' 16
+ATOL, RTOL = 3e-6, 3e-5
+
+# window 0 all valid; window 1: episode started at t = 2 (rows 0, 1 masked); window 2: a masked row
+# in the middle (the state restarts after it)
+MASK = np.array([[1, 1, 1, 1], [0, 0, 1, 1], [1, 0, 1, 1]], np.float32)
+
+
+def _host(x):
+    s = stream()
+    out = x.copy_to_host(stream=s)
+    s.synchronize()
+    return out
+
+
+def _dev(x):
+    return _cuda.to_device(np.ascontiguousarray(x, np.float32))
+
+
+def _build(rng, n_seq=N_SEQ, n_steps=K, width=H, n_heads=N_HEADS, act_envs=0):
+    module = MambaScan("temporal.mamba", width, n_steps=n_steps, n_heads=n_heads)
+    store = ParamStore()
+    module.declare_params(store)
+    store.allocate()
+    store.init(rng)
+    acts = Arena("acts")
+    module.declare_acts(acts, n_seq * n_steps, "online")
+    if act_envs:
+        module.declare_acts(acts, act_envs, "act", backward=False, step=True)
+    acts.allocate()
+    # parameters beyond the init range: decays well inside (0, 1), steps of order 1
+    values = {n: (0.5 * rng.standard_normal(s.shape)).astype(np.float32) for n, s in store.specs.items()}
+    store.load(values)
+    return module, store, {n: v.astype(np.float64) for n, v in values.items()}
+
+
+def _inputs(rng, n_seq=N_SEQ, n_steps=K, width=H):
+    x = rng.standard_normal((n_seq * n_steps, width)).astype(np.float32)
+    dy = rng.standard_normal((n_seq, width)).astype(np.float32)
+    return x, dy
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------------------------
+def test_hand_computed():
+    """H = 1, one head, K = 2, x = [1, 2]; u = B[0] = C[0] = x (W_in = 1 on those columns), Δ̃ = 0 with
+    b_Δ = softplus⁻¹(1) so Δ = 1, e^{A_log} = ln 2 so a = 1/2, W_out = 1:
+    S_0 = Δ·u_0·B_0 = 1, S_1 = ½·1 + 1·2·2 = 4.5, y = S_1·C_1 = 9, h̃ = x_1 + y = 11.
+    Row 0 masked: S_1 = 4, h̃ = 10. Acting from a cleared state over both rows gives 11."""
+    m = MambaScan("m", 1, n_steps=2, n_heads=1)
+    P = m.proj_width  # 1 + 32 + 1
+    w_in = np.zeros((1, P))
+    w_in[0, [0, 1, 17]] = 1.0  # u, B[0], C[0]
+    params = {"m.w_in": w_in, "m.dt_bias": np.array([math.log(math.e - 1.0)]),
+              "m.a_log": np.array([math.log(math.log(2.0))]), "m.w_out": np.ones((1, 1))}
+    x = np.array([[1.0], [2.0]])
+    out, cache = m.forward_ref(x, params)
+    np.testing.assert_allclose(out, [[11.0]], rtol=1e-12)
+    out, _ = m.forward_ref(x, params, mask=np.array([[0.0, 1.0]]))
+    np.testing.assert_allclose(out, [[10.0]], rtol=1e-12)
+    state = np.full((1, 1, 16), 5.0)  # whatever the env carried before its episode started
+    _, state = m.step_ref(x[:1], state, np.array([1.0]), params)
+    h, state = m.step_ref(x[1:], state, np.array([0.0]), params)
+    np.testing.assert_allclose(h, [[11.0]], rtol=1e-12)
+    np.testing.assert_allclose(state[0, 0, 0], 4.5, rtol=1e-12)
+    # dh̃ = 1: ∂h̃/∂W_out = y = 9, and the decay: ∂y/∂a_1 = S_0·C_1 = 2
+    _, grads = m.backward_ref(np.ones((1, 1)), cache, params)
+    np.testing.assert_allclose(grads["m.w_out"], [[9.0]], rtol=1e-12)
+    # ∂L/∂A_log = ∂y/∂a_1 · (−Δ e^{A_log} a_1) = 2 · (−ln 2 / 2) (a_0 multiplies S_{−1} = 0)
+    np.testing.assert_allclose(grads["m.a_log"], [-math.log(2.0)], rtol=1e-12)
+
+
+def test_reference_bptt_matches_finite_differences(rng):
+    """Central differences of L = Σ R ⊙ h̃(x, θ) for every element of x (all K rows of every window:
+    the gradient through the whole recurrence) and of every parameter, with the masks."""
+    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS)
+    store = ParamStore()
+    module.declare_params(store)
+    params = {n: 0.5 * rng.standard_normal(s.shape) for n, s in store.specs.items()}
+    x = rng.standard_normal((N_SEQ * K, H))
+    R = rng.standard_normal((N_SEQ, H))
+    _, cache = module.forward_ref(x, params, MASK)
+    dx, grads = module.backward_ref(R, cache, params)
+
+    def loss():
+        return float(np.sum(module.forward_ref(x, params, MASK)[0] * R))
+
+    eps = 1e-6
+    checks = [("x", x, dx)] + [(n, params[n], grads[n]) for n in params]
+    for label, arr, analytic in checks:
+        flat = arr.reshape(-1)
+        picks = range(flat.size) if flat.size <= 96 else rng.choice(flat.size, size=96, replace=False)
+        for i in picks:
+            old = flat[i]
+            flat[i] = old + eps
+            up = loss()
+            flat[i] = old - eps
+            down = loss()
+            flat[i] = old
+            numeric = (up - down) / (2 * eps)
+            got = analytic.reshape(-1)[i]
+            assert abs(got - numeric) <= 1e-6 + 1e-5 * abs(numeric), f"d{label}[{i}]: {got} vs {numeric}"
+    # BPTT reaches the oldest row of a fully valid window; masked rows get nothing
+    assert np.abs(dx[0]).max() > 1e-3
+    rows = dx.reshape(N_SEQ, K, H)
+    assert np.all(rows[MASK == 0] == 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels against the reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernels_match_reference(rng, masked):
+    """h̃, dx (every row) and every parameter gradient; gradients preset to garbage are overwritten
+    (a backward outside a train step)."""
+    module, store, params = _build(rng)
+    x, dy = _inputs(rng)
+    mask = MASK if masked else None
+    ref_out, cache = module.forward_ref(x, params, mask)
+    ref_dx, ref_grads = module.backward_ref(dy, cache, params)
+    store.load({n: np.full(s.shape, 7.0, np.float32) for n, s in store.specs.items()}, role="grads")
+    s = stream()
+    out = module.forward(_dev(x), s, mask=None if mask is None else _dev(mask))
+    assert_close(_host(out), ref_out, ATOL, RTOL)
+    dx = module.backward(_dev(dy), s)
+    assert_close(_host(dx), ref_dx, ATOL, RTOL)
+    grads = store.to_host("grads")
+    assert set(grads) == set(ref_grads)
+    for n, g in ref_grads.items():
+        assert_close(grads[n], g, ATOL, RTOL * 3)  # sums over B·K rows of products
+    assert all(store.specs[n].group == GROUP for n in grads)
+
+
+def test_gradient_rule_two_consumers_accumulate(rng):
+    """Inside a step two backwards add (parameters and a shared dx); the next step overwrites."""
+    module, store, params = _build(rng, n_seq=2)
+    x, dy = _inputs(rng, n_seq=2)
+    dy2 = rng.standard_normal(dy.shape).astype(np.float32)
+    mask = MASK[1:]
+    cache = module.forward_ref(x, params, mask)[1]
+    dx1, g1 = module.backward_ref(dy, cache, params)
+    dx2, g2 = module.backward_ref(dy2, cache, params)
+    s = stream()
+    shared = _dev(np.full(x.shape, 3.0))
+    module.forward(_dev(x), s, mask=_dev(mask))
+    store.begin_step()
+    module.backward(_dev(dy), s, dx_out=shared)
+    module.backward(_dev(dy2), s, dx_out=shared)
+    store.end_step()
+    assert_close(_host(shared), dx1 + dx2, ATOL, RTOL)
+    grads = store.to_host("grads")
+    for n in g1:
+        assert_close(grads[n], g1[n] + g2[n], ATOL, RTOL * 3)
+    store.begin_step()
+    module.backward(_dev(dy2), s, dx_out=shared)
+    store.end_step()
+    assert_close(_host(shared), dx2, ATOL, RTOL)
+    assert_close(store.to_host("grads")["temporal.mamba.a_log"], g2["temporal.mamba.a_log"], ATOL, RTOL * 3)
+
+
+def test_mask_semantics(rng):
+    """What a masked row holds, and every row before it, does not reach h̃; their dx is 0; a mask of
+    ones is the unmasked scan."""
+    module, _, _ = _build(rng)
+    x, dy = _inputs(rng)
+    s = stream()
+    base = _host(module.forward(_dev(x), s, mask=_dev(MASK)))
+    dx = _host(module.backward(_dev(dy), s)).reshape(N_SEQ, K, H)
+    # window 1: rows 0, 1 masked; window 2: row 1 masked, so row 0 is cut off by the restart
+    dead = np.zeros((N_SEQ, K), bool)
+    dead[1, :2] = dead[2, :2] = True
+    assert np.all(dx[dead] == 0.0) and np.all(np.abs(dx[~dead]).max(axis=1) > 0)
+    x2 = x.reshape(N_SEQ, K, H).copy()
+    x2[dead] = 100.0 * rng.standard_normal((int(dead.sum()), H))
+    again = _host(module.forward(_dev(x2.reshape(-1, H)), s, mask=_dev(MASK)))
+    np.testing.assert_array_equal(again, base)
+    # the live rows do matter
+    x3 = x.reshape(N_SEQ, K, H).copy()
+    x3[2, 2] += 1.0
+    moved = _host(module.forward(_dev(x3.reshape(-1, H)), s, mask=_dev(MASK)))
+    assert np.abs(moved[2] - base[2]).max() > 1e-4 and np.array_equal(moved[:2], base[:2])
+    ones = _host(module.forward(_dev(x), s, mask=_dev(np.ones((N_SEQ, K)))))
+    plain = _host(module.forward(_dev(x), s))
+    np.testing.assert_array_equal(ones, plain)
+
+
+def test_acting_step_matches_the_scan(rng):
+    """Each window stepped row by row as one env, its state holding garbage from an earlier episode
+    and cleared (reset) at the window's first live row: h̃ after the last row equals the scan's, and
+    every step equals the float64 step reference."""
+    module, _, params = _build(rng, act_envs=N_SEQ)
+    x, _ = _inputs(rng)
+    s = stream()
+    scan = _host(module.forward(_dev(x), s, mask=_dev(MASK)))
+    start = np.array([0, 2, 2])  # first row after the last masked row of each window
+    state_host = rng.standard_normal(module.state_shape(N_SEQ)).astype(np.float32)
+    state = _dev(state_host)
+    ref_state = state_host.astype(np.float64)
+    rows = x.reshape(N_SEQ, K, H)
+    for t in range(K):
+        reset = (t == start).astype(np.float32)
+        h = _host(module.step(_dev(rows[:, t]), state, _dev(reset), s))
+        ref_h, ref_state = module.step_ref(rows[:, t], ref_state, reset, params)
+        assert_close(h, ref_h, ATOL, RTOL)
+        assert_close(_host(state), ref_state, ATOL, RTOL)
+    # same device functions in the same order: equal up to the GEMMs' rounding of z
+    assert_close(h, scan, 1e-6, 1e-6)
+
+
+def test_pytorch_peer(rng):
+    """Autograd through a Python loop (numbarl/rl/torch_peer_mamba.py) in float32 on the same weights,
+    windows and mask: h̃, dx and every gradient within 1e-5 of the largest element."""
+    pytest.importorskip("torch")
+    from numbarl.rl.torch_peer_mamba import mamba_forward_backward
+
+    module, store, _ = _build(rng)
+    x, dy = _inputs(rng)
+    s = stream()
+    out = _host(module.forward(_dev(x), s, mask=_dev(MASK)))
+    dx = _host(module.backward(_dev(dy), s))
+    peer = mamba_forward_backward(store.to_host(), x, dy, K, N_HEADS, mask=MASK)
+    grads = store.to_host("grads")
+    pairs = [("out", out, peer["out"]), ("dx", dx, peer["dx"])] + [(n, grads[n], g) for n, g in peer["grads"].items()]
+    for label, got, ref in pairs:
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), label
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        MambaScan("m", 10, n_heads=4)
+    with pytest.raises(ValueError, match="n_steps"):
+        MambaScan("m", 8, n_steps=33, n_heads=2)
+    m = MambaScan("m", 8, n_steps=4, n_heads=2)
+    with pytest.raises(ValueError, match="multiple of n_steps"):
+        m.buffers(10, True)
