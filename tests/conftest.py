@@ -1,5 +1,7 @@
 """Test setup: the simulator switches itself on when there is no GPU (no env variable needed)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,16 @@ if not SIMULATOR:
         return _copy_to_device(self, ary, stream)
 
     DeviceNDArrayBase.copy_to_device = _copy_to_device_after_compute
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts, pytest-xdist, files kept whole per worker): two worker
+    processes for the simulator suite (~0.6x its serial wall time on 2 cores; most tests hold one
+    core), none for a GPU run (`-m gpu`: one GPU, and its speed tests time kernels alone)."""
+    marks = config.getoption("markexpr") or ""
+    if "gpu" in marks and "not gpu" not in marks:
+        return 0
+    return max(1, min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
