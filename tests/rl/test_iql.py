@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import fill_replay
+from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads, fill_replay
 
 from numbarl.cuda.runtime import Arena, cuda, stream
 from numbarl.cuda.testing import assert_close
@@ -172,51 +172,9 @@ def test_head_forward_and_backward_match_reference(rng):
 
 
 def test_trunk_gradient_is_the_sum_of_both_heads(rng):
-    """C51 head writes dh (first writer of the step), the value head adds (dx_out + the ledger), the trunk's
-    backward runs once on the sum: its gradients equal the float64 reference fed dh_c51 + dh_iql."""
-    from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
-    from numbarl.rl.nets.mlp import Mlp
-
-    B, D, H, n, Z = 3, 5, 6, 4, 5
-    store = ParamStore()
-    trunk = Mlp("trunk", D, (H,), activation="relu")
-    c51 = BranchedDuelingC51Head("head", H, SIZES, Z, -2.0, 2.0)
-    iql = IqlValueHead("iql", H, n)
-    for m in (trunk, c51, iql):
-        m.declare_params(store)
-    store.allocate()
-    params = {k: np.asarray(v, np.float64) for k, v in store.init(rng).items()}
-    acts = Arena("acts")
-    trunk.declare_acts(acts, B, "online")
-    c51.declare_acts(acts, B, "online", outputs=("logits", "q"))
-    iql.declare_acts(acts, B, "online")
-    acts.add("dh", (B, H), np.float32)
-    acts.allocate()
-    obs = rng.standard_normal((B, D)).astype(np.float32)
-    d_logits = rng.standard_normal((B, NB, MAXA, Z)).astype(np.float32)
-    d_logits[:, 1, 2:, :] = 0.0  # padding
-    dv = rng.standard_normal((B, 1)).astype(np.float32)
-    s = stream()
-    store.begin_step()
-    h = trunk.forward(_dev(obs), s, tag="online")
-    c51.forward(h, s, tag="online")
-    iql.forward(h, s, tag="online")
-    dh = c51.backward(_dev(d_logits), s, tag="online", dx_out=acts["dh"])
-    iql.backward(_dev(dv), s, tag="online", dx_out=dh)
-    trunk.backward(dh, s, tag="online")
-    store.end_step()
-    h_ref, trunk_cache = trunk.forward_ref(obs, params)
-    _, c51_cache = c51.forward_ref(h_ref, params)
-    dh_c51, _ = c51.backward_ref(d_logits, c51_cache, params)
-    _, iql_cache = iql.forward_ref(h_ref, params)
-    dh_iql, g_iql = iql.backward_ref(dv, iql_cache, params)
-    assert_close(dh.copy_to_host(), dh_c51 + dh_iql, 1e-5, 1e-4)
-    _, g_trunk = trunk.backward_ref(dh_c51 + dh_iql, trunk_cache, params)
-    grads = store.to_host("grads")
-    for name, ref in {**g_trunk, **g_iql}.items():
-        assert_close(grads[name], ref, 1e-5, 1e-4)
-    _, g_c51_only = trunk.backward_ref(dh_c51, trunk_cache, params)
-    assert not np.allclose(grads["trunk.fc0.w"], g_c51_only["trunk.fc0.w"])  # the value head's part is in it
+    """The value head adds its input gradient into the C51 head's dh; the trunk's backward runs once
+    on the sum (agent_helpers.check_trunk_gradient_is_the_sum_of_both_heads)."""
+    check_trunk_gradient_is_the_sum_of_both_heads(rng, lambda h: IqlValueHead("iql", h, 4), lambda b: (b, 1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import fill_replay
+from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads, fill_replay
 
 from numbarl.cuda.runtime import Arena, cuda, stream
 from numbarl.cuda.testing import assert_close
@@ -209,54 +209,14 @@ def test_head_forward_and_backward_match_reference(rng):
 
 
 def test_trunk_gradient_is_the_sum_of_both_heads(rng):
-    """C51 head writes dh (first writer of the step), the IQN head adds (dx_out + the ledger), the trunk's
-    backward runs once on the sum: its gradients equal the float64 reference fed dh_c51 + dh_iqn."""
-    from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
-    from numbarl.rl.nets.mlp import Mlp
-
-    B, N, D, H, n, Z = 3, 4, 5, 6, 4, 5
-    store = ParamStore()
-    trunk = Mlp("trunk", D, (H,), activation="relu")
-    c51 = BranchedDuelingC51Head("head", H, SIZES, Z, -2.0, 2.0)
-    iqn = IqnHead("iqn", H, SIZES, n_embed=n)
-    for m in (trunk, c51, iqn):
-        m.declare_params(store)
-    store.allocate()
-    params = {k: np.asarray(v, np.float64) for k, v in store.init(rng).items()}
-    acts = Arena("acts")
-    trunk.declare_acts(acts, B, "online")
-    c51.declare_acts(acts, B, "online", outputs=("logits", "q"))
-    iqn.declare_acts(acts, B, "online", n_quantiles=N)
-    acts.add("dh", (B, H), np.float32)
-    acts.allocate()
-    obs = rng.standard_normal((B, D)).astype(np.float32)
-    tau = rng.random((B, N)).astype(np.float32)
-    d_logits = rng.standard_normal((B, len(SIZES), max(SIZES), Z)).astype(np.float32)
-    d_logits[:, 1, 2:, :] = 0.0  # padding
-    dz = rng.standard_normal((B * N, S)).astype(np.float32)
-    s = stream()
-    iqn.tau_buffer("online").copy_to_device(tau)
-    store.begin_step()
-    h = trunk.forward(_dev(obs), s, tag="online")
-    c51.forward(h, s, tag="online")
-    iqn.forward(h, s, tag="online")
-    dh = c51.backward(_dev(d_logits), s, tag="online", dx_out=acts["dh"])
-    iqn.backward(_dev(dz), s, tag="online", dx_out=dh)
-    trunk.backward(dh, s, tag="online")
-    store.end_step()
-    # references
-    h_ref, trunk_cache = trunk.forward_ref(obs, params)
-    _, c51_cache = c51.forward_ref(h_ref, params)
-    dh_c51, _ = c51.backward_ref(d_logits, c51_cache, params)
-    _, iqn_cache = iqn.forward_ref(h_ref, params, tau=tau)
-    dh_iqn, _ = iqn.backward_ref(dz, iqn_cache, params)
-    assert_close(dh.copy_to_host(), dh_c51 + dh_iqn, 1e-5, 1e-4)
-    _, g_trunk = trunk.backward_ref(dh_c51 + dh_iqn, trunk_cache, params)
-    grads = store.to_host("grads")
-    for name, ref in g_trunk.items():
-        assert_close(grads[name], ref, 1e-5, 1e-4)
-    _, g_c51_only = trunk.backward_ref(dh_c51, trunk_cache, params)
-    assert not np.allclose(grads["trunk.fc0.w"], g_c51_only["trunk.fc0.w"])  # the IQN head's part is in it
+    """The IQN head adds its input gradient into the C51 head's dh; the trunk's backward runs once on
+    the sum (agent_helpers.check_trunk_gradient_is_the_sum_of_both_heads). N = 4 quantiles, τ given."""
+    n_quantiles = 4
+    tau = rng.random((3, n_quantiles)).astype(np.float32)
+    check_trunk_gradient_is_the_sum_of_both_heads(
+        rng, lambda h: IqnHead("iqn", h, SIZES, n_embed=4), lambda b: (b * n_quantiles, S),
+        declare={"n_quantiles": n_quantiles}, ref={"tau": tau},
+        setup=lambda head, b: head.tau_buffer("online").copy_to_device(tau))
 
 
 def test_readiness_kernel_matches_reference():
