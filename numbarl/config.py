@@ -169,7 +169,14 @@ class AgentConfig:
     """Implicit quantile head on the shared trunk (numbarl/rl/nets/iqn_head.py, Dabney et al. 2018),
     trained by the quantile Huber loss (numbarl/rl/losses/quantile_huber.py, κ = 1) against the target
     network's quantiles at the C51 double-DQN action, as an auxiliary loss (every agent.aux_frequency
-    train steps); its own optimizer group 'head.iqn'; its gradient reaches the trunk."""
+    train steps); its own optimizer group 'head.iqn'; its gradient reaches the trunk. Its readiness²
+    is the exploration risk budget ρ of the entry gates (and, with agent.risk_budget, of the env's Kelly cap
+    and DSR term: numbarl/env/core.py); without it ρ = 1."""
+    risk_budget: bool = False
+    """The exploration risk budget on the env (R18; needs agent.iqn): the collect step hands the env step
+    rho = IQN readiness^2, which loosens the Kelly size cap to 1 - rho (1 - cap) and scales the DSR reward term by
+    rho (numbarl/env/core.py): loose while the IQN loss is unsettled, the configured protection once it is.
+    Off: the env's rho is 1 (the CVaR and epistemic gates scale by readiness^2 with agent.iqn either way)."""
     iqn_quantiles: int = 32
     """IQN: quantile fractions per sample, N = N' (online and target)."""
     iqn_embed: int = 64
@@ -199,10 +206,32 @@ class AgentConfig:
     """Recursive confidence's selectivity gate (numbarl/rl/nets/confidence.py:ConfidenceGate): a flat env may not
     enter (direction long / short) where c(s) < this, in the collect step and the backtest scores; holding and
     exits stay allowed. 0 = no gate (needs agent.confidence_weight > 0; in [0, 1))."""
+    predictive_weight: float = 0.0
+    """Predictive coding (issue 15, T3; numbarl/rl/losses/predictive.py, SPR: Schwarzer et al. 2021): weight λ of
+    the normalized L2 between a linear predictor (optimizer group 'head.pc') of the online trunk features of obs
+    and the target network's trunk features of the n-step next_obs (masked at episode ends); an auxiliary loss
+    (every agent.aux_frequency train steps) whose gradient reaches the trunk. 0 = off (nothing of it is built)."""
+    regime_dropout: bool = False
+    """Regime dropout (issue 15, T4; numbarl/rl/nets/regime_dropout.py): inverted dropout on the trunk output of the
+    online training pass at rate p_lo + (p_hi - p_lo) * clip(obs[agent.regime_dropout_col], 0, 1), drawn from the
+    counter RNG keyed by the train step; next/target passes, acting and backtests are not dropped."""
+    regime_dropout_lo: float = 0.05
+    """Regime dropout: the rate at regime signal 0 (the spec's proposal; the origin notes give none)."""
+    regime_dropout_hi: float = 0.3
+    """Regime dropout: the rate at regime signal 1."""
+    regime_dropout_col: int = 53
+    """Regime dropout: obs column of the regime signal (53 = adx_14, ADX(14)/100, in the default 64-feature set)."""
     # --- end recursive confidence -------------------------------------------------------------------
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
+    feature_attention: bool = False
+    """Sigmoid-gated feature attention with a LayerNorm residual at the end of the trunk, h <- LN(h + h ⊙ σ(h·W + b))
+    (issue 15, T1; numbarl/rl/nets/mlp.py), its own optimizer group 'trunk.attn'; every head reads its output."""
+    kan_gate: bool = False
+    """KAN spline gate on the observation, y_j = x_j · σ(w_b·silu(x_j) + w_s·Σ_m c_jm B_m(x_j)), cubic B-splines on
+    5 intervals over [-5, 5] per feature (numbarl/rl/nets/kan_gate.py, Liu et al. 2024), its own optimizer group
+    'trunk.kan'; before the sigmoid gate when both are on. Off until its A/B says otherwise."""
     support: str = "fixed"
     """C51 support: 'fixed' (agent.v_min .. agent.v_max) or 'fit': once, after the replay prefill, the
     support is set to ±v fitted to the replay's n-step returns (numbarl/rl/support.py:
@@ -263,6 +292,20 @@ class AgentConfig:
     with agent.iqn), in the collect step and the backtest scores; holding and exits stay allowed.
     0 = no gate (needs agent.ensemble_heads >= 2)."""
     # --- end ensemble and the epistemic gate ------------------------------------------------------------
+    # --- temporal input (numbarl/rl/temporal.py, numbarl/rl/nets/mamba.py; issue 15) ------------------
+    temporal: str = ""
+    """Temporal input of the C51 network: '' = off (the default: nothing of it is built) or 'mamba': the
+    trunk reads h = x_t + y W_out, a Mamba2 selective scan (Dao & Gu 2024) over the observations of the last
+    agent.temporal_steps bars of the env (the replay's column: the same window in training and acting; a
+    per-policy ring in the backtests), online and target networks each with their own scan parameters,
+    trained through all K steps (BPTT) in the optimizer group 'temporal.mamba'."""
+    temporal_steps: int = 8
+    """Temporal input: K, the bars of one window (1..32; the replay must hold K slots per env)."""
+    temporal_heads: int = 8
+    """Temporal input: heads of the scan (each its own decay); must divide the observation width."""
+    temporal_lr: float = 1e-4
+    """Temporal input: learning rate of the optimizer group 'temporal.mamba' (the origin's Adam 1e-4)."""
+    # --- end temporal input ---------------------------------------------------------------------------
     # --- ICM curiosity (numbarl/rl/nets/icm.py, numbarl/rl/losses/icm.py) --------------------------------
     curiosity_weight: float = 0.0
     """ICM curiosity (Pathak et al. 2017): weight w of the intrinsic reward w * e / scale added to the
@@ -361,12 +404,21 @@ class AgentConfig:
         _check("agent", "cql_alpha", self.cql_alpha, lo=0.0, hi=1e3)
         _check("agent", "aux_frequency", self.aux_frequency, lo=1, hi=10**6)
         _check("agent", "iqn_quantiles", self.iqn_quantiles, lo=1, hi=1024)
+        if self.risk_budget and not self.iqn:
+            raise ConfigError("agent.risk_budget = true needs agent.iqn = true (rho is the IQN readiness squared)")
         _check("agent", "iqn_embed", self.iqn_embed, lo=1, hi=4096)
         _check("agent", "iql_expectile", self.iql_expectile, lo=0.0, hi=1.0, lo_open=True)  # IQL (agent.iql)
         if self.iql_expectile >= 1.0:
             raise ConfigError(f"agent.iql_expectile = {self.iql_expectile} must be < 1")
         _check("agent", "iql_hidden", self.iql_hidden, lo=1, hi=16384)
         _check("agent", "confidence_weight", self.confidence_weight, lo=0.0, hi=1e3)  # recursive confidence
+        _check("agent", "predictive_weight", self.predictive_weight, lo=0.0, hi=1e3)  # predictive coding
+        _check("agent", "regime_dropout_lo", self.regime_dropout_lo, lo=0.0, hi=0.95)  # regime dropout
+        _check("agent", "regime_dropout_hi", self.regime_dropout_hi, lo=0.0, hi=0.95)
+        if self.regime_dropout_hi < self.regime_dropout_lo:
+            raise ConfigError(f"agent.regime_dropout_hi = {self.regime_dropout_hi} must be >= agent.regime_dropout_lo "
+                              f"= {self.regime_dropout_lo}")
+        _check("agent", "regime_dropout_col", self.regime_dropout_col, lo=0, hi=1 << 20)
         _check("agent", "confidence_epsilon", self.confidence_epsilon, lo=0.0, hi=1e9)
         _check("agent", "confidence_floor", self.confidence_floor, lo=0.0, hi=1.0)
         if self.confidence_floor >= 1.0 or (self.confidence_floor > 0 and not self.confidence_weight > 0):
@@ -374,12 +426,15 @@ class AgentConfig:
                               f"head trained (agent.confidence_weight > 0, got {self.confidence_weight})")
         _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
-            groups = ["trunk"] + (["trunk.gate"] if self.feature_gate else []) + ["head.value", "head.adv"]
+            groups = (["trunk"] + (["trunk.kan"] if self.kan_gate else []) + (["trunk.gate"] if self.feature_gate else [])
+                      + (["trunk.attn"] if self.feature_attention else []) + ["head.value", "head.adv"])
             groups += ["head.iqn"] if self.iqn else []
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
             groups += ["head.conf"] if self.confidence_weight > 0 else []  # recursive confidence
+            groups += ["head.pc"] if self.predictive_weight > 0 else []  # predictive coding
             groups += ["head.ens"] if self.ensemble_heads >= 2 else []  # ensemble
             groups += ["icm.forward", "icm.inverse"] if self.curiosity else []  # ICM (agent.curiosity_weight)
+            groups += ["temporal.mamba"] if self.temporal else []  # temporal input (agent.temporal)
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
                 raise ConfigError(f"agent.weight_decay_groups = {self.weight_decay_groups!r}: no optimizer group "
@@ -451,12 +506,16 @@ class AgentConfig:
         if self.kind in ("ppo", "dt"):
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
                         "confidence_weight": self.confidence_weight > 0,  # recursive confidence
+                        "predictive_weight": self.predictive_weight > 0,  # predictive coding
+                        "regime_dropout": self.regime_dropout,
                         "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
-                        "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate,
+                        "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate, "kan_gate": self.kan_gate,
+                        "feature_attention": self.feature_attention,
                         "ensemble_heads": self.ensemble_heads >= 2,  # ensemble
                         "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups),
-                        "curiosity_weight": self.curiosity}  # ICM: the c51 agent's hooks only
+                        "curiosity_weight": self.curiosity,  # ICM: the c51 agent's hooks only
+                        "temporal": bool(self.temporal)}  # temporal input: the c51 agent's passes
             on = [f"agent.{name}" for name, value in c51_only.items() if value]
             if on:
                 raise ConfigError(f"agent.kind = '{self.kind}' does not have {', '.join(on)} (c51 components); turn them off")
@@ -490,6 +549,12 @@ class AgentConfig:
                               "the fixed or fitted support, not the moved atoms): turn one of them off")
         if self.spectral_norm and not all(t.strip() for t in self.spectral_norm.split(",")):
             raise ConfigError(f"agent.spectral_norm = {self.spectral_norm!r}: an empty layer name in the list")
+        # temporal input (agent.temporal); that agent.temporal_heads divides the observation width is checked
+        # where the width is known (numbarl/rl/temporal.py, when the agent is built)
+        _check("agent", "temporal", self.temporal, choices=("", "mamba"))
+        _check("agent", "temporal_steps", self.temporal_steps, lo=1, hi=32)  # numbarl/cuda/kernels/ssm.py MAX_STEPS
+        _check("agent", "temporal_heads", self.temporal_heads, lo=1, hi=1024)
+        _check("agent", "temporal_lr", self.temporal_lr, lo=0.0, hi=1.0, lo_open=True)
 
 
 @dataclass(frozen=True)

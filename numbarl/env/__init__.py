@@ -16,6 +16,7 @@ For N envs at their cursors c_i (the close of bar c_i), one step is:
                    mask uint8   [N, 4, max_actions]        the actions available now
     learner     -> actions    int32   [N, 4]               one index per branch, mask[i, b, a] = 1
                    preference float32 [N]                  the agent's edge of long over short
+                   risk_budget float32 [1]                 ρ, all envs (optional; default 1)
     env.step    -> reward, done, P&L, next obs and mask    (numbarl.env.device.Transition)
 
 obs: columns 0..F-1 are the market features of bar c_i (causal: built from data up to its close),
@@ -39,6 +40,11 @@ replay stores it with the observation) instead of re-deriving the rule.
 preference: per env, the agent's preference of long over short, read only by the
 opportunity-cost term while flat (scale x |preference|, EnvParams.opportunity_cost_scale; the
 backtest sets it to 0). A C51 agent writes Q(direction = long) - Q(direction = short).
+
+risk_budget: the exploration risk budget ρ ∈ [0, 1] of every env (R18; core.py's docstring): the
+Kelly cap fraction becomes 1 − ρ (1 − frac) and the DSR reward term ρ times itself; ρ = 1 (the
+env's own ones array, DeviceEnv.step's default; CpuEnv's; the backtests') is the step without it.
+The C51 agent with agent.iqn writes its IQN readiness² on the device before each step.
 
 Randomness: the env's RNG key is (seed_dev, counter): the counter advances once per collect step
 (DeviceEnv.advance); a learner-side policy may key its own draws with it, on its own slots of

@@ -2,7 +2,8 @@
 
 One execution path: every bar of every policy goes through `core.step_core`, the function the
 training env steps with, with the backtest's StepConsts (no episodes and no hard cap, no
-opportunity cost, `params.step_consts(..., backtest=True)`). The window [start, end) runs without
+opportunity cost, `params.step_consts(..., backtest=True)`) and the risk budget ρ = 1 (core.py:
+the full Kelly cap, whatever an agent's IQN readiness; the DSR term is no backtest output). The window [start, end) runs without
 resets from a flat book at `start`; the position is force-closed at the close of `end - 1`.
 
 Output layout, P policies, W = end - start bars (column j = bar start + j):
@@ -80,6 +81,7 @@ _S16 = np.int32(16)
 _S24 = np.int32(24)
 _ZERO64 = np.float64(0.0)
 _ZERO32 = np.float32(0.0)
+_ONE64 = np.float64(1.0)  # the backtests' risk budget ρ (core.py): full protection, the step without R18
 
 
 class TradeArrays(NamedTuple):
@@ -135,7 +137,7 @@ def _advance(s, p, direction, size, target_mult, stop_mult, mk, k, last_bar, ori
     """One backtest bar of policy p (state s in registers); writes row c + 1 - origin."""
     c = s.cursor
     index = s.trade_count
-    s2, o, t1, t2 = step_core(s, direction, size, target_mult, stop_mult, load_bars(mk, c), _ZERO32, k, last_bar)
+    s2, o, t1, t2 = step_core(s, direction, size, target_mult, stop_mult, load_bars(mk, c), _ZERO32, _ONE64, k, last_bar)
     row = c + 1 - origin
     pnl[row, p] = o.bar_pnl
     position[row, p] = o.position_held

@@ -100,6 +100,7 @@ _cuda = cuda()
 BLOCK = 128
 _F0 = np.float64(0.0)
 _ONE64 = np.int64(1)
+_FULL_BUDGET = np.float64(1.0)  # the risk budget ρ of every backtest step (core.py; backtest.py's)
 _WORD = np.int64(0xFFFFFFFF)
 
 
@@ -162,7 +163,7 @@ def _step(s, packed, col, origin, grids, mk, k, last_bar):
     a = packed[c + 1 - origin, col]
     return step_core(
         s, a & _MASK8, grids.sizes[(a >> _S8) & _MASK8], grids.targets[(a >> _S16) & _MASK8],
-        grids.stops[(a >> _S24) & _MASK8], load_bars(mk, c), _ZERO32, k, last_bar,
+        grids.stops[(a >> _S24) & _MASK8], load_bars(mk, c), _ZERO32, _FULL_BUDGET, k, last_bar,
     )  # fmt: skip
 
 

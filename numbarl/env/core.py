@@ -11,7 +11,7 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
  1. ORDER      the decision made at c's close is queued unless an order is already pending
                (then it is ignored); a "hold" (same direction, or flat while flat) queues nothing.
                With the Kelly size cap on (kelly_lambda > 0) an order that may open a side is
-               queued at min(size, the env's Kelly cap) (`kelly_size`).
+               queued at min(size, the env's Kelly cap) (`kelly_size`), loosened by the risk budget ρ.
  2. EXECUTION  an order due at c (c + latency_bars when it was queued) fills at c's close quote:
                with latency_bars = 0 the deciding bar's own close quote (zero latency);
                buys at ask + slippage, sells at bid - slippage, plus `fee` per contract per side.
@@ -32,6 +32,21 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
 
 The env's rules that constrain the agent are published as data (rows.py: `mask_row`,
 `greedy_action`), not applied to the agent's scores; there is no exploration here.
+
+The exploration risk budget ρ ∈ [0, 1] (R18; `risk_budget`, an input of every step like the
+preference, read from a device array because StepConsts is frozen into the captured graph) scales
+the env's protection: ρ = 1 is today's step exactly (bit for bit), ρ = 0 no protection.
+
+    Kelly cap fraction   frac_ρ = 1 − ρ (1 − frac), frac = clip(kelly_lambda f*, kelly_floor, 1)
+                         (ρ = 0: max size, no cap; ρ = 1: frac), `kelly_size`
+    DSR reward term      r_dsr = ρ · (dsr_scale · D)  (ρ = 0: no DSR term); the EMAs A, B are
+                         updated from every closed trade whatever ρ is
+
+Evaluated as frac + (1 − ρ)(1 − frac) and (dsr_scale · D) · ρ, so ρ = 1 adds an exact 0 and
+multiplies by an exact 1: the old arithmetic, also with FMA contraction on the GPU. ρ outside
+[0, 1] is clipped. The DQN agent with agent.iqn writes ρ = readiness² (numbarl/rl/cvar_gate.py,
+`risk_budget_kernel`); every other caller passes 1 (DeviceEnv's own ones array, CpuEnv's default,
+the backtests' constant).
 
 Money in rewards is measured in ticks x contracts (net P&L / (tick_size * multiplier)) so the
 coefficients transfer across instruments.
@@ -282,19 +297,37 @@ def kelly_fraction(wins, losses, sum_win, sum_loss):
 
 
 @njit(cache=True)
-def kelly_size(size, wins, losses, sum_win, sum_loss, k):
+def risk_budget_fraction(frac, risk_budget):
+    """The Kelly cap fraction under the exploration risk budget ρ (R18): 1 − ρ (1 − frac), written
+    frac + (1 − ρ)(1 − frac) so that ρ = 1 returns frac bit for bit (1 − ρ is an exact 0).
+    Hand cases (frac 0.25): ρ = 1 -> 0.25, ρ = 0.25 -> 0.8125, ρ = 0 -> 1 (no cap)."""
+    return min(_F1, frac + (_F1 - risk_budget) * (_F1 - frac))
+
+
+@njit(cache=True)
+def dsr_term(d_sum, risk_budget, k):
+    """The reward's DSR term: dsr_scale x (D x ρ) (R16 under R18's budget). At ρ = 1 the inner product is D
+    exactly and the outer one feeds the reward's sum as the old dsr_scale x D did, so a fused multiply-add on
+    the GPU contracts it the same way: the old term bit for bit."""
+    return k.dsr_scale * (d_sum * risk_budget)
+
+
+@njit(cache=True)
+def kelly_size(size, wins, losses, sum_win, sum_loss, k, risk_budget):
     """Fractional-Kelly size cap at order time: min(size, cap), cap = max_size x clip(lambda f*,
-    floor, 1) rounded DOWN to whole lots (k.size_step) and never below the smallest grid size.
+    floor, 1) rounded DOWN to whole lots (k.size_step) and never below the smallest grid size;
+    the fraction loosened by the risk budget ρ to 1 − ρ (1 − clip(...)) (`risk_budget_fraction`).
 
     f* = kelly_fraction of the env's closed trades (f* <= 0 or no history: the floor). Rounding down
     keeps the cap a cap (the position never exceeds lambda f* x max size by a fraction of a lot);
     the smallest-size bound keeps every entry an entry (a cap can shrink an order, never cancel it).
     The cap goes through float32 like the grid's sizes, so an uncapped grid size compares equal.
     Hand case (sizes (1, 2, 4), step 1, lambda 0.5, floor 0.25): 3 wins of 2, 1 loss of 1 ->
-    p = 0.75, b = 2, f* = 0.625, cap = 4 x 0.3125 = 1.25 -> 1 lot: a size-4 order opens 1 contract.
+    p = 0.75, b = 2, f* = 0.625, cap = 4 x 0.3125 = 1.25 -> 1 lot: a size-4 order opens 1 contract;
+    at ρ = 0.25 the fraction is 1 − 0.25 x 0.6875 = 0.828125, cap 3.3125 -> 3 lots; at ρ = 0: 4.
     """
     f = k.kelly_lambda * kelly_fraction(wins, losses, sum_win, sum_loss)
-    frac = min(_F1, max(k.kelly_floor, f))
+    frac = risk_budget_fraction(min(_F1, max(k.kelly_floor, f)), risk_budget)
     lots = math.floor(k.max_size * frac / k.size_step * _LOTS_NUDGE)
     cap = max(np.float64(np.float32(np.float64(lots) * k.size_step)), k.min_size)
     return min(np.float64(size), cap)
@@ -339,15 +372,18 @@ def _no_order():
 
 
 @njit(cache=True)
-def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, last_bar):
+def step_core(s, direction, size, target_mult, stop_mult, bars, preference, risk_budget, k, last_bar):
     """One env step from the close of bar s.cursor to the close of the next bar.
 
     s: Portfolio; (direction, size, target_mult, stop_mult): the decoded decision; bars: Bars;
-    preference: float (opportunity cost); k: StepConsts; last_bar: last bar of the range (forced exit).
+    preference: float (opportunity cost); risk_budget: ρ (the Kelly cap and the DSR term, module
+    docstring; 1: unchanged); k: StepConsts; last_bar: last bar of the range (forced exit).
     Returns (Portfolio, StepOut, first closed Trade, second closed Trade).
     """
     c = s.cursor
     n = c + 1
+    rho = np.float64(risk_budget)  # R18's ρ, clipped to [0, 1]; NaN (a broken readiness) is full protection, 1
+    rho = _F1 if np.isnan(rho) else min(_F1, max(_F0, rho))
     pos = s.position
     equity_before = s.realized + s.unrealized
     realized = s.realized
@@ -383,7 +419,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
             p_dir = np.int64(DIR_FLAT)
         p_size = np.float64(size)
         if k.kelly_lambda > _F0 and p_dir != DIR_FLAT:  # an order that may open a side: Kelly cap
-            p_size = kelly_size(p_size, kw, kl, ksw, ksl, k)
+            p_size = kelly_size(p_size, kw, kl, ksw, ksl, k, rho)
             kelly_ratio = p_size / np.float64(size)
         p_tgt = np.float64(target_mult)
         p_stp = np.float64(stop_mult)
@@ -471,7 +507,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
     r_holding = holding_cost(position_held, k)
     r_churn = churn_penalty(entered, since_entry, k)
     r_opportunity = opportunity_cost(position_held, preference, k)
-    r_dsr = k.dsr_scale * d_sum
+    r_dsr = dsr_term(d_sum, rho, k)
     conviction = conviction_factor(plan_size, k)
     reward = (r_trade + r_micro - r_holding - r_churn - r_opportunity + r_dsr) * conviction
 
@@ -503,9 +539,10 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, l
 
 
 @njit(cache=True)
-def env_transition(s, direction, size, target_mult, stop_mult, bars, preference, k, lo, hi, seed, lane, counter):
+def env_transition(s, direction, size, target_mult, stop_mult, bars, preference, risk_budget, k, lo, hi, seed, lane,
+                   counter):
     """Training step: step_core, then a soft reset to an RNG-drawn start when done."""
-    s2, out, t1, t2 = step_core(s, direction, size, target_mult, stop_mult, bars, preference, k, hi - 1)
+    s2, out, t1, t2 = step_core(s, direction, size, target_mult, stop_mult, bars, preference, risk_budget, k, hi - 1)
     if out.done != 0:
         start = reset_start(seed, lane, counter, SLOT_RESET, lo, hi, k.episode_length)
         s2 = soft_reset(s2, start)

@@ -9,6 +9,7 @@ Kernels (each runs the row function of numbarl/env/core.py that the CPU referenc
                     (grid over N * PORTFOLIO_DIM). gather_kernel (grid over N * state_dim,
                     both in one) is the backtest's, over its policies' rows
     step_kernel     fills, exits, P&L, reward, done, soft reset            grid over N
+                    (the risk budget ρ, float32 [1], read from device memory: core.py)
                     + the training-path telemetry: env i adds its step to its own column of
                     telemetry_acc [N_TEL, N] float64 (numbarl/env/telemetry.py)
 
@@ -110,11 +111,11 @@ def portfolio_kernel(obs, mask, st, mk, k, branch_sizes, ring, count, to_ring):
 
 
 @_cuda.jit(cache=True)
-def step_kernel(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc):
+def step_kernel(st, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out, acc):
     i = _cuda.grid(1)
     if i >= st.cursor.shape[0]:
         return
-    _telemetry_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed[0], counter[0], out, acc)
+    _telemetry_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed[0], counter[0], out, acc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +168,9 @@ def launch_gather_split(obs, mask, st, mk, k, branch_sizes, stream, ring=None, c
         obs, mask, st, mk, k, branch_sizes, store, count, to_ring)
 
 
-def launch_step(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc, stream):
-    step_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, actions, grids, mk, preference, k, np.int64(lo), np.int64(hi), seed, counter, out, acc)
+def launch_step(st, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out, acc, stream):
+    step_kernel[launch_dims(st.cursor.shape[0]) + (stream,)](st, actions, grids, mk, preference, risk_budget, k, np.int64(lo),
+                                                             np.int64(hi), seed, counter, out, acc)
 
 
 class Transition(NamedTuple):
@@ -192,8 +194,10 @@ class DeviceEnv:
     Methods launch kernels on `stream` (default: the process compute stream) and nothing else:
       reset(seed)                 first episodes (host writes seed/counter; call before capture)
       gather(obs=None, mask=None) obs [N, state_dim] and mask [N, 4, max_actions] at the cursors
-      step(actions=None, preference=None)
-                                  one env step; outputs in the views of `transition`/`outputs`
+      step(actions=None, preference=None, risk_budget=None)
+                                  one env step; outputs in the views of `transition`/`outputs`;
+                                  risk_budget: float32 [1] device ρ (core.py), default the
+                                  env's own ones (ρ = 1: the step without R18)
       advance()                   RNG counter += 1 (device)
       collect(policy)             gather -> policy(obs, mask, actions, preference, stream) -> step
                                   -> gather(next_obs, next_mask) -> advance
@@ -267,6 +271,13 @@ class DeviceEnv:
         telemetry.allocate()  # zeroed
         self.telemetry_arena = telemetry
         self.telemetry_acc = telemetry["acc"]
+        # ρ = 1, the default risk budget of `step` (its own arena: checkpoints of the env arena are unchanged)
+        ones = Arena("env.risk_budget")
+        ones.add("ones", (1,), np.float32)
+        ones.allocate()
+        ones.load({"ones": np.ones(1, np.float32)})
+        self.risk_budget_arena = ones
+        self.risk_budget_ones = ones["ones"]
 
     # -- host-side setup (not for capture) ------------------------------------------------------
     def reset(self, seed: int | None = None, stream=None) -> None:
@@ -298,16 +309,19 @@ class DeviceEnv:
                             counter=self.counter)
         return obs, mask
 
-    def step(self, actions=None, preference=None, counter=None, stream=None):
-        """One step of every env with actions [N, n_branches] int32 and preference [N] float32."""
+    def step(self, actions=None, preference=None, counter=None, stream=None, risk_budget=None):
+        """One step of every env with actions [N, n_branches] int32, preference [N] float32 and the
+        risk budget ρ float32 [1] on the device (None: the env's ones, ρ = 1)."""
         actions = self.arena["actions"] if actions is None else actions
         preference = self.arena["preference"] if preference is None else preference
         counter = self.counter if counter is None else counter
+        risk_budget = self.risk_budget_ones if risk_budget is None else risk_budget
         _check("actions", actions, (self.n_envs, self.params.n_branches), np.int32)
         _check("preference", preference, (self.n_envs,), np.float32)
+        _check("risk_budget", risk_budget, (1,), np.float32)
         launch_step(
-            self.state, actions, self.grids, self.mk, preference, self.k, self.lo, self.hi, self.seed_dev, counter, self.outputs,
-            self.telemetry_acc, _s(stream),
+            self.state, actions, self.grids, self.mk, preference, risk_budget, self.k, self.lo, self.hi, self.seed_dev, counter,
+            self.outputs, self.telemetry_acc, _s(stream),
         )  # fmt: skip
         return self.outputs
 

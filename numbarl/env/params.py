@@ -86,7 +86,7 @@ class StepConsts(NamedTuple):
     conviction_weight: np.float64
     max_size: np.float64
     dsr_eta: np.float64
-    dsr_scale: np.float64
+    dsr_scale: np.float64  # the DSR term's weight, times the step's risk budget ρ (not a constant: not here)
     obs_hold_bars: np.float64
     kelly_lambda: np.float64  # fractional-Kelly multiplier of the size cap (0: no cap, the step is unchanged)
     kelly_floor: np.float64  # smallest cap as a fraction of max_size (no history or no edge)
@@ -172,7 +172,8 @@ class EnvParams:
     dsr_eta: float = 0.01
     """Adaptation rate of the differential-Sharpe EMAs A and B (updated per closed trade)."""
     dsr_reward_scale: float = 0.0
-    """Weight of the trade-level differential Sharpe ratio term (Moody & Saffell 2001); 0 = off."""
+    """Weight of the trade-level differential Sharpe ratio term (Moody & Saffell 2001); 0 = off.
+    The term is multiplied by the step's risk budget ρ (numbarl/env/core.py; 1 without agent.iqn)."""
 
     # --- sizing ---
     kelly_lambda: float = 0.0
@@ -180,7 +181,8 @@ class EnvParams:
     becomes min(size, max_size x clip(kelly_lambda x f*, kelly_floor, 1)), rounded down to whole
     lots and never below min(sizes), with f* = p - (1 - p) / b from the env's own closed trades
     (the `kelly_fraction` observation). 0 = off (the default: sizes are the size branch's);
-    0.5 = half Kelly."""
+    0.5 = half Kelly. The clipped fraction is loosened by the step's risk budget ρ to
+    1 − ρ (1 − fraction) (numbarl/env/core.py; ρ = 1 without agent.iqn: unchanged)."""
     kelly_floor: float = 0.25
     """The Kelly cap's lower bound as a fraction of max size: the cap while f* <= 0 or before the env
     has both a win and a loss (so an env without history still trades)."""

@@ -8,6 +8,7 @@ env can be used without a GPU (numbarl/env/gym.py wraps one env of it as a gymna
     obs = env.reset()                           # [N, state_dim] float32; env.mask [N, 4, max_actions]
     actions = ...                               # [N, 4] int32, e.g. numbarl.rl.policies.epsilon_greedy_ref
     reward, done = env.step(actions, preference)  # then obs = env.gather()
+    env.step(actions, preference, risk_budget=0.3)  # R18's ρ (core.py); None: the last one, initially 1
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from numbarl.env.rows import env_step_row, gather_row, load_bars, load_row, rese
 from numbarl.env.state import STATE_FIELDS, Grids, MarketArrays, StateArrays, StepArrays, row_jit
 
 cuda()  # the backend (GPU or simulator), selected once
+
+_ONE = np.float64(1.0)
 
 
 def new_state(n: int) -> StateArrays:
@@ -63,9 +66,9 @@ def gather_ref(obs, mask, st, mk, k, branch_sizes):
 
 
 @row_jit
-def step_ref(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
+def step_ref(st, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out):
     for i in range(st.cursor.shape[0]):
-        env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out)
+        env_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +95,7 @@ class CpuEnv:
         self.out = new_step_arrays(self.n_envs)
         self.mask = np.zeros((self.n_envs, params.n_branches, params.max_actions), np.uint8)  # of the last gather
         self.preference = np.zeros(self.n_envs, np.float32)
+        self.risk_budget = np.ones(1, np.float32)  # ρ of the Kelly cap and the DSR term (core.py), as the device's
 
     def reset(self, seed: int | None = None) -> np.ndarray:
         """New episodes at RNG-drawn starts (Kelly/DSR cleared, counter set to 0); returns obs."""
@@ -108,14 +112,19 @@ class CpuEnv:
         gather_ref(obs, self.mask, self.state, self.market, self.k, self.branch_sizes)
         return obs
 
-    def step(self, actions: np.ndarray, preference: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Apply actions [N, 4] with preference [N] (None: the last one given, initially 0); returns
-        (reward float32 [N], done uint8 [N]) (copies). The other outputs (bar_pnl, trade_pnl,
-        exit_reason, bar, next_bar) are in self.out."""
+    def step(self, actions: np.ndarray, preference: np.ndarray | None = None,
+             risk_budget: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Apply actions [N, 4] with preference [N] (None: the last one given, initially 0) and the
+        risk budget ρ (stored as float32 like the device's; None: the last one given, initially 1);
+        returns (reward float32 [N], done uint8 [N]) (copies). The other outputs (bar_pnl,
+        trade_pnl, exit_reason, bar, next_bar) are in self.out."""
         actions = validate_actions(actions, self.params).reshape(self.n_envs, self.params.n_branches)
         if preference is not None:
             self.preference[:] = preference
-        step_ref(self.state, actions, self.grids, self.market, self.preference, self.k, self.lo, self.hi, self.seed, self.counter[0], self.out)
+        if risk_budget is not None:
+            self.risk_budget[0] = risk_budget
+        step_ref(self.state, actions, self.grids, self.market, self.preference, self.risk_budget, self.k, self.lo, self.hi,
+                 self.seed, self.counter[0], self.out)
         return self.out.reward.copy(), self.out.done.copy()
 
     def advance(self, k: int = 1) -> None:
@@ -129,13 +138,13 @@ class CpuEnv:
 @row_jit
 def step_no_reset_ref(st, actions, grids, mk, preference, k, hi, out):
     """Like step_ref but without the soft reset: for callers that reset episodes themselves
-    (the gymnasium wrapper). Same step function (core.step_core)."""
+    (the gymnasium wrapper). Same step function (core.step_core), risk budget ρ = 1."""
     for i in range(st.cursor.shape[0]):
         s = load_row(st, i)
         c = s.cursor
         bars = load_bars(mk, c)
         s2, o, t1, t2 = step_core(
-            s, actions[i, 0], grids.sizes[actions[i, 1]], grids.targets[actions[i, 2]], grids.stops[actions[i, 3]], bars, preference[i], k, hi - 1
+            s, actions[i, 0], grids.sizes[actions[i, 1]], grids.targets[actions[i, 2]], grids.stops[actions[i, 3]], bars, preference[i], _ONE, k, hi - 1
         )
         store_row(st, i, s2)
         store_out(out, i, o, c, s2.cursor)

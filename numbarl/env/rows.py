@@ -115,8 +115,9 @@ def store_out(out, i, o, bar, next_bar):
 
 
 @row_jit
-def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out):
+def env_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out):
     """Training env step of env i: decode actions[i], step, soft reset on done, write outputs.
+    risk_budget: float32 [1], ρ of every env (core.py's module docstring; ones: unchanged).
     Returns (StepOut, first closed Trade, second closed Trade) for the training-path telemetry
     (numbarl/env/telemetry.py); callers that only step ignore it."""
     s = load_row(st, i)
@@ -126,7 +127,8 @@ def env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter
     target_mult = grids.targets[actions[i, 2]]
     stop_mult = grids.stops[actions[i, 3]]
     bars = load_bars(mk, c)
-    s2, o, t1, t2 = env_transition(s, direction, size, target_mult, stop_mult, bars, preference[i], k, lo, hi, seed, i, counter)
+    s2, o, t1, t2 = env_transition(s, direction, size, target_mult, stop_mult, bars, preference[i], risk_budget[0], k, lo, hi,
+                                    seed, i, counter)
     store_row(st, i, s2)
     store_out(out, i, o, c, s2.cursor)
     return o, t1, t2

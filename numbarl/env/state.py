@@ -190,7 +190,7 @@ class StepOut(NamedTuple):
     r_holding: np.float64  # holding cost (subtracted)
     r_churn: np.float64  # churn penalty (subtracted)
     r_opportunity: np.float64  # opportunity cost while flat (subtracted)
-    r_dsr: np.float64  # dsr_scale x differential Sharpe of the trades closed in the step
+    r_dsr: np.float64  # dsr_scale x differential Sharpe of the trades closed in the step x risk budget ρ
     conviction: np.float64  # plan-conviction factor multiplying the whole reward
     # Kelly size cap (EnvParams.kelly_lambda > 0): capped / asked size of the opening order queued
     # this step (1: the cap did not bind); 0 when no such order was queued or the cap is off

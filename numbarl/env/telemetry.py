@@ -180,9 +180,9 @@ def accumulate_row(acc, i, o, t1, t2):
 
 
 @row_jit
-def telemetry_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out, acc):
+def telemetry_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out, acc):
     """The training env step of env i (rows.env_step_row), then its accumulation."""
-    o, t1, t2 = env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out)
+    o, t1, t2 = env_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out)
     accumulate_row(acc, i, o, t1, t2)
 
 
@@ -211,11 +211,11 @@ def record_row(rec, i, o, t1, t2):
 
 
 @row_jit
-def step_record_ref(st, actions, grids, mk, preference, k, lo, hi, seed, counter, out, rec):
+def step_record_ref(st, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out, rec):
     """CPU twin of the step kernel (numpy state, e.g. CpuEnv's): every env steps exactly as
     reference.step_ref does, and its step's record goes to rec [N_REC, N]."""
     for i in range(st.cursor.shape[0]):
-        o, t1, t2 = env_step_row(st, i, actions, grids, mk, preference, k, lo, hi, seed, counter, out)
+        o, t1, t2 = env_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed, counter, out)
         record_row(rec, i, o, t1, t2)
 
 

@@ -163,6 +163,46 @@ COMPONENTS: tuple[Component, ...] = (
         "Dauphin et al. 2017, Eq. 1 (gated linear unit); Hu, Shen & Sun 2018, Eq. 3 (feature recalibration)",
         ("tests/rl/test_feature_gate.py", "tests/rl/test_module_contract.py"),
         "grad_norm.trunk.gate", "> 0"),
+    # --- temporal input (agent.temporal; numbarl/rl/temporal.py) -------------------------------------------
+    Component(
+        "temporal_mamba", "Mamba2 selective scan over the observations of the last K bars before the C51 trunk, "
+        "h = x_t + y W_out (windows from the replay's env columns in training and acting, a per-policy ring in the "
+        "backtests), online and target scan parameters, BPTT through all K steps, own optimizer group",
+        "agent.temporal=mamba",
+        "Dao & Gu 2024, §3 (SSD: scalar decay per head, one B/C group as Mamba2's default); Kapturowski et al. 2019 "
+        "(sequence replay windows of stored observations)",
+        ("tests/rl/test_temporal.py", "tests/rl/test_mamba.py", "tests/rl/test_sequence.py"),
+        "grad_norm.temporal.mamba", "> 0"),
+    # --- end temporal input --------------------------------------------------------------------------------
+    Component(
+        "predictive_coding", "predictive coding: a linear predictor of the target network's trunk features of the "
+        "n-step next state from the online trunk features, normalized L2, gradient into the trunk (aux steps)",
+        "agent.predictive_weight=0.1",
+        "Schwarzer et al. 2021 (SPR), Eq. 4's normalized L2, without the action-conditioned transition model; "
+        "Grill et al. 2020 (BYOL)",
+        ("tests/rl/test_predictive.py",),
+        "predictive_loss", "> 0"),
+    Component(
+        "regime_dropout", "inverted dropout on the online pass's trunk output at a rate set by the sample's regime "
+        "column (ADX), counter RNG keyed by the train step; not on target passes, acting or backtests",
+        "agent.regime_dropout=true",
+        "Srivastava et al. 2014 (inverted dropout); the origin's apply_regime_dropout",
+        ("tests/rl/test_regime_dropout.py",),
+        "regime_dropout_frac", "> 0"),
+    Component(
+        "feature_attention", "sigmoid-gated feature attention with a LayerNorm residual on the trunk's last hidden "
+        "layer, h <- LN(h + h ⊙ σ(h·W + b)), own optimizer group",
+        "agent.feature_attention=true",
+        "Hu, Shen & Sun 2018, Eq. 3 (squeeze-and-excitation gating); Ba et al. 2016 (LayerNorm); the origin's attn_sdp",
+        ("tests/rl/test_module_contract.py", "tests/rl/test_feature_gate.py"),
+        "grad_norm.trunk.attn", "> 0"),
+    Component(
+        "kan_gate", "KAN spline gate on each observation feature, y = x ⊙ σ(w_b·silu(x) + w_s·Σ c·B(x)), cubic "
+        "B-splines per feature, own optimizer group",
+        "agent.kan_gate=true",
+        "Liu et al. 2024 (KAN), Eq. 2.10; pykan k = 3, grid = 5",
+        ("tests/rl/test_kan_gate.py", "tests/rl/test_module_contract.py"),
+        "grad_norm.trunk.kan", "> 0"),
     Component(
         "atom_entropy", "adaptive atom-entropy regulariser: −β·H of the taken action's return distribution, "
         "β = β_max·clip((0.5 − u_ema)/0.5, 0, 1) from the EMA of the share of atoms the batch-mean distribution uses",
@@ -273,6 +313,16 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_ensemble.py", "tests/rl/test_gpu_ensemble.py"),
         "ensemble_std", "> 0"),
     # --- end ensemble and the epistemic gate ----------------------------------------------------------------
+    # --- the exploration risk budget (R18; agent.iqn; numbarl/env/core.py, numbarl/rl/cvar_gate.py) ----------
+    Component(
+        "risk_budget", "exploration risk budget rho = IQN readiness^2, written on the device every collect step and "
+        "read by the env step: the Kelly cap fraction becomes 1 - rho (1 - frac) and the DSR reward term rho x term "
+        "(rho = 1: the step without it, bit for bit); the CVaR and epistemic gates scale by the same rho",
+        "agent.iqn=true,agent.risk_budget=true",
+        "readiness = clip(1 - L_ema / L_first, 0, 1) of the quantile Huber loss; frac_rho = frac + (1 - rho)(1 - frac)",
+        ("tests/env/test_risk_budget.py", "tests/rl/test_cvar_gate.py"),
+        "risk_budget", "< 1"),
+    # --- end the exploration risk budget ---------------------------------------------------------------------
     # --- the env's fractional-Kelly size cap (env.kelly_lambda; numbarl/env/core.py:kelly_size) ---------------
     Component(
         "kelly_sizing", "fractional-Kelly size cap at order time in the shared step (training env, backtest, CPU "

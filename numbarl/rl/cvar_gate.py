@@ -21,7 +21,9 @@ state (numbarl/rl/losses/quantile_huber.py, `iqn_readiness_kernel`; 0 before its
 readiness rises from 0 to 1 as the quantile loss falls, so the gate is loose while the agent
 explores (budget 0: no entry is gated) and reaches its full strength, CVaR_α < −floor, as the
 distributional heads converge. (Written as a product so budget 0 needs no division: it is the
-threshold CVaR_α < −floor / budget.) Holding and exits are never gated.
+threshold CVaR_α < −floor / budget.) Holding and exits are never gated. The same ρ scales the env's
+Kelly size cap and DSR reward term (numbarl/env/core.py): `risk_budget_kernel` writes it into the
+float32 [1] the env step reads (the DQN agent's collect step, agent.iqn).
 
 Where it acts (as the E9 gate of numbarl/rl/feedback/kernels.py does):
 * collect: on the env's mask, after the acting pass and before the policy chooses (exploration
@@ -150,6 +152,20 @@ def _budget(readiness_state, use_budget):
     if readiness_state[0] > 0.0:
         r = min(max(1.0 - readiness_state[1] / readiness_state[0], 0.0), 1.0)
     return np.float32(r * r)
+
+
+@_cuda.jit(cache=True)
+def risk_budget_kernel(readiness_state, risk_budget, stats, slot):
+    """risk_budget[0] = stats[slot] = ρ = readiness² (one thread, once per collect step, before the
+    env step that reads it: the exploration risk budget of the Kelly cap and the DSR term). A
+    non-finite readiness state (a NaN IQN loss, first or later) gives ρ = 1: the configured protection,
+    never none. Before the first aux step (L_first < 0) ρ = 0: the prefill trades uncapped."""
+    if _cuda.grid(1) == 0:
+        a, b = readiness_state[0], readiness_state[1]
+        rho = _ONE if (math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b)) else \
+            _budget(readiness_state, True)
+        risk_budget[0] = rho
+        stats[slot] = rho
 
 
 @_cuda.jit(cache=True)

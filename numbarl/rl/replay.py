@@ -52,6 +52,11 @@ the counter RNG (numbarl.cuda.rng; the step counter is read from device memory),
 τ = τ_lo + u // N, e = u % N. Before n + 1 writes (V ≤ 0) a sample is empty: weight 0, done 1,
 discount 0, zero obs, index −1; the learner starts after ``min_writes`` writes.
 
+History (``set_history(h)``, h = K − 1 of a temporal input that reads the K rows up to τ; 0 by default,
+and then nothing changes): once the ring has wrapped (c > n_slots) the h oldest times are not drawn,
+τ ∈ [τ_lo + h, c − 1 − n] (V = n_slots − n − h), so every row of a drawn window that existed when τ was
+acted on is still in the ring: a window is the one the policy acted on, never a truncated one.
+
 Weighted batches (``normalize_weights=True``; off by default, and then nothing below runs): the
 stored weight column is 1.0 for every written row unless something marks rows afterwards (the
 winner distillation of numbarl/rl/feedback/replay_weights.py sets the rows of winning training
@@ -169,8 +174,9 @@ class ReplayRef:
     """Host model of :class:`Replay` (float64 n-step returns; same layout, same sampling keys)."""
 
     def __init__(self, n_slots, n_envs, state_dim, n_branches, n_step, gamma, seed, rng_slot=SAMPLE_RNG_SLOT,
-                 horizons=()):
+                 horizons=(), history: int = 0):
         self.n_slots, self.n_envs, self.n_step, self.gamma = n_slots, n_envs, n_step, gamma
+        self.history = int(history)  # oldest times skipped once the ring wrapped (module docstring)
         self.horizons = tuple(int(h) for h in horizons)  # extra windows (module docstring)
         self.window = max((int(n_step),) + self.horizons)
         self.seed, self.rng_slot = seed, rng_slot
@@ -210,8 +216,9 @@ class ReplayRef:
 
     def _sample(self, batch_size: int, counter: int) -> dict:
         T, N, n = self.n_slots, self.n_envs, self.n_step
-        valid = min(self.count, T) - self.window
-        lo = max(0, self.count - T)
+        skip = self.history if self.count > T else 0
+        valid = min(self.count, T) - self.window - skip
+        lo = max(0, self.count - T) + skip
         out = {
             "obs": np.zeros((batch_size, self.obs.shape[2])), "next_obs": np.zeros((batch_size, self.obs.shape[2])),
             "action": np.zeros((batch_size, self.action.shape[2]), np.int32), "reward": np.zeros(batch_size),
@@ -305,17 +312,19 @@ def reset_count_kernel(count):
 
 @_cuda.jit(cache=True)
 def sample_index_kernel(reward_store, done_store, action_store, weight_store, count, counter,
-                        seed, rng_slot, n_step, window, gamma_dev,
+                        seed, rng_slot, n_step, window, history, gamma_dev,
                         out_action, out_reward, out_done, out_discount, out_weight, out_index, out_next_index):
     """Per batch row: uniform draw over the valid (time, env) pairs, then the n-step scan.
-    window: the longest lookahead (n_step, or the longest extra horizon): the valid range's end."""
+    window: the longest lookahead (n_step, or the longest extra horizon): the valid range's end;
+    history: the oldest times skipped once the ring wrapped (module docstring; 0: none)."""
     b = _cuda.grid(1)
     if b >= out_reward.shape[0]:
         return
     n_slots = reward_store.shape[0]
     n_envs = reward_store.shape[1]
     c = count[0]
-    valid = min(c, n_slots) - window
+    skip = history if c > n_slots else 0
+    valid = min(c, n_slots) - window - skip
     if valid <= 0:
         for j in range(out_action.shape[1]):
             out_action[b, j] = 0
@@ -326,7 +335,7 @@ def sample_index_kernel(reward_store, done_store, action_store, weight_store, co
         out_index[b] = -1
         out_next_index[b] = -1
         return
-    lo = max(c - n_slots, 0)
+    lo = max(c - n_slots, 0) + skip
     gamma = gamma_dev[0]
     u = rng.randint(seed, b, counter[0], rng_slot, valid * n_envs)
     tau = lo + u // n_envs
@@ -584,6 +593,7 @@ class Replay:
         self.batch_size, self.n_step, self.gamma = int(batch_size), int(n_step), float(gamma)
         self.seed, self.rng_slot, self.weights = int(seed), int(rng_slot), bool(weights)
         self.normalize_weights = bool(normalize_weights)
+        self.history = 0  # set_history: the oldest times not drawn once the ring wrapped (module docstring)
         if max_actions is not None and int(max_actions) < 1:
             raise ValueError(f"Replay: max_actions must be >= 1 (or None: no masks), got {max_actions}")
         self.max_actions = None if max_actions is None else int(max_actions)
@@ -627,6 +637,16 @@ class Replay:
     @property
     def capacity(self) -> int:
         return self.n_slots * self.n_envs
+
+    def set_history(self, history: int) -> None:
+        """Draw only times whose `history` preceding rows are still in the ring once it has wrapped (module
+        docstring: a temporal input's K − 1); 0 (the default) draws every valid time."""
+        history = int(history)
+        if history < 0 or self.n_slots <= self.window + history:
+            raise ValueError(f"Replay: {self.n_slots} time slots cannot hold a {self.window}-step window after "
+                             f"{history} rows of history; raise the capacity to at least "
+                             f"{(self.window + history + 1) * self.n_envs} transitions")
+        self.history = history
 
     @property
     def min_writes(self) -> int:
@@ -741,7 +761,8 @@ class Replay:
             raise ValueError("Replay.sample: a weight factor needs a buffer built with normalize_weights=True")
         sample_index_kernel[_grid(self.batch_size), BLOCK, stream](
             s["reward"], s["done"], s["action"], s["weight"], s["count"], counter,
-            np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), np.int64(self.window), s["gamma"],
+            np.uint64(self.seed), np.uint64(self.rng_slot), np.int64(self.n_step), np.int64(self.window),
+            np.int64(self.history), s["gamma"],
             out.action, out.reward, out.done, out.discount, out.weight, out.index, out.next_index)
         n_rows = s["obs"].shape[0] * s["obs"].shape[1]  # flat-row views: no index division in the kernel
         mask_rows, next_mask = s["mask"], self.batch_arena["next_mask"]

@@ -41,8 +41,9 @@ _ZERO = np.float32(0.0)
 
 
 @_cuda.jit(cache=True)
-def sequence_valid_kernel(done_store, count, index, valid):
-    """valid [B, K] uint8 (module docstring); one thread per (b, j)."""
+def sequence_valid_kernel(done_store, count, count_offset, index, valid):
+    """valid [B, K] uint8 or float32 (module docstring); one thread per (b, j). count_offset: added to the
+    device count (1: the row the current step's gather has written, before the count advances)."""
     i = _cuda.grid(1)
     n_seq = valid.shape[1]
     if i >= valid.shape[0] * n_seq:
@@ -55,7 +56,7 @@ def sequence_valid_kernel(done_store, count, index, valid):
         return
     n_slots = done_store.shape[0]
     n_envs = done_store.shape[1]
-    c = count[0]
+    c = count[0] + count_offset
     lo = max(c - n_slots, 0)
     s = k0 // n_envs
     e = k0 - s * n_envs
@@ -93,10 +94,16 @@ def sequence_rows_kernel(obs_rows, n_envs, n_slots, index, valid, out):
         d += _cuda.blockDim.x
 
 
-def gather_sequences(replay, index, out, valid, stream) -> None:
+def gather_sequences(replay, index, out, valid, stream, count_offset: int = 0) -> None:
     """The sequences ending at the batch rows `index` (device int64 [B], e.g. ``replay.batch.index``
-    or ``.next_index``) into out float32 [B, K, state_dim] and valid uint8 [B, K] (K = out.shape[1]).
-    Only launches: capturable (reads the replay's device count)."""
+    or ``.next_index``) into out float32 [B, K, state_dim] and valid [B, K] (K = out.shape[1]), uint8,
+    or float32 (1.0 / 0.0: the scan's mask, numbarl/cuda/kernels/ssm.py). Only launches: capturable
+    (reads the replay's device count).
+
+    count_offset=1 (acting): the replay's row count % n_slots already holds this step's observation
+    (the env's gather wrote it through ``Replay.obs_ring``) but the count advances only after the
+    step's write; the window ending at that row then reads the ring as if the count were one more
+    (its done flag, not yet written, is never read: only rows before τ are checked)."""
     s = replay.store
     obs, done = s["obs"], s["done"]
     n_slots, n_envs, dim = obs.shape
@@ -104,12 +111,16 @@ def gather_sequences(replay, index, out, valid, stream) -> None:
     if tuple(out.shape) != (B, K, dim) or np.dtype(out.dtype) != np.float32:
         raise ValueError(f"gather_sequences: out must be float32 [{B}, {K}, {dim}], got {np.dtype(out.dtype)} "
                          f"{list(out.shape)}")
-    if np.dtype(valid.dtype) != np.uint8 or tuple(index.shape) != (B,) or np.dtype(index.dtype) != np.int64:
-        raise ValueError(f"gather_sequences: valid must be uint8 [B, K] and index int64 [B]; got valid "
+    if (np.dtype(valid.dtype) not in (np.uint8, np.float32) or tuple(index.shape) != (B,)
+            or np.dtype(index.dtype) != np.int64):
+        raise ValueError(f"gather_sequences: valid must be uint8 or float32 [B, K] and index int64 [B]; got valid "
                          f"{np.dtype(valid.dtype)} {list(valid.shape)}, index {np.dtype(index.dtype)} {list(index.shape)}")
     if not 1 <= K <= n_slots:
         raise ValueError(f"gather_sequences: sequence length K = {K} must be in [1, n_slots = {n_slots}]")
-    sequence_valid_kernel[launch.blocks(B * K, BLOCK), BLOCK, stream](done, s["count"], index, valid)
+    if count_offset not in (0, 1):
+        raise ValueError(f"gather_sequences: count_offset must be 0 or 1 (got {count_offset})")
+    sequence_valid_kernel[launch.blocks(B * K, BLOCK), BLOCK, stream](done, s["count"], np.int64(count_offset),
+                                                                      index, valid)
     grid, block = launch.row_block(B * K, dim, ROW_THREADS)
     sequence_rows_kernel[grid, block, stream](obs.reshape(n_slots * n_envs, dim), np.int64(n_envs),
                                               np.int64(n_slots), index, valid, out.reshape(B * K, dim))

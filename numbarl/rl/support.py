@@ -44,8 +44,9 @@ def replay_nstep_returns(reward, done, count: int, n_step: int, gamma: float) ->
     """R_n of every valid window of a replay store, float64 [V · N] (module docstring).
 
     reward float32 [n_slots, N], done [n_slots, N] (nonzero = done): the replay's store; count: writes
-    so far. Valid times τ ∈ [max(0, count − n_slots), count − 1 − n] (numbarl/rl/replay.py); empty
-    when there is none.
+    so far. Times τ ∈ [max(0, count − n_slots), count − 1 − n]: the sampler's range without its extra
+    horizons' and history's trims (numbarl/rl/replay.py; a few more complete windows, all valid returns);
+    empty when there is none.
     """
     reward = np.asarray(reward, np.float64)
     done = np.asarray(done) != 0

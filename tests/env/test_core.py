@@ -47,8 +47,9 @@ def bars(mid_c=100.0, spread_c=0.25, vol_c=0.5, mid_n=100.5, spread_n=0.25, high
     return core.make_bars(mid_c, mid_c - spread_c / 2, mid_c + spread_c / 2, vol_c, mid_n, mid_n - spread_n / 2, mid_n + spread_n / 2, high_n, low_n)
 
 
-def step(s, direction, size=1.0, target=0.0, stop=0.0, b=None, preference=0.0, k=None, last_bar=1000):
-    return core.step_core(s, direction, size, target, stop, bars() if b is None else b, np.float32(preference), k or consts(), last_bar)
+def step(s, direction, size=1.0, target=0.0, stop=0.0, b=None, preference=0.0, k=None, last_bar=1000, risk_budget=1.0):
+    return core.step_core(s, direction, size, target, stop, bars() if b is None else b, np.float32(preference),
+                          np.float64(risk_budget), k or consts(), last_bar)
 
 
 def long_position(cursor=10, size=2.0, entry=100.125, plan_target=0.0, plan_stop=0.0, target_level=0.0, stop_level=0.0, last_entry=10):
@@ -382,21 +383,21 @@ def test_kelly_size_hand_computed():
     # 3 wins summing 6, 1 loss of 1: p = 3/4, b = (6/3) / (1/1) = 2, f* = 0.75 - 0.25 / 2 = 0.625
     assert core.kelly_fraction(3, 1, 6.0, 1.0) == 0.625
     # half Kelly: cap = 4 x 0.3125 = 1.25 contracts -> 1 lot; an order below the cap keeps its size
-    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, k) == 1.0 and core.kelly_size(1.0, 3, 1, 6.0, 1.0, k) == 1.0
+    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, k, 1.0) == 1.0 and core.kelly_size(1.0, 3, 1, 6.0, 1.0, k, 1.0) == 1.0
     # full Kelly: cap 2.5 -> 2 lots; twice Kelly: 1.25 clipped to 1 -> the whole size
-    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, consts(**{**KELLY, "kelly_lambda": 1.0})) == 2.0
-    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, consts(**{**KELLY, "kelly_lambda": 2.0})) == 4.0
+    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, consts(**{**KELLY, "kelly_lambda": 1.0}), 1.0) == 2.0
+    assert core.kelly_size(4.0, 3, 1, 6.0, 1.0, consts(**{**KELLY, "kelly_lambda": 2.0}), 1.0) == 4.0
     # no history (f* = 0), wins only, or no edge (1 win of 1, 3 losses of 1: f* = 0.25 - 0.75 = -0.5): the floor, 4 x 0.25 = 1
-    assert core.kelly_size(4.0, 0, 0, 0.0, 0.0, k) == 1.0 and core.kelly_size(4.0, 2, 0, 5.0, 0.0, k) == 1.0
-    assert core.kelly_fraction(1, 3, 1.0, 3.0) == -0.5 and core.kelly_size(4.0, 1, 3, 1.0, 3.0, k) == 1.0
+    assert core.kelly_size(4.0, 0, 0, 0.0, 0.0, k, 1.0) == 1.0 and core.kelly_size(4.0, 2, 0, 5.0, 0.0, k, 1.0) == 1.0
+    assert core.kelly_fraction(1, 3, 1.0, 3.0) == -0.5 and core.kelly_size(4.0, 1, 3, 1.0, 3.0, k, 1.0) == 1.0
     # floor 0: the cap never goes below the smallest size (an entry stays an entry)
-    assert core.kelly_size(4.0, 1, 3, 1.0, 3.0, consts(**{**KELLY, "kelly_floor": 0.0})) == 1.0
+    assert core.kelly_size(4.0, 1, 3, 1.0, 3.0, consts(**{**KELLY, "kelly_floor": 0.0}), 1.0) == 1.0
     # fractional lots: sizes (0.5, 1, 2) in lots of 0.5, full Kelly 0.625: cap 1.25 -> 2 lots = 1.0
     kf = consts(sizes=(0.5, 1.0, 2.0), size_step=0.5, kelly_lambda=1.0)
-    assert core.kelly_size(2.0, 3, 1, 6.0, 1.0, kf) == 1.0
+    assert core.kelly_size(2.0, 3, 1, 6.0, 1.0, kf, 1.0) == 1.0
     # a cap that is a whole number of lots only up to rounding keeps the lot: 0.004 x 0.5 / 0.001 = 2 lots
     km = consts(sizes=(0.001, 0.002, 0.004), size_step=0.001, kelly_lambda=1.0, kelly_floor=0.5)
-    assert core.kelly_size(np.float64(np.float32(0.004)), 0, 0, 0.0, 0.0, km) == np.float64(np.float32(0.002))
+    assert core.kelly_size(np.float64(np.float32(0.004)), 0, 0, 0.0, 0.0, km, 1.0) == np.float64(np.float32(0.002))
 
 
 def test_kelly_cap_in_the_step():
@@ -473,7 +474,7 @@ def test_kelly_parity_device_vs_reference(rng, make_market):
         dev.arena["preference"].copy_to_device(pref)
         dev.step()
         rec = np.zeros((tel.N_REC, n_envs), np.float64)
-        tel.step_record_ref(cpu.state, actions, cpu.grids, cpu.market, pref, cpu.k, cpu.lo, cpu.hi, cpu.seed,
+        tel.step_record_ref(cpu.state, actions, cpu.grids, cpu.market, pref, cpu.risk_budget, cpu.k, cpu.lo, cpu.hi, cpu.seed,
                             cpu.counter[0], cpu.out, rec)
         records.append(rec)
         # on a GPU the float64 state can differ from the host reference in the last bit: the device

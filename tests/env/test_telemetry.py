@@ -80,8 +80,8 @@ def run_both(rng, make_market, n_envs=3, n_steps=36, **kw):
         dev.step()
         dev.advance()
         rec = np.zeros((tel.N_REC, n_envs), np.float64)
-        tel.step_record_ref(rec_env.state, actions[t], rec_env.grids, rec_env.market, preference[t], rec_env.k,
-                            rec_env.lo, rec_env.hi, rec_env.seed, rec_env.counter[0], rec_env.out, rec)
+        tel.step_record_ref(rec_env.state, actions[t], rec_env.grids, rec_env.market, preference[t], rec_env.risk_budget,
+                            rec_env.k, rec_env.lo, rec_env.hi, rec_env.seed, rec_env.counter[0], rec_env.out, rec)
         rec_env.advance()
         plain.step(actions[t], preference[t])
         plain.advance()

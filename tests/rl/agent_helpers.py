@@ -4,6 +4,19 @@ plain / aux train-step sequence, and the bitwise comparison of two snapshots."""
 
 import numpy as np
 
+# the real size of the GPU tests of the agent's auxiliary components (tests/rl/test_gpu_*.py)
+GPU_SIZES = (3, 3, 4, 4)
+GPU_STATE_DIM, GPU_N_ENVS = 64, 64
+
+
+def gpu_agent_config(**fields):
+    """The GPU tests' agent configuration: a 512 x 512 trunk, 51 atoms, batches of 4096 from a 64-step replay of
+    64 envs, 3-step returns, Polyak targets, weight decay 0.01; `fields`: the component under test."""
+    from numbarl.config import AgentConfig
+
+    return AgentConfig(trunk=(512, 512), n_atoms=51, batch_size=4096, replay_capacity=64 * GPU_N_ENVS, n_step=3,
+                       gamma=0.99, target_update="polyak", weight_decay=0.01, **fields)
+
 
 def fill_replay(agent, rng, done_rate: float = 0.05, count: int | None = None):
     """Every slot of the agent's replay written with random transitions of its own shapes (rewards
@@ -93,3 +106,158 @@ def check_trunk_gradient_is_the_sum_of_both_heads(rng, make_aux, d_aux_shape, de
         assert_close(grads[name], want, 1e-5, 1e-4)
     _, g_c51_only = trunk.backward_ref(dh_c51, trunk_cache, params)
     assert not np.allclose(grads["trunk.fc0.w"], g_c51_only["trunk.fc0.w"])  # the auxiliary head's part is in it
+
+
+def build_module(module, rng, B, tags=(("online", True),), **declare):
+    """(module, store, values, acts): the module's parameters declared in a store of their own, allocated and
+    initialized from rng (values: store.init's), its activations for batch B for each (tag, backward) of tags
+    (declare: further keyword arguments of declare_acts)."""
+    from numbarl.cuda.runtime import Arena
+    from numbarl.rl.nets.base import ParamStore
+
+    store = ParamStore()
+    module.declare_params(store)
+    store.allocate()
+    values = store.init(rng)
+    acts = Arena("acts")
+    for tag, backward in tags:
+        module.declare_acts(acts, B, tag, backward=backward, **declare)
+    acts.allocate()
+    return module, store, values, acts
+
+
+def check_aux_step_trains_the_head(agent, s, prefix):
+    """One aux train step: every parameter whose name starts with prefix gets a finite, nonzero gradient and a
+    new value. Returns (those names, the parameters before the step, the target parameters before it, the
+    parameters after it), all on the host."""
+    before = agent.store.to_host("params")
+    target = agent.store.to_host("target")
+    agent.train_step(s, aux=True)
+    s.synchronize()
+    after = agent.store.to_host("params")
+    grads = agent.store.to_host("grads")
+    names = [n for n in agent.store.specs if n.startswith(prefix)]
+    for n in names:
+        assert np.all(np.isfinite(grads[n])) and np.any(grads[n] != 0), n
+        assert not np.array_equal(before[n], after[n]), n
+    return names, before, target, after
+
+
+def agent_snapshot(agent, s, arrays=None):
+    """The agent's state arrays, then the given device arrays {name: array} (copied on s, in order), then its
+    parameter gradients as grads/<name>, all on the host."""
+    out = dict(agent.state_arrays())
+    for name, array in (arrays or {}).items():
+        out[name] = array.copy_to_host(stream=s)
+    out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
+    s.synchronize()
+    return out
+
+
+def train_steps(agent, s, graph=None, n=3):
+    """n plain train steps (eagerly, or by replaying the given graph of one)."""
+    for _ in range(n):
+        if graph is None:
+            agent.train_step(s)
+        else:
+            graph.replay(s)
+    s.synchronize()
+
+
+def capture_aux_steps(agent, s):
+    """The graphs aux_steps replays: {aux: graph of train_step(aux=aux)}."""
+    from numbarl.cuda import graph as cuda_graph
+
+    return {aux: cuda_graph.capture(lambda st, a=aux: agent.train_step(st, aux=a), stream=s, warmup=False)
+            for aux in (True, False)}
+
+
+def capture_train_step(agent, s):
+    """The graph train_steps replays: one plain train step."""
+    from numbarl.cuda import graph as cuda_graph
+
+    return cuda_graph.capture(agent.train_step, stream=s, warmup=False)
+
+
+def check_graph_replay_equals_eager(agent, rng, snapshot, steps=aux_steps, capture=capture_aux_steps):
+    """The replay filled from rng, `steps` run eagerly from the start state, the start reloaded and the steps
+    run again by the graphs `capture(agent, s)` gives: the two snapshots `snapshot(agent, s)` bitwise equal.
+    Returns the eager snapshot, the start state and the stream, for the caller's own checks."""
+    from numbarl.cuda.runtime import stream
+
+    fill_replay(agent, rng)
+    s = stream()
+    start = agent.state_arrays()
+    steps(agent, s)
+    eager = snapshot(agent, s)
+    graphs = capture(agent, s)
+    agent.load_state(start)
+    steps(agent, s, graphs)
+    assert_bitwise(eager, snapshot(agent, s))
+    return eager, start, s
+
+
+def check_two_runs_bitwise_identical(rng, make_agent, snapshot, steps=aux_steps):
+    """Two agents `make_agent()` on replays filled from one seed drawn from rng, `steps` run on each: their
+    snapshots bitwise equal."""
+    from numbarl.cuda.runtime import stream
+
+    seed = int(rng.integers(2**31))
+    snaps = []
+    for _ in range(2):
+        agent = make_agent()
+        fill_replay(agent, np.random.default_rng(seed))
+        s = stream()
+        steps(agent, s)
+        snaps.append(snapshot(agent, s))
+    assert_bitwise(*snaps)
+
+
+def check_input_gradient_fd(rng, loss_of, h, dh, n, eps=1e-6):
+    """dh against central differences of loss_of(h) at n random entries of the (B, H) input h."""
+    B, H = h.shape
+    for _ in range(n):
+        b, c = rng.integers(B), rng.integers(H)
+        up, down = h.copy(), h.copy()
+        up[b, c] += eps
+        down[b, c] -= eps
+        numeric = (loss_of(up) - loss_of(down)) / (2 * eps)
+        assert abs(dh[b, c] - numeric) <= 1e-8 + 1e-5 * abs(numeric)
+
+
+def check_param_gradients_fd(rng, loss_of, p, grads, n, eps=1e-6):
+    """grads against central differences of loss_of(p) at n random entries of each parameter of p."""
+    for name in p:
+        for _ in range(n):
+            idx = tuple(rng.integers(s) for s in p[name].shape)
+            up, down = {k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in p.items()}
+            up[name][idx] += eps
+            down[name][idx] -= eps
+            numeric = (loss_of(up) - loss_of(down)) / (2 * eps)
+            assert abs(grads[name][idx] - numeric) <= 1e-8 + 1e-5 * abs(numeric), name
+
+
+def check_scalar_head_forward_backward(rng, head, store, values, B, H):
+    """A head of one output per row (B, 1) on the device against its float64 reference: its output, dh and its
+    parameter gradients for a random input (B, H) and output gradient."""
+    from numbarl.cuda.runtime import cuda, stream
+    from numbarl.cuda.testing import assert_close
+
+    def dev(x):
+        return cuda().to_device(np.ascontiguousarray(x))
+
+    p = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    h = rng.standard_normal((B, H)).astype(np.float32)
+    dy = rng.standard_normal((B, 1)).astype(np.float32)
+    s = stream()
+    y = head.forward(dev(h), s, tag="online")
+    assert y.shape == (B, 1) and head.output("online").shape == (B, 1)
+    y_ref, cache = head.forward_ref(h, p)
+    assert_close(y.copy_to_host(), y_ref, 1e-5, 1e-4)
+    dh = head.backward(dev(dy), s, tag="online")
+    dh_ref, g_ref = head.backward_ref(dy, cache, p)
+    assert_close(dh.copy_to_host(), dh_ref, 1e-5, 1e-4)
+    grads = store.to_host("grads")
+    assert set(g_ref) == set(head.param_names)
+    for name, ref in g_ref.items():
+        assert_close(grads[name], ref, 1e-5, 1e-4)

@@ -22,12 +22,16 @@ FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bar
 # is tiny so that the tiny run's small gradients are clipped
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
-               "--set", "agent.feature_gate=true", "--set", "agent.lock_aware_target=true",
+               "--set", "agent.feature_gate=true", "--set", "agent.kan_gate=true",
+               "--set", "agent.feature_attention=true",
+               "--set", "agent.lock_aware_target=true",
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
-               "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
+               "--set", "agent.iqn=true", "--set", "agent.risk_budget=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
                "--set", "agent.iql=true", "--set", "agent.iql_hidden=8",
                "--set", "agent.confidence_weight=0.5",  # recursive confidence
+               "--set", "agent.predictive_weight=0.1",  # predictive coding
+               "--set", "agent.regime_dropout=true", "--set", "agent.regime_dropout_col=0",  # regime dropout
                "--set", "agent.curiosity_weight=0.1", "--set", "agent.curiosity_hidden=8",
                "--set", "agent.curiosity_trunk_grad=true"],
     "periodic": ["--set", "agent.target_update=periodic", "--set", "agent.target_period=2",
@@ -46,7 +50,9 @@ RUNS = {
     # switches of the periodic run of trades: its own one-epoch run
     "cvar": ["--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0",
              # the ensemble and its epistemic gate (agent.ensemble_heads): +5 s here, +19 s in the polyak run
-             "--set", "agent.ensemble_heads=2", "--set", "agent.epistemic_theta=0.01"],
+             "--set", "agent.ensemble_heads=2", "--set", "agent.epistemic_theta=0.01",
+             # the temporal input (agent.temporal): a scan over the last 2 bars before the trunk
+             "--set", "agent.temporal=mamba", "--set", "agent.temporal_steps=2"],
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
     # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)
     "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5",
@@ -89,7 +95,7 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
-          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh",
+          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh",
           "adaptive_atoms": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})

@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from agent_helpers import build_module, check_aux_step_trains_the_head, check_scalar_head_forward_backward
 from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads, fill_replay
 
-from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
 from numbarl.env.params import DIR_FLAT, DIR_LONG, DIR_SHORT
 from numbarl.rl.losses.confidence import (
@@ -18,7 +19,6 @@ from numbarl.rl.losses.confidence import (
     confidence_ref,
     confidence_target_ref,
 )
-from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.confidence import ConfidenceHead, sigmoid_ref
 
 _cuda = cuda()
@@ -90,16 +90,7 @@ def test_reference_loss_gradient_matches_finite_differences(rng):
 
 
 def _build_head(rng, B, H, tags=(("online", True),)):
-    head = ConfidenceHead("conf", H)
-    store = ParamStore()
-    head.declare_params(store)
-    store.allocate()
-    values = store.init(rng)
-    acts = Arena("acts")
-    for tag, backward in tags:
-        head.declare_acts(acts, B, tag, backward=backward)
-    acts.allocate()
-    return head, store, values, acts
+    return build_module(ConfidenceHead("conf", H), rng, B, tags)
 
 
 def test_reference_head_gradients_match_finite_differences(rng):
@@ -185,21 +176,7 @@ def test_loss_kernel_action_outside_its_branch_is_nan():
 def test_head_forward_and_backward_match_reference(rng):
     B, H = 5, 7
     head, store, values, _ = _build_head(rng, B, H)
-    p = {k: np.asarray(v, np.float64) for k, v in values.items()}
-    h = rng.standard_normal((B, H)).astype(np.float32)
-    dz = rng.standard_normal((B, 1)).astype(np.float32)
-    s = stream()
-    z = head.forward(_dev(h), s, tag="online")
-    assert z.shape == (B, 1) and head.output("online").shape == (B, 1)
-    z_ref, cache = head.forward_ref(h, p)
-    assert_close(z.copy_to_host(), z_ref, 1e-5, 1e-4)
-    dh = head.backward(_dev(dz), s, tag="online")
-    dh_ref, g_ref = head.backward_ref(dz, cache, p)
-    assert_close(dh.copy_to_host(), dh_ref, 1e-5, 1e-4)
-    grads = store.to_host("grads")
-    assert set(g_ref) == set(head.param_names)
-    for name, ref in g_ref.items():
-        assert_close(grads[name], ref, 1e-5, 1e-4)
+    check_scalar_head_forward_backward(rng, head, store, values, B, H)
 
 
 def test_trunk_gradient_is_the_sum_of_both_heads(rng):
@@ -230,17 +207,9 @@ def test_agent_train_step_with_confidence_trains_the_head_and_the_trunk(rng):
     assert "head.conf" in agent.optim.groups and "grad_norm.head.conf" in agent.stats_layout
     fill_replay(agent, rng, done_rate=0.2, count=13)
     s = stream()
-    before = agent.store.to_host("params")
-    target = {k: np.asarray(v, np.float64) for k, v in agent.store.to_host("target").items()}
-    agent.train_step(s, aux=True)
-    s.synchronize()
-    after = agent.store.to_host("params")
-    grads = agent.store.to_host("grads")
-    names = [n for n in agent.store.specs if n.startswith("conf.")]
+    names, before, target, _ = check_aux_step_trains_the_head(agent, s, "conf.")
     assert names == ["conf.fc.w", "conf.fc.b"]
-    for n in names:
-        assert np.all(np.isfinite(grads[n])) and np.any(grads[n] != 0), n
-        assert not np.array_equal(before[n], after[n]), n
+    target = {k: np.asarray(v, np.float64) for k, v in target.items()}
     batch = agent.replay.batch
     actions, rewards, dones = batch.action.copy_to_host(), batch.reward.copy_to_host(), batch.done.copy_to_host()
     # z′: the head with TARGET parameters on the target network's trunk output at next_obs

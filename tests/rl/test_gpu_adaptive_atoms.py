@@ -8,12 +8,9 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_adaptive_atoms.py -m 
 
 import numpy as np
 import pytest
-from agent_helpers import assert_bitwise as _assert_bitwise
-from agent_helpers import aux_steps as _steps
-from agent_helpers import fill_replay as _fill
+from agent_helpers import agent_snapshot, check_graph_replay_equals_eager, check_two_runs_bitwise_identical
 
 from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.runtime import cuda, stream
 from numbarl.rl.agents.dqn import DQNAgent
 from numbarl.rl.losses import atoms
@@ -97,38 +94,16 @@ def _agent(seed=1):
 
 
 def _snapshot(agent, s):
-    out = dict(agent.state_arrays())
-    out["loss"] = agent.loss.loss.copy_to_host(stream=s)
-    out["target_dist"] = agent.loss.target_dist.copy_to_host(stream=s)
-    out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
-    s.synchronize()
-    return out
+    return agent_snapshot(agent, s, {"loss": agent.loss.loss, "target_dist": agent.loss.target_dist})
 
 
 def test_graph_replay_equals_eager_bitwise(rng):
     agent = _agent()
-    _fill(agent, rng)
-    s = stream()
-    start = agent.state_arrays()
-    _steps(agent, s)
-    eager = _snapshot(agent, s)
-    graphs = {aux: cuda_graph.capture(lambda st, a=aux: agent.train_step(st, aux=a), stream=s, warmup=False)
-              for aux in (True, False)}
-    agent.load_state(start)
-    _steps(agent, s, graphs)
-    _assert_bitwise(eager, _snapshot(agent, s))
+    eager, start, s = check_graph_replay_equals_eager(agent, rng, _snapshot)
     assert eager["atoms/support_mode"][0] == 1 and not np.array_equal(eager["atoms/support"], start["atoms/support"])
     ratio = agent.read_stats(s)["atom_spacing_ratio"]
     assert np.isfinite(ratio) and ratio > 1.0
 
 
 def test_two_runs_bitwise_identical(rng):
-    seed = int(rng.integers(2**31))
-    snaps = []
-    for _ in range(2):
-        agent = _agent(seed=3)
-        _fill(agent, np.random.default_rng(seed))
-        s = stream()
-        _steps(agent, s)
-        snaps.append(_snapshot(agent, s))
-    _assert_bitwise(*snaps)
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3), _snapshot)

@@ -12,12 +12,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import assert_bitwise as _assert_bitwise
-from agent_helpers import aux_steps as _steps
+from agent_helpers import GPU_N_ENVS, GPU_SIZES, GPU_STATE_DIM, agent_snapshot, check_graph_replay_equals_eager
+from agent_helpers import check_two_runs_bitwise_identical, gpu_agent_config
 from agent_helpers import fill_replay as _fill
 
-from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.runtime import cuda, stream
 from numbarl.env.params import DIR_LONG, DIR_SHORT
 from numbarl.rl.agents.dqn import DQNAgent
@@ -33,10 +31,8 @@ from numbarl.rl.nets.ensemble import (
 
 pytestmark = pytest.mark.gpu
 
-SIZES = (3, 3, 4, 4)
-STATE_DIM, N_ENVS = 64, 64
-CFG = AgentConfig(trunk=(512, 512), n_atoms=51, batch_size=4096, replay_capacity=64 * N_ENVS, n_step=3, gamma=0.99,
-                  target_update="polyak", ensemble_heads=5, epistemic_theta=0.05, aux_frequency=2, weight_decay=0.01)
+SIZES, STATE_DIM, N_ENVS = GPU_SIZES, GPU_STATE_DIM, GPU_N_ENVS
+CFG = gpu_agent_config(ensemble_heads=5, epistemic_theta=0.05, aux_frequency=2)
 WITH_IQN = replace(CFG, iqn=True, iqn_quantiles=8, iqn_embed=16)
 KEYS = ("w_value", "b_value", "w_adv", "b_adv")
 
@@ -46,15 +42,12 @@ def _agent(seed=1, cfg=None):
 
 
 def _snapshot(agent, s):
-    out = dict(agent.state_arrays())
-    out["ensemble_mask"] = agent.ens_state["mask"].copy_to_host(stream=s)
+    arrays = {"ensemble_mask": agent.ens_state["mask"]}
     for m, loss in enumerate(agent.ens_losses):
-        out[f"ensemble_loss.{m}"] = loss.loss.copy_to_host(stream=s)
-        out[f"ensemble_d_logits.{m}"] = loss.d_logits.copy_to_host(stream=s)
-    out["dh"] = agent.aux_state["dh"].copy_to_host(stream=s)
-    out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
-    s.synchronize()
-    return out
+        arrays[f"ensemble_loss.{m}"] = loss.loss
+        arrays[f"ensemble_d_logits.{m}"] = loss.d_logits
+    arrays["dh"] = agent.aux_state["dh"]
+    return agent_snapshot(agent, s, arrays)
 
 
 def _close(got, want, rel=1e-4):
@@ -134,28 +127,10 @@ def test_gate_on_the_acting_pass_matches_reference(rng):
 
 @pytest.mark.parametrize("cfg", [CFG, WITH_IQN], ids=["ensemble", "with_iqn"])
 def test_graph_replay_equals_eager_bitwise(rng, cfg):
-    agent = _agent(cfg=cfg)
-    _fill(agent, rng)
-    s = stream()
-    start = agent.state_arrays()
-    _steps(agent, s)
-    eager = _snapshot(agent, s)
-    graphs = {aux: cuda_graph.capture(lambda st, a=aux: agent.train_step(st, aux=a), stream=s, warmup=False)
-              for aux in (True, False)}
-    agent.load_state(start)
-    _steps(agent, s, graphs)
-    _assert_bitwise(eager, _snapshot(agent, s))
+    eager, _, _ = check_graph_replay_equals_eager(_agent(cfg=cfg), rng, _snapshot)
     assert np.isfinite(eager["ensemble_loss.0"][0]) and eager["ensemble_loss.0"][0] > 0
 
 
 @pytest.mark.parametrize("cfg", [CFG, WITH_IQN], ids=["ensemble", "with_iqn"])
 def test_two_runs_bitwise_identical(rng, cfg):
-    seed = int(rng.integers(2**31))
-    snaps = []
-    for _ in range(2):
-        agent = _agent(seed=3, cfg=cfg)
-        _fill(agent, np.random.default_rng(seed))
-        s = stream()
-        _steps(agent, s)
-        snaps.append(_snapshot(agent, s))
-    _assert_bitwise(*snaps)
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3, cfg=cfg), _snapshot)

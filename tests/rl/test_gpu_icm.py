@@ -7,21 +7,20 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_icm.py -m gpu -q`
 
 import numpy as np
 import pytest
+from agent_helpers import GPU_N_ENVS, GPU_SIZES, GPU_STATE_DIM, agent_snapshot, capture_train_step
+from agent_helpers import check_graph_replay_equals_eager, check_two_runs_bitwise_identical, gpu_agent_config
+from agent_helpers import train_steps
 from agent_helpers import assert_bitwise as _assert_bitwise
 from agent_helpers import fill_replay as _fill
 
-from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.runtime import stream
 from numbarl.rl.agents.dqn import DQNAgent
 from numbarl.rl.losses.icm import icm_loss_ref, intrinsic_reward_ref
 
 pytestmark = pytest.mark.gpu
 
-SIZES = (3, 3, 4, 4)
-STATE_DIM, N_ENVS = 64, 64
-CFG = AgentConfig(trunk=(512, 512), n_atoms=51, batch_size=4096, replay_capacity=64 * N_ENVS, n_step=3, gamma=0.99,
-                  target_update="polyak", curiosity_weight=0.1, curiosity_hidden=256, weight_decay=0.01)
+SIZES, STATE_DIM, N_ENVS = GPU_SIZES, GPU_STATE_DIM, GPU_N_ENVS
+CFG = gpu_agent_config(curiosity_weight=0.1, curiosity_hidden=256)
 N_STEPS = 3
 
 
@@ -32,21 +31,11 @@ def _agent(seed=1, **kw):
 
 
 def _steps(agent, s, graph=None):
-    for _ in range(N_STEPS):
-        if graph is None:
-            agent.train_step(s)
-        else:
-            graph.replay(s)
-    s.synchronize()
+    train_steps(agent, s, graph, N_STEPS)
 
 
 def _snapshot(agent, s):
-    out = dict(agent.state_arrays())
-    out["icm_loss"] = agent.icm_loss.loss.copy_to_host(stream=s)
-    out["rewards"] = agent.icm_loss.rewards.copy_to_host(stream=s)
-    out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
-    s.synchronize()
-    return out
+    return agent_snapshot(agent, s, {"icm_loss": agent.icm_loss.loss, "rewards": agent.icm_loss.rewards})
 
 
 def _inputs(agent):
@@ -122,29 +111,13 @@ def test_kernels_match_the_pytorch_peer(rng):
 @pytest.mark.parametrize("trunk_grad", [False, True])
 def test_graph_replay_equals_eager_bitwise(rng, trunk_grad):
     agent = _agent(curiosity_trunk_grad=trunk_grad)
-    _fill(agent, rng)
-    s = stream()
-    start = agent.state_arrays()
-    _steps(agent, s)
-    eager = _snapshot(agent, s)
-    graph = cuda_graph.capture(agent.train_step, stream=s, warmup=False)
-    agent.load_state(start)
-    _steps(agent, s, graph)
-    _assert_bitwise(eager, _snapshot(agent, s))
+    eager, _, _ = check_graph_replay_equals_eager(agent, rng, _snapshot, _steps, capture_train_step)
     assert np.isfinite(eager["icm_loss"][0]) and eager["icm/scale"][0] > 0
 
 
 @pytest.mark.parametrize("trunk_grad", [False, True])
 def test_two_runs_bitwise_identical(rng, trunk_grad):
-    seed = int(rng.integers(2**31))
-    snaps = []
-    for _ in range(2):
-        agent = _agent(seed=3, curiosity_trunk_grad=trunk_grad)
-        _fill(agent, np.random.default_rng(seed))
-        s = stream()
-        _steps(agent, s)
-        snaps.append(_snapshot(agent, s))
-    _assert_bitwise(*snaps)
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3, curiosity_trunk_grad=trunk_grad), _snapshot, _steps)
 
 
 def test_off_is_bitwise_the_plain_agent(rng):

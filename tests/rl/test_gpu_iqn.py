@@ -7,23 +7,18 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_iqn.py -m gpu -q`
 
 import numpy as np
 import pytest
-from agent_helpers import assert_bitwise as _assert_bitwise
-from agent_helpers import aux_steps as _steps
+from agent_helpers import GPU_N_ENVS, GPU_SIZES, GPU_STATE_DIM, agent_snapshot, check_graph_replay_equals_eager
+from agent_helpers import check_two_runs_bitwise_identical, gpu_agent_config
 from agent_helpers import fill_replay as _fill
 
-from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.runtime import stream
 from numbarl.rl.agents.dqn import DQNAgent
 from numbarl.rl.losses.quantile_huber import quantile_huber_ref
 
 pytestmark = pytest.mark.gpu
 
-SIZES = (3, 3, 4, 4)
-STATE_DIM, N_ENVS = 64, 64
-CFG = AgentConfig(trunk=(512, 512), n_atoms=51, batch_size=4096, replay_capacity=64 * N_ENVS, n_step=3, gamma=0.99,
-                  target_update="polyak", iqn=True, iqn_quantiles=32, iqn_embed=64, aux_frequency=2,
-                  weight_decay=0.01)
+SIZES, STATE_DIM, N_ENVS = GPU_SIZES, GPU_STATE_DIM, GPU_N_ENVS
+CFG = gpu_agent_config(iqn=True, iqn_quantiles=32, iqn_embed=64, aux_frequency=2)
 
 
 def _agent(seed=1):
@@ -31,11 +26,7 @@ def _agent(seed=1):
 
 
 def _snapshot(agent, s):
-    out = dict(agent.state_arrays())
-    out["iqn_loss"] = agent.iqn_loss.loss.copy_to_host(stream=s)
-    out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
-    s.synchronize()
-    return out
+    return agent_snapshot(agent, s, {"iqn_loss": agent.iqn_loss.loss})
 
 
 def test_loss_matches_reference_at_real_size(rng):
@@ -59,27 +50,9 @@ def test_loss_matches_reference_at_real_size(rng):
 
 
 def test_graph_replay_equals_eager_bitwise(rng):
-    agent = _agent()
-    _fill(agent, rng)
-    s = stream()
-    start = agent.state_arrays()
-    _steps(agent, s)
-    eager = _snapshot(agent, s)
-    graphs = {aux: cuda_graph.capture(lambda st, a=aux: agent.train_step(st, aux=a), stream=s, warmup=False)
-              for aux in (True, False)}
-    agent.load_state(start)
-    _steps(agent, s, graphs)
-    _assert_bitwise(eager, _snapshot(agent, s))
+    eager, _, _ = check_graph_replay_equals_eager(_agent(), rng, _snapshot)
     assert np.isfinite(eager["iqn_loss"][0]) and eager["iqn/readiness_state"][0] > 0
 
 
 def test_two_runs_bitwise_identical(rng):
-    seed = int(rng.integers(2**31))
-    snaps = []
-    for _ in range(2):
-        agent = _agent(seed=3)
-        _fill(agent, np.random.default_rng(seed))
-        s = stream()
-        _steps(agent, s)
-        snaps.append(_snapshot(agent, s))
-    _assert_bitwise(*snaps)
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3), _snapshot)

@@ -7,11 +7,11 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_mh.py -m gpu -q`
 
 import numpy as np
 import pytest
-from agent_helpers import assert_bitwise as _assert_bitwise
+from agent_helpers import agent_snapshot, capture_train_step, check_graph_replay_equals_eager
+from agent_helpers import check_two_runs_bitwise_identical, train_steps
 from agent_helpers import fill_replay as _fill
 
 from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.runtime import stream
 from numbarl.rl.agents.dqn import DQNAgent
 from numbarl.rl.losses.multi_horizon import multi_horizon_loss_ref
@@ -31,13 +31,8 @@ def _agent(seed=1):
 
 
 def _snapshot(agent, s):
-    out = dict(agent.state_arrays())
-    out["mh_loss"] = agent.mh.loss.copy_to_host(stream=s)
-    out["mh_weights"] = agent.mh.weights.copy_to_host(stream=s)
-    out["d_logits"] = agent.loss.d_logits.copy_to_host(stream=s)
-    out.update({f"grads/{k}": v for k, v in agent.store.to_host("grads").items()})
-    s.synchronize()
-    return out
+    return agent_snapshot(agent, s, {"mh_loss": agent.mh.loss, "mh_weights": agent.mh.weights,
+                                     "d_logits": agent.loss.d_logits})
 
 
 def _step_inputs(agent):
@@ -81,29 +76,9 @@ def test_loss_matches_reference_and_peer_at_real_size(rng):
 
 
 def test_graph_replay_equals_eager_bitwise(rng):
-    agent = _agent()
-    _fill(agent, rng)
-    s = stream()
-    start = agent.state_arrays()
-    for _ in range(3):
-        agent.train_step(s)
-    eager = _snapshot(agent, s)
-    graph = cuda_graph.capture(agent.train_step, stream=s, warmup=False)
-    agent.load_state(start)
-    for _ in range(3):
-        graph.replay(s)
-    _assert_bitwise(eager, _snapshot(agent, s))
+    eager, _, _ = check_graph_replay_equals_eager(_agent(), rng, _snapshot, train_steps, capture_train_step)
     assert np.isfinite(eager["mh_loss"][0]) and eager["mh_loss"][0] > 0
 
 
 def test_two_runs_bitwise_identical(rng):
-    seed = int(rng.integers(2**31))
-    snaps = []
-    for _ in range(2):
-        agent = _agent(seed=3)
-        _fill(agent, np.random.default_rng(seed))
-        s = stream()
-        for _ in range(3):
-            agent.train_step(s)
-        snaps.append(_snapshot(agent, s))
-    _assert_bitwise(*snaps)
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3), _snapshot, train_steps)

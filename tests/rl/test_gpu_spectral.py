@@ -9,7 +9,8 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_spectral.py -m gpu -q
 import numpy as np
 import pytest
 from agent_helpers import assert_bitwise as _assert_bitwise
-from agent_helpers import fill_replay as _fill
+from agent_helpers import capture_train_step, check_graph_replay_equals_eager, check_two_runs_bitwise_identical
+from agent_helpers import train_steps
 
 from numbarl.config import AgentConfig
 from numbarl.cuda import graph as cuda_graph
@@ -89,33 +90,12 @@ def _snapshot(agent, s):
 
 def test_train_graph_replay_equals_eager_bitwise(rng):
     agent = _agent()
-    _fill(agent, rng)
-    s = stream()
-    start = agent.state_arrays()
-    for _ in range(3):
-        agent.train_step(s)
-    s.synchronize()
-    eager = _snapshot(agent, s)
-    graph = cuda_graph.capture(agent.train_step, stream=s, warmup=False)
-    agent.load_state(start)
-    for _ in range(3):
-        graph.replay(s)
-    s.synchronize()
-    _assert_bitwise(eager, _snapshot(agent, s))
+    eager, _, _ = check_graph_replay_equals_eager(agent, rng, _snapshot, train_steps, capture_train_step)
     assert all(eager[f"spectral/{layer}.sigma"][0] > 0 for layer in agent.spectral.names)
 
 
 def test_two_runs_bitwise_identical(rng):
-    seed = int(rng.integers(2**31))
-    snaps = []
-    for _ in range(2):
-        agent = _agent(seed=3)
-        _fill(agent, np.random.default_rng(seed))
-        s = stream()
-        for _ in range(3):
-            agent.train_step(s)
-        snaps.append(_snapshot(agent, s))
-    _assert_bitwise(*snaps)
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3), _snapshot, train_steps)
 
 
 def test_collect_with_the_cvar_gate_graph_equals_eager_bitwise():

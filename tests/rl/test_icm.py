@@ -10,12 +10,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import fill_replay
+from agent_helpers import build_module, check_param_gradients_fd, fill_replay
 
-from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
 from numbarl.rl.losses.icm import IcmLoss, icm_loss_ref, intrinsic_reward_ref
-from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.icm import Icm, icm_inputs_ref
 
 _cuda = cuda()
@@ -35,14 +34,7 @@ def _batch(rng, B, H, done_rate=0.3):
 
 
 def _build(rng, B, H, n):
-    icm = Icm("icm", H, SIZES, n)
-    store = ParamStore()
-    icm.declare_params(store)
-    store.allocate()
-    values = store.init(rng)
-    acts = Arena("acts")
-    icm.declare_acts(acts, B, "online")
-    acts.allocate()
+    icm, store, values, _ = build_module(Icm("icm", H, SIZES, n), rng, B)
     return icm, store, values
 
 
@@ -86,15 +78,7 @@ def test_reference_gradients_match_finite_differences(rng):
     r = icm_loss_ref(phi_hat, x["phi_next"], logits, x["actions"], x["dones"], SIZES)
     grads = icm.backward_ref(r["d_phi_hat"], r["d_logits"], cache, p)
     assert sorted(grads) == sorted(icm.param_names) and len(grads) == 8
-    eps = 1e-6
-    for name in p:
-        for _ in range(4):
-            idx = tuple(rng.integers(s) for s in p[name].shape)
-            up, down = {k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in p.items()}
-            up[name][idx] += eps
-            down[name][idx] -= eps
-            numeric = (loss_of(up) - loss_of(down)) / (2 * eps)
-            assert abs(grads[name][idx] - numeric) <= 1e-8 + 1e-5 * abs(numeric), name
+    check_param_gradients_fd(rng, loss_of, p, grads, 4)
 
 
 # ---------------------------------------------------------------------------------------------

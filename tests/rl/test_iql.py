@@ -8,12 +8,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads, fill_replay
+from agent_helpers import check_input_gradient_fd, check_param_gradients_fd, check_scalar_head_forward_backward
+from agent_helpers import build_module, check_aux_step_trains_the_head, check_trunk_gradient_is_the_sum_of_both_heads
+from agent_helpers import fill_replay
 
-from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
 from numbarl.rl.losses.expectile import ExpectileLoss, expectile_ref, taken_q_mean_ref
-from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.iql_value import IqlValueHead
 
 _cuda = cuda()
@@ -73,16 +74,7 @@ def test_reference_loss_gradient_matches_finite_differences(rng):
 
 
 def _build_head(rng, B, H, n, tags=(("online", True),)):
-    head = IqlValueHead("iql", H, n)
-    store = ParamStore()
-    head.declare_params(store)
-    store.allocate()
-    values = store.init(rng)
-    acts = Arena("acts")
-    for tag, backward in tags:
-        head.declare_acts(acts, B, tag, backward=backward)
-    acts.allocate()
-    return head, store, values, acts
+    return build_module(IqlValueHead("iql", H, n), rng, B, tags)
 
 
 def test_reference_head_gradients_match_finite_differences(rng):
@@ -101,22 +93,8 @@ def test_reference_head_gradients_match_finite_differences(rng):
     v, cache = head.forward_ref(h, p)
     _, _, dv, _ = expectile_ref(v, x["q"], x["actions"])
     dh, grads = head.backward_ref(dv, cache, p)
-    eps = 1e-6
-    for _ in range(12):
-        b, c = rng.integers(B), rng.integers(H)
-        up, down = h.copy(), h.copy()
-        up[b, c] += eps
-        down[b, c] -= eps
-        numeric = (loss_of(up, p) - loss_of(down, p)) / (2 * eps)
-        assert abs(dh[b, c] - numeric) <= 1e-8 + 1e-5 * abs(numeric)
-    for name in p:
-        for _ in range(5):
-            idx = tuple(rng.integers(s) for s in p[name].shape)
-            up, down = {k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in p.items()}
-            up[name][idx] += eps
-            down[name][idx] -= eps
-            numeric = (loss_of(h, up) - loss_of(h, down)) / (2 * eps)
-            assert abs(grads[name][idx] - numeric) <= 1e-8 + 1e-5 * abs(numeric), name
+    check_input_gradient_fd(rng, lambda h_: loss_of(h_, p), h, dh, 12)
+    check_param_gradients_fd(rng, lambda p_: loss_of(h, p_), p, grads, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,21 +132,7 @@ def test_loss_kernel_action_outside_its_branch_is_nan():
 def test_head_forward_and_backward_match_reference(rng):
     B, H, n = 5, 7, 6
     head, store, values, _ = _build_head(rng, B, H, n)
-    p = {k: np.asarray(v, np.float64) for k, v in values.items()}
-    h = rng.standard_normal((B, H)).astype(np.float32)
-    dv = rng.standard_normal((B, 1)).astype(np.float32)
-    s = stream()
-    v = head.forward(_dev(h), s, tag="online")
-    assert v.shape == (B, 1) and head.output("online").shape == (B, 1)
-    v_ref, cache = head.forward_ref(h, p)
-    assert_close(v.copy_to_host(), v_ref, 1e-5, 1e-4)
-    dh = head.backward(_dev(dv), s, tag="online")
-    dh_ref, g_ref = head.backward_ref(dv, cache, p)
-    assert_close(dh.copy_to_host(), dh_ref, 1e-5, 1e-4)
-    grads = store.to_host("grads")
-    assert set(g_ref) == set(head.param_names)
-    for name, ref in g_ref.items():
-        assert_close(grads[name], ref, 1e-5, 1e-4)
+    check_scalar_head_forward_backward(rng, head, store, values, B, H)
 
 
 def test_trunk_gradient_is_the_sum_of_both_heads(rng):
@@ -203,17 +167,8 @@ def test_agent_train_step_with_iql_trains_the_head_and_the_trunk(rng):
     assert "head.iql" in agent.optim.groups and "grad_norm.head.iql" in agent.stats_layout
     _fill(agent, rng)
     s = stream()
-    before = agent.store.to_host("params")
-    target = agent.store.to_host("target")
-    agent.train_step(s, aux=True)
-    s.synchronize()
-    after = agent.store.to_host("params")
-    grads = agent.store.to_host("grads")
-    iql_names = [n for n in agent.store.specs if n.startswith("iql.")]
+    iql_names, before, target, after = check_aux_step_trains_the_head(agent, s, "iql.")
     assert len(iql_names) == 4
-    for n in iql_names:
-        assert np.all(np.isfinite(grads[n])) and np.any(grads[n] != 0), n
-        assert not np.array_equal(before[n], after[n]), n
     assert not np.array_equal(before["trunk.fc0.w"], after["trunk.fc0.w"])
     stats = agent.read_stats(s)
     batch = agent.replay.batch

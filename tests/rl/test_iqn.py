@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads, fill_replay
+from agent_helpers import check_input_gradient_fd, check_param_gradients_fd
+from agent_helpers import build_module, check_aux_step_trains_the_head, check_trunk_gradient_is_the_sum_of_both_heads
+from agent_helpers import fill_replay
 
 from numbarl.cuda.runtime import Arena, cuda, stream
 from numbarl.cuda.testing import assert_close
@@ -117,22 +119,8 @@ def test_reference_head_gradients_match_finite_differences(rng):
     z, cache = head.forward_ref(h, p, tau=x["tau"])
     _, _, dz = _ref({**x, "quantiles": z})
     dh, grads = head.backward_ref(dz, cache, p)
-    eps = 1e-6
-    for _ in range(15):
-        b, c = rng.integers(B), rng.integers(H)
-        up, down = h.copy(), h.copy()
-        up[b, c] += eps
-        down[b, c] -= eps
-        numeric = (loss_of(up, p) - loss_of(down, p)) / (2 * eps)
-        assert abs(dh[b, c] - numeric) <= 1e-8 + 1e-5 * abs(numeric)
-    for name in p:
-        for _ in range(6):
-            idx = tuple(rng.integers(s) for s in p[name].shape)
-            up, down = {k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in p.items()}
-            up[name][idx] += eps
-            down[name][idx] -= eps
-            numeric = (loss_of(h, up) - loss_of(h, down)) / (2 * eps)
-            assert abs(grads[name][idx] - numeric) <= 1e-8 + 1e-5 * abs(numeric), name
+    check_input_gradient_fd(rng, lambda h_: loss_of(h_, p), h, dh, 15)
+    check_param_gradients_fd(rng, lambda p_: loss_of(h, p_), p, grads, 6)
 
 
 def test_cos_embedding_and_readiness_reference():
@@ -178,14 +166,8 @@ def test_tau_kernel_draws_the_counter_rng(rng):
 
 
 def _build_head(rng, B, N, H, n, backward=True):
-    head = IqnHead("iqn", H, SIZES, n_embed=n)
-    store = ParamStore()
-    head.declare_params(store)
-    store.allocate()
-    values = store.init(rng)
-    acts = Arena("acts")
-    head.declare_acts(acts, B, "online", backward=backward, n_quantiles=N)
-    acts.allocate()
+    head, store, values, acts = build_module(IqnHead("iqn", H, SIZES, n_embed=n), rng, B, (("online", backward),),
+                                             n_quantiles=N)
     return head, store, {k: np.asarray(v, np.float64) for k, v in values.items()}, acts
 
 
@@ -260,16 +242,8 @@ def test_agent_train_step_with_iqn_trains_the_head_and_the_trunk(rng):
     assert "head.iqn" in agent.optim.groups
     _fill(agent, rng)
     s = stream()
-    before = agent.store.to_host("params")
-    agent.train_step(s, aux=True)
-    s.synchronize()
-    after = agent.store.to_host("params")
-    grads = agent.store.to_host("grads")
-    iqn_names = [n for n in agent.store.specs if n.startswith("iqn.")]
+    iqn_names, before, _, after = check_aux_step_trains_the_head(agent, s, "iqn.")
     assert len(iqn_names) == 4
-    for n in iqn_names:
-        assert np.all(np.isfinite(grads[n])) and np.any(grads[n] != 0), n
-        assert not np.array_equal(before[n], after[n]), n
     assert not np.array_equal(before["trunk.fc0.w"], after["trunk.fc0.w"])
     stats = agent.read_stats(s)
     assert stats["iqn_loss"] > 0 and np.isfinite(stats["iqn_loss"])

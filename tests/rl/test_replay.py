@@ -174,6 +174,29 @@ def test_sampling_is_uniform_over_valid_range_and_counter_keyed():
     np.testing.assert_array_equal(first["index"], again["index"])
 
 
+def test_history_skips_the_oldest_times_once_the_ring_wrapped(rng):
+    """set_history(2): before the ring wraps every valid time is drawn; after it the two oldest are not
+    (slots hold times 4..8 of 9 writes into 5 slots, n = 1: τ ∈ [4 + 2, 7]); the host model agrees."""
+    N = 2
+    buf = Replay(capacity=10, n_envs=N, state_dim=1, n_branches=1, batch_size=96, n_step=1, gamma=0.9, seed=5).allocate()
+    buf.set_history(2)
+    ref = ReplayRef(buf.n_slots, N, 1, 1, 1, 0.9, buf.seed, history=2)
+    s = stream()
+    for t in range(9):
+        obs, act = np.full((N, 1), t, np.float32), np.zeros((N, 1), np.int32)
+        rew, done = np.zeros(N, np.float32), np.zeros(N, np.uint8)
+        buf.write(_to_dev(obs), _to_dev(act), _to_dev(rew), _to_dev(done), s)
+        ref.write(obs, act, rew, done)
+        if t == 4:  # 5 writes, not wrapped: τ ∈ [0, 3]
+            early = _batch_host(buf.sample(_to_dev(np.array([1], np.int64)), s))
+            assert set(early["obs"][:, 0].astype(int).tolist()) == {0, 1, 2, 3}
+    late = _batch_host(buf.sample(_to_dev(np.array([2], np.int64)), s))
+    assert set(late["obs"][:, 0].astype(int).tolist()) == {6, 7}
+    _compare(late, ref.sample(96, 2))
+    with pytest.raises(ValueError, match="cannot hold a 1-step window after 4 rows of history"):
+        buf.set_history(4)
+
+
 def test_reset_and_bad_arguments(rng):
     buf = Replay(capacity=9, n_envs=3, state_dim=2, n_branches=1, batch_size=4, n_step=1, gamma=0.5).allocate()
     ref = ReplayRef(buf.n_slots, 3, 2, 1, 1, 0.5, 0)

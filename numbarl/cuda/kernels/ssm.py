@@ -205,6 +205,43 @@ def state_update_dev(S, a, dt_u, z, row, b_col):
 
 
 @_cuda.jit(device=True, inline=True)
+def zero_row_dev(S):
+    """S[n] = 0 for n = 0..N−1 (a state row cleared, or an accumulator row started)."""
+    for n in range(D_STATE):
+        S[n] = _ZERO
+
+
+@_cuda.jit(device=True, inline=True)
+def row_masked_dev(mask, has_mask, b, t):
+    """Whether row t of window b is masked (m_t = 0); mask is not read without has_mask."""
+    return has_mask and mask[b, t] == _ZERO
+
+
+@_cuda.jit(device=True, inline=True)
+def scan_step_dev(S, masked, a, dt_u, z, row, b_col):
+    """One scan step of a channel's state row: cleared at a masked row (the state restarts after it),
+    else :func:`state_update_dev`."""
+    if masked:
+        zero_row_dev(S)
+    else:
+        state_update_dev(S, a, dt_u, z, row, b_col)
+
+
+@_cuda.jit(device=True, inline=True)
+def cell_dev(i, n_cols):
+    """(row, column) of the flat index i over rows of n_cols."""
+    r = i // n_cols
+    return r, i - r * n_cols
+
+
+@_cuda.jit(device=True, inline=True)
+def channel_dev(i, width, head_dim):
+    """(row, channel c, head h of c) of the flat index i over rows of width channels."""
+    r, c = cell_dev(i, width)
+    return r, c, c // head_dim
+
+
+@_cuda.jit(device=True, inline=True)
 def state_read_dev(S, z, row, c_col):
     """Σ_n S[n]·C[n] in order n = 0..N−1 (C read from z[row, c_col:])."""
     acc = _ZERO
@@ -220,32 +257,24 @@ def state_read_dev(S, z, row, c_col):
 def ssd_scan_forward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_dim, y, delta, decay):
     """One thread per (window b, channel c): the K-step scan of S[c, :]; y[b, c] at the last step."""
     i = _cuda.grid(1)
-    n_seq = y.shape[0]
-    width = y.shape[1]
-    if i >= n_seq * width:
+    if i >= y.size:
         return
-    b = i // width
-    c = i - b * width
-    h = c // head_dim
+    width = y.shape[1]
+    b, c, h = channel_dev(i, width, head_dim)
     b_col = width
     c_col = width + D_STATE
     dt_col = width + 2 * D_STATE + h
     ea = math.exp(a_log[h])
     bias = dt_bias[h]
     S = _cuda.local.array(D_STATE, float32)
-    for n in range(D_STATE):
-        S[n] = _ZERO
+    zero_row_dev(S)
     for t in range(n_steps):
         row = b * n_steps + t
         dt, a = decay_dev(z[row, dt_col], bias, ea)
         if c == h * head_dim:  # the head's first channel saves Δ_t, a_t for the backward
             delta[row, h] = dt
             decay[row, h] = a
-        if has_mask and mask[b, t] == _ZERO:
-            for n in range(D_STATE):
-                S[n] = _ZERO
-        else:
-            state_update_dev(S, a, dt * z[row, c], z, row, b_col)
+        scan_step_dev(S, row_masked_dev(mask, has_mask, b, t), a, dt * z[row, c], z, row, b_col)
     y[b, c] = state_read_dev(S, z, b * n_steps + n_steps - 1, c_col)
 
 
@@ -255,12 +284,9 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
     """One thread per (window b, head h): per-head sums r_t, q_t and ∂L/∂C over the head's channels
     (state rows recomputed from the saved Δ, a), then the reverse scan γ_{t−1} = m_t a_t γ_t."""
     i = _cuda.grid(1)
-    n_seq = d_a_log_part.shape[0]
-    n_heads = d_a_log_part.shape[1]
-    if i >= n_seq * n_heads:
+    if i >= d_a_log_part.size:
         return
-    b = i // n_heads
-    h = i - b * n_heads
+    b, h = cell_dev(i, d_a_log_part.shape[1])
     width = g.shape[1]
     b_col = width
     c_col = width + D_STATE
@@ -270,8 +296,7 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
     dc = _cuda.local.array(D_STATE, float32)
     r = _cuda.local.array(MAX_STEPS, float32)
     q = _cuda.local.array(MAX_STEPS, float32)
-    for n in range(D_STATE):
-        dc[n] = _ZERO
+    zero_row_dev(dc)
     for t in range(n_steps):
         r[t] = _ZERO
         q[t] = _ZERO
@@ -279,18 +304,13 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
     for p in range(head_dim):
         c = h * head_dim + p
         gp = g[b, c]
-        for n in range(D_STATE):
-            S[n] = _ZERO
+        zero_row_dev(S)
         for t in range(n_steps):
             row = b * n_steps + t
             q[t] += gp * state_read_dev(S, z, last, c_col)  # g[c]·(S_{t−1}[c, :]·C_{K−1})
             u = z[row, c]
             r[t] += gp * u
-            if has_mask and mask[b, t] == _ZERO:
-                for n in range(D_STATE):
-                    S[n] = _ZERO
-            else:
-                state_update_dev(S, decay[row, h], delta[row, h] * u, z, row, b_col)
+            scan_step_dev(S, row_masked_dev(mask, has_mask, b, t), decay[row, h], delta[row, h] * u, z, row, b_col)
         for n in range(D_STATE):
             dc[n] += gp * S[n]
     # reverse scan, t = K−1..0
@@ -301,7 +321,7 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
     for k in range(n_steps):
         t = n_steps - 1 - k
         row = b * n_steps + t
-        if has_mask and mask[b, t] == _ZERO:
+        if row_masked_dev(mask, has_mask, b, t):
             d_dt_pre[row, h] = _ZERO
             coef[row, h] = _ZERO
             dbw[row, h] = _ZERO
@@ -328,14 +348,10 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
 def ssd_input_grad_kernel(g, z, n_steps, head_dim, d_dt_pre, coef, dbw, d_c_part, dz):
     """One thread per (row, column j of z): dz = [∂L/∂u | ∂L/∂B | ∂L/∂C | ∂L/∂Δ̃] (module docstring)."""
     i = _cuda.grid(1)
-    n_rows = dz.shape[0]
-    P = dz.shape[1]
-    if i >= n_rows * P:
+    if i >= dz.size:
         return
-    row = i // P
-    j = i - row * P
-    b = row // n_steps
-    t = row - b * n_steps
+    row, j = cell_dev(i, dz.shape[1])
+    b, t = cell_dev(row, n_steps)
     width = g.shape[1]
     n_heads = coef.shape[1]
     if j < width:
@@ -359,13 +375,10 @@ def ssd_input_grad_kernel(g, z, n_steps, head_dim, d_dt_pre, coef, dbw, d_c_part
 def ssd_step_kernel(z, dt_bias, a_log, reset, head_dim, state, y):
     """One thread per (env e, channel c): S = a·(reset ? 0 : S) + Δ u B; y = S·C; S written back."""
     i = _cuda.grid(1)
-    n_env = y.shape[0]
-    width = y.shape[1]
-    if i >= n_env * width:
+    if i >= y.size:
         return
-    e = i // width
-    c = i - e * width
-    h = c // head_dim
+    width = y.shape[1]
+    e, c, h = channel_dev(i, width, head_dim)
     ea = math.exp(a_log[h])
     dt, a = decay_dev(z[e, width + 2 * D_STATE + h], dt_bias[h], ea)
     S = _cuda.local.array(D_STATE, float32)
@@ -382,12 +395,9 @@ def ssd_step_kernel(z, dt_bias, a_log, reset, head_dim, state, y):
 def last_row_kernel(x, n_steps, out, accumulate):
     """out[b, j] = x[b·K + K − 1, j] (accumulate: +=). One thread per (b, j)."""
     i = _cuda.grid(1)
-    n_seq = out.shape[0]
-    width = out.shape[1]
-    if i >= n_seq * width:
+    if i >= out.size:
         return
-    b = i // width
-    j = i - b * width
+    b, j = cell_dev(i, out.shape[1])
     v = x[b * n_steps + n_steps - 1, j]
     if accumulate:
         out[b, j] += v
@@ -399,12 +409,9 @@ def last_row_kernel(x, n_steps, out, accumulate):
 def add_to_last_row_kernel(dh, n_steps, dx):
     """dx[b·K + K − 1, j] += dh[b, j] (the residual's gradient). One thread per (b, j)."""
     i = _cuda.grid(1)
-    n_seq = dh.shape[0]
-    width = dh.shape[1]
-    if i >= n_seq * width:
+    if i >= dh.size:
         return
-    b = i // width
-    j = i - b * width
+    b, j = cell_dev(i, dh.shape[1])
     dx[b * n_steps + n_steps - 1, j] += dh[b, j]
 
 

@@ -55,7 +55,10 @@ are those without them):
   quantile Huber loss at the C51 double-DQN action (numbarl/rl/losses/quantile_huber.py); BACKWARD
   writes the C51 head's dh and adds the IQN head's into one buffer (the gradient ledger) and runs the
   trunk's backward once on the sum. On the other train steps the IQN gradients are zeroed (Adam then
-  moves the head by its moments alone). Stats: iqn_loss, iqn_loss_ema, iqn_readiness.
+  moves the head by its moments alone). Stats: iqn_loss, iqn_loss_ema, iqn_readiness. With
+  agent.risk_budget the collect step writes ρ = readiness² (the exploration risk budget) before the env
+  step, which scales the env's Kelly cap and DSR term by it (numbarl/env/core.py; stat risk_budget);
+  otherwise the env's ρ is 1.
 * ``agent.iql`` (A2): an expectile value head V(s) on the trunk output (numbarl/rl/nets/iql_value.py, a
   one-hidden-layer SiLU MLP, optimizer group 'head.iql'), an auxiliary loss: on the aux train steps the
   LOSS phase runs the TARGET network on the batch's obs (tag "iql_target": one extra forward per aux
@@ -116,6 +119,23 @@ are those without them):
   env's entry side d away where budget · u(s, d) > θ, on the env's mask after the acting pass (collect) and
   on the greedy scores (agent.scores), budget as the CVaR gate's. Stats (diagnostics):
   epistemic_blocked_frac, epistemic_score_mean, epistemic_budget.
+* ``agent.temporal = "mamba"`` (issue 15): a Mamba2 scan over the observations of the last
+  agent.temporal_steps bars before the trunk on every pass (numbarl/rl/temporal.py; optimizer group
+  'temporal.mamba', online and target scan parameters). SAMPLE gathers the K-row windows ending at the
+  batch's obs and next_obs (and each extra horizon's next_obs) from the replay's ring; COLLECT gathers each
+  env's window ending at the row its gather just wrote; the backtest's ``scores`` push each bar into a
+  per-policy window (cleared by ``reset_eval``). BACKWARD: the trunk's first layer computes its input
+  gradient and the scan's backward runs on it (BPTT through all K). Stats (diagnostics):
+  grad_norm.temporal.mamba.
+* ``agent.predictive_weight`` (issue 15, T3): predictive coding, a linear predictor ``head.pc`` (optimizer
+  group 'head.pc') on the online trunk output, trained on the aux steps by the normalized L2 to the target
+  pass's trunk output on next_obs (numbarl/rl/losses/predictive.py; masked where the window ended an
+  episode), weight λ; its input gradient adds into dh after the other auxiliary heads'. Stats:
+  predictive_loss.
+* ``agent.regime_dropout`` (issue 15, T4): inverted dropout on the online pass's trunk output at a rate
+  set by each sample's regime column (numbarl/rl/nets/regime_dropout.py; counter RNG keyed by the train
+  step); every consumer of the online pass reads the dropped h', and the BACKWARD scales dh by the same
+  mask before the trunk's backward. Stats: regime_dropout_frac.
 """
 
 from __future__ import annotations
@@ -124,7 +144,7 @@ import math
 
 import numpy as np
 
-from numbarl.config import AgentConfig
+from numbarl.config import AgentConfig, ConfigError
 from numbarl.cuda import launch, reduce
 from numbarl.cuda.kernels import (
     elementwise,  # IQN (agent.iqn): zeroed gradients on steps without it
@@ -147,6 +167,7 @@ from numbarl.rl.losses.multi_horizon import (  # multi-horizon C51 (agent.horizo
     MultiHorizonC51Loss,
     parse_horizons,
 )
+from numbarl.rl.losses.predictive import PredictiveLoss  # agent.predictive_weight
 from numbarl.rl.losses.quantile_huber import (  # IQN (agent.iqn)
     QuantileHuberLoss,
     iqn_readiness_kernel,
@@ -562,6 +583,8 @@ class DQNAgent(Agent):
     _aux = True  # whether the train step being issued runs the auxiliary losses (train_step)
     iqn_head = None  # the implicit quantile head (agent.iqn)
     iql_head = None  # the IQL expectile value head (agent.iql)
+    pc_head = None  # the predictive-coding predictor (agent.predictive_weight)
+    rdrop = None  # regime dropout on the online pass's trunk output (agent.regime_dropout)
     conf_head = None  # the recursive-confidence head (agent.confidence_weight)
     conf_gate = None  # its selectivity gate on new entries (agent.confidence_floor)
     icm = None  # the ICM curiosity models (agent.curiosity_weight)
@@ -572,6 +595,7 @@ class DQNAgent(Agent):
     mh = None  # the multi-horizon C51 loss (agent.horizons)
     atoms = None  # the adaptive support's spacings (agent.adaptive_atoms)
     extra_horizons = ()  # the horizons other than n_step (agent.horizons)
+    temporal = None  # the temporal input: a scan over the last K observations (agent.temporal)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
                  eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False):
@@ -585,8 +609,10 @@ class DQNAgent(Agent):
 
         # NETWORK: trunk MLP + dueling branched C51 head, one flat parameter buffer
         self.store = ParamStore()
+        # with the temporal input the first layer also computes its input gradient (the scan's dh̃)
         self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute,
-                         input_gate=cfg.feature_gate)
+                         input_gate=cfg.feature_gate, kan_gate=cfg.kan_gate, input_grad=bool(cfg.temporal),
+                         attention=cfg.feature_attention)
         self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
                                            cfg.v_min, cfg.v_max, compute=cfg.compute)
         self.trunk.declare_params(self.store)
@@ -653,6 +679,30 @@ class DQNAgent(Agent):
         if cfg.ensemble_heads >= 2:
             self._declare_ensemble(int(eval_batch))
         # --- end ensemble -----------------------------------------------------------------------------------
+        # --- temporal input (agent.temporal): the scan before the trunk on every pass, declared last --------
+        if cfg.temporal:
+            self._declare_temporal(int(eval_batch))
+        # --- end temporal input -------------------------------------------------------------------------------
+        # --- predictive coding (agent.predictive_weight): a linear predictor on the online trunk output
+        # (backward); its target is the target pass's trunk output on next_obs; declared last -------------
+        if cfg.predictive_weight > 0:
+            from numbarl.rl.nets.linear import Linear
+
+            h = self.trunk.out_dim
+            self.pc_head = Linear("head.pc", h, h, None, group="head.pc", input_grad=True, compute=cfg.compute)
+            self.pc_head.declare_params(self.store)
+            self.pc_head.declare_acts(self.acts, B, "online", backward=True)
+        # --- end predictive coding -------------------------------------------------------------------------
+        # --- regime dropout (agent.regime_dropout): on the online pass's trunk output, rate from an obs column
+        if cfg.regime_dropout:
+            from numbarl.rl.nets.regime_dropout import RegimeDropout
+
+            if cfg.regime_dropout_col >= self.state_dim:
+                raise ConfigError(f"agent.regime_dropout_col = {cfg.regime_dropout_col} is not an obs column "
+                                  f"(the observation has {self.state_dim})")
+            self.rdrop = RegimeDropout(B, self.trunk.out_dim, cfg.regime_dropout_col, cfg.regime_dropout_lo,
+                                       cfg.regime_dropout_hi, self.seed)
+        # --- end regime dropout ------------------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
@@ -697,6 +747,9 @@ class DQNAgent(Agent):
                              n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed,
                              max_actions=self.max_actions,
                              horizons=self.extra_horizons).allocate()  # + the env's masks (lock-aware target)
+        if self.temporal is not None:  # temporal input: its own learning rate, K slots of history
+            self.optim.set_lr(cfg.temporal_lr, group=self.temporal.group)
+            self.temporal.check_replay(self.replay)
 
         # device scalars (counters, the epsilon schedule) and the mapped stats read at log intervals
         self.scalars = Arena("agent.scalars")
@@ -739,7 +792,7 @@ class DQNAgent(Agent):
         self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self._qgap_reducer = Reducer(self.n_envs)
         self._init_c51_extras()
-        if any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head)) or self.ens_heads:
+        if any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head, self.pc_head)) or self.ens_heads:
             # the trunk's output gradient that the C51 head writes and every auxiliary head adds into
             self.aux_state = Arena("agent.aux")
             self.aux_state.add("dh", (self.cfg.batch_size, self.trunk.out_dim), np.float32)
@@ -754,6 +807,13 @@ class DQNAgent(Agent):
             self._init_conf()
         if self.ens_heads:  # ensemble (agent.ensemble_heads): losses, masks, stats slots, the epistemic gate
             self._init_ensemble()
+        if self.rdrop is not None:  # regime dropout (agent.regime_dropout): the dropped share's stat
+            self._slot_rdrop = self.stats_layout.slot("regime_dropout_frac")
+            self._rdrop_reducer = Reducer(self.cfg.batch_size * self.trunk.out_dim)
+        if self.pc_head is not None:  # predictive coding (agent.predictive_weight): loss, stats slot
+            self.pc_loss = PredictiveLoss(self.cfg.batch_size, self.trunk.out_dim)
+            self._slot_pc_loss = self.stats_layout.slot("predictive_loss")
+            self._pc_grads = [self.store.grad(n) for n in self.pc_head.param_names.values()]
         if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
             self._init_mh()
         # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
@@ -820,12 +880,25 @@ class DQNAgent(Agent):
         self.iqn_loss = QuantileHuberLoss(B, self.branch_sizes, cfg.iqn_quantiles, cfg.iqn_quantiles)
         self.iqn_state = Arena("agent.iqn")
         self.iqn_state.add("readiness_state", (2,), np.float64)
+        self.iqn_state.add("risk_budget", (1,), np.float32)  # R18: ρ the env step reads (_risk_budget)
         self.iqn_state.allocate()
         self.iqn_state.load({"readiness_state": np.array([-1.0, -1.0], np.float64)})
         self._slot_iqn_loss = self.stats_layout.slot("iqn_loss")
         self._slot_iqn_ready = self.stats_layout.slot("iqn_readiness")
         self._slot_iqn_ema = self.stats_layout.slot("iqn_loss_ema")
+        self._slot_risk_budget = self.stats_layout.slot("risk_budget")
         self._iqn_grads = [self.store.grad(n) for n in self.iqn_head.param_names.values()]
+
+    def _risk_budget(self, stream):
+        """The env step's risk budget ρ (numbarl/env/core.py): readiness² written on the device
+        (one thread, stats risk_budget) with agent.risk_budget (needs agent.iqn); None (the env's ρ = 1) without."""
+        if self.iqn_head is None or not self.cfg.risk_budget:
+            return None
+        from numbarl.rl.cvar_gate import risk_budget_kernel
+
+        risk_budget_kernel[1, 1, stream](self.iqn_state["readiness_state"], self.iqn_state["risk_budget"],
+                                         self.stats.device, self._slot_risk_budget)
+        return self.iqn_state["risk_budget"]
 
     def _iqn_forward_loss(self, stream) -> None:
         """τ′ and the target head on the target pass's trunk output (target parameters), τ and the
@@ -835,7 +908,7 @@ class DQNAgent(Agent):
         head.sample_tau(stream, "target", self.seed, counter, IQN_TAU_SLOT + 1)
         head.forward(self.trunk.output("target"), stream, tag="target", role="target")
         head.sample_tau(stream, "online", self.seed, counter, IQN_TAU_SLOT)
-        head.forward(self.trunk.output("online"), stream, tag="online")
+        head.forward(self._h_online(), stream, tag="online")
         inputs = {"quantiles": head.output("online"), "tau": head.tau_buffer("online"),
                   "target_quantiles": head.output("target"), "next_q": self.head.outputs("next").q,
                   "actions": batch.action, "rewards": self._rewards(), "dones": batch.done, "discounts": batch.discount,
@@ -863,7 +936,7 @@ class DQNAgent(Agent):
         the expectile loss; its ∂L/∂V stays in the loss's own buffer for the backward."""
         batch = self.replay.batch
         q_target = self.forward(batch.obs, stream, tag="iql_target", role="target").q
-        v = self.iql_head.forward(self.trunk.output("online"), stream, tag="online")
+        v = self.iql_head.forward(self._h_online(), stream, tag="online")
         self.iql_loss.apply({"v": v, "q": q_target, "actions": batch.action}, {"v": self.iql_loss.grad("v")}, stream,
                             ledger=self.store)
 
@@ -906,7 +979,7 @@ class DQNAgent(Agent):
         target pass's (next_obs), then the cross-entropy; weight · ∂L/∂z stays in the loss's own buffer."""
         batch, head = self.replay.batch, self.conf_head
         z_next = head.forward(self.trunk.output("target"), stream, tag="target", role="target")
-        z = head.forward(self.trunk.output("online"), stream, tag="online")
+        z = head.forward(self._h_online(), stream, tag="online")
         self.conf_loss.apply({"logits": z, "target_logits": z_next, "q": self.head.outputs("online").q,
                               "actions": batch.action, "rewards": batch.reward, "dones": batch.done},
                              {"logits": self.conf_loss.grad("logits")}, stream, weight=self.cfg.confidence_weight,
@@ -937,6 +1010,21 @@ class DQNAgent(Agent):
             head.declare_params(self.store)
             for tag, batch, backward, outputs in passes:
                 head.declare_acts(self.acts, batch, tag, backward=backward, outputs=outputs)
+
+    def _declare_temporal(self, eval_batch: int) -> None:
+        """The temporal input (agent.temporal, numbarl/rl/temporal.py): its scan parameters (group
+        'temporal.mamba', declared after every module before it; only the predictive-coding head comes later)
+        and a scan pass for every trunk pass."""
+        from numbarl.rl.temporal import TemporalInput
+
+        self.temporal = TemporalInput(self.cfg, self.state_dim, self.n_envs, eval_batch, horizons=self.extra_horizons)
+        self.temporal.declare_params(self.store)
+        tags = ["online", "next", "target", "act", "eval", "diag"] + (["iql_target"] if self.iql_head is not None else [])
+        tags += [f"{kind}_h{h}" for h in self.extra_horizons for kind in ("next", "target")]
+        # the passes with a backward: online, and next with ICM's agent.curiosity_trunk_grad (_trunk_backward)
+        backward = ("online", "next") if self.icm is not None and self.icm.trunk_grad else ("online",)
+        self.temporal.declare_acts(self.acts, tags, backward=backward)
+        self.temporal.allocate()
 
     def _init_ensemble(self) -> None:
         """One C51 loss per extra head, the masks [M − 1, B], the direction-Q stack and score of the train
@@ -971,7 +1059,7 @@ class DQNAgent(Agent):
         mask = self.ens_state["mask"]
         bootstrap_masks(self.seed, batch.index, mask, stream,
                         weights=batch.weight if self.replay.normalize_weights else None)
-        h_next, h_target, h = self.trunk.output("next"), self.trunk.output("target"), self.trunk.output("online")
+        h_next, h_target, h = self.trunk.output("next"), self.trunk.output("target"), self._h_online()
         for m, (head, loss) in enumerate(zip(self.ens_heads, self.ens_losses)):
             head.forward(h_next, stream, tag="next")
             head.forward(h_target, stream, tag="target", role="target")
@@ -1015,7 +1103,7 @@ class DQNAgent(Agent):
         first writes of their gradients this step; the UPDATE phase moves them with everything else),
         then reward′ = R_n + r_i for the LOSS phase and the stats (numbarl/rl/losses/icm.py)."""
         batch, cfg = self.replay.batch, self.cfg
-        phi, phi_next = self.trunk.output("online"), self.trunk.output("next")
+        phi, phi_next = self._h_online(), self.trunk.output("next")
         phi_hat, logits = self.icm.forward(phi, phi_next, batch.action, stream)
         loss = self.icm_loss
         loss.apply({"phi_hat": phi_hat, "phi_next": phi_next, "logits": logits, "actions": batch.action,
@@ -1184,12 +1272,23 @@ class DQNAgent(Agent):
 
     # -- network passes ------------------------------------------------------------------------
     def forward(self, obs, stream, tag: str, role: str = "params"):
-        """Online (role='params') or target (role='target') network on obs; returns C51Outputs."""
-        h = self.trunk.forward(obs, stream, tag=tag, role=role)
+        """Online (role='params') or target (role='target') network on obs; returns C51Outputs. With the
+        temporal input the trunk reads h̃ of the pass's window instead (numbarl/rl/temporal.py: obs is
+        that window's newest row, gathered before the pass)."""
+        x = obs if self.temporal is None else self.temporal.forward(tag, stream, role)
+        h = self.trunk.forward(x, stream, tag=tag, role=role)
+        if tag == "online" and self.rdrop is not None:  # regime dropout: the online pass's consumers read h'
+            h = self.rdrop.forward(h, obs, self.optim.step_counter, stream)
         return self.head.forward(h, stream, tag=tag, role=role)
+
+    def _h_online(self):
+        """The online pass's trunk features as its heads read them (after regime dropout when it is on)."""
+        return self.trunk.output("online") if self.rdrop is None else self.rdrop.output
 
     def scores(self, obs, q_out, stream):
         """Greedy-evaluation Q [eval_batch, n_branches, max_actions] for a backtest's policies."""
+        if self.temporal is not None:  # temporal input: obs into each policy's window of the last K bars
+            self.temporal.push_eval(obs, stream)
         out = self.forward(obs, stream, tag="eval")
         _copy_kernel[_blocks(q_out.size), 256, stream](out.q.reshape(q_out.size), q_out.reshape(q_out.size))
         if self.cvar_gate is not None:  # CVaR entry gate (agent.cvar_alpha): gated entries scored lowest
@@ -1200,6 +1299,11 @@ class DQNAgent(Agent):
             self.ens_gate.on_scores(self.trunk.output("eval"), obs, q_out, stream, tag="eval")
         if self.feedback is not None:  # E9: no entries in gated regimes (numbarl/rl/feedback)
             self.feedback.on_scores(obs, q_out, stream)
+
+    def reset_eval(self, stream) -> None:
+        """A backtest starts: the temporal input's windows are emptied (nothing else is carried)."""
+        if self.temporal is not None:
+            self.temporal.reset_eval(stream)
 
     def attach_feedback(self, loop) -> None:
         """Let a validation feedback loop (numbarl.rl.feedback.loop.FeedbackLoop) act inside the
@@ -1220,6 +1324,7 @@ class DQNAgent(Agent):
         aux = aux or self.conf_head is not None  # recursive confidence (agent.confidence_weight) too
         aux = aux or self.atoms is not None  # adaptive atoms (agent.adaptive_atoms) step on the aux steps
         aux = aux or bool(self.ens_heads)  # the ensemble's extra heads (agent.ensemble_heads) too
+        aux = aux or self.pc_head is not None  # predictive coding (agent.predictive_weight) too
         return int(self.cfg.aux_frequency) if aux else 1
 
     def step_functions(self, env) -> dict:
@@ -1252,6 +1357,8 @@ class DQNAgent(Agent):
         t, sc = env.transition, self.scalars
         # obs_t also straight into the replay's row of this step (no separate obs copy)
         obs, mask = env.gather(t.obs, t.mask, stream, ring=self.replay.obs_ring())
+        if self.temporal is not None:                                  # temporal input: each env's last K rows
+            self.temporal.gather_act(self.replay, stream)
         if self.feedback is not None:                                  # E9 gate on the mask (feedback loop)
             self.feedback.on_mask(obs, mask, stream)
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
@@ -1264,7 +1371,8 @@ class DQNAgent(Agent):
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
         scheduled_epsilon_greedy(q, mask, sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
                                  env.seed_dev, env.counter, t.actions, preference, stream)
-        out = env.step(t.actions, preference, stream=stream)           # fills, reward, done, reset
+        out = env.step(t.actions, preference, stream=stream,           # fills, reward, done, reset
+                       risk_budget=self._risk_budget(stream))          # R18: ρ = IQN readiness² (or 1)
         self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask, obs_written=True, advance=False)
         # ε, the collect-step count, the replay's write count and the env's RNG counter: one launch
         collect_tail_kernel[1, 1, stream](sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
@@ -1303,6 +1411,8 @@ class DQNAgent(Agent):
     def _sample(self, stream):
         factor = self.feedback.sample_factor if self.feedback is not None else None  # E8's bucket weights
         self.replay.sample(self.optim.step_counter, stream, factor=factor)
+        if self.temporal is not None:  # temporal input: the K-row windows of obs, next_obs (and the horizons')
+            self.temporal.gather_batch(self.replay, stream)
         if self.feedback is not None:  # E1: the sampled returns less the reward offset
             self.feedback.on_sample(self.replay.batch, stream)
 
@@ -1345,11 +1455,17 @@ class DQNAgent(Agent):
             self._conf_forward_loss(stream)
         if self.ens_heads and self._aux:  # ensemble: the extra heads' masked C51 losses
             self._ens_forward_loss(stream)
+        if self.pc_head is not None and self._aux:  # predictive coding: the predictor's normalized L2
+            pred = self.pc_head.forward(self._h_online(), stream, tag="online")
+            self.pc_loss.apply({"pred": pred, "target": self.trunk.output("target"), "dones": batch.done},
+                               {"pred": self.pc_loss.grad("pred")}, stream, weight=cfg.predictive_weight,
+                               ledger=self.store)
 
     # BACKWARD (d logits → head → trunk)
     def _aux_heads(self) -> list:
         """[(head, its output gradient, its parameter gradients)] of the auxiliary heads on the
-        trunk (IQN, IQL, confidence, the ensemble's extra heads), in the order their input gradients add into dh."""
+        trunk (IQN, IQL, confidence, the ensemble's extra heads, the predictive-coding predictor), in the order
+        their input gradients add into dh."""
         heads = []
         if self.iqn_head is not None:
             heads.append((self.iqn_head, self.iqn_loss.grad("quantiles"), self._iqn_grads))
@@ -1360,6 +1476,8 @@ class DQNAgent(Agent):
         if self.ens_heads:  # ensemble (agent.ensemble_heads): the extra heads, in head order
             heads += [(head, loss.d_logits, grads) for head, loss, grads in
                       zip(self.ens_heads, self.ens_losses, self._ens_grads)]
+        if self.pc_head is not None:  # predictive coding (agent.predictive_weight): the predictor
+            heads.append((self.pc_head, self.pc_loss.grad("pred"), self._pc_grads))
         return heads
 
     def _backward(self, stream):
@@ -1383,13 +1501,24 @@ class DQNAgent(Agent):
     def _trunk_backward(self, dh, stream):
         """The trunk's backward on dh; with ICM's agent.curiosity_trunk_grad the inverse loss's ∂L/∂φ(obs)
         is added into dh first (after the heads: the ledger's order) and its ∂L/∂φ(next_obs) runs a
-        second trunk backward on the "next" pass, whose parameter gradients add (the gradient rule)."""
+        second trunk backward on the "next" pass, whose parameter gradients add (the gradient rule). With
+        the temporal input each trunk backward's input gradient then runs the scan's backward on the same
+        pass (online, then next), the scan's gradients adding likewise."""
         if self.icm is None or not self.icm.trunk_grad:
-            self.trunk.backward(dh, stream, tag="online")
+            if self.rdrop is not None:  # regime dropout: ∂L/∂h = ∂L/∂h' ⊙ s
+                self.rdrop.backward(dh, stream)
+            dx = self.trunk.backward(dh, stream, tag="online")
+            if self.temporal is not None:  # temporal input: dh̃ back through the scan's K steps
+                self.temporal.backward(dx, stream)
             return
         d_phi_next = self.icm.add_trunk_grads(dh, stream)
-        self.trunk.backward(dh, stream, tag="online")
-        self.trunk.backward(d_phi_next, stream, tag="next")
+        if self.rdrop is not None:  # regime dropout: the online pass's dh (heads and ICM's φ(obs) part) ⊙ s
+            self.rdrop.backward(dh, stream)
+        dx = self.trunk.backward(dh, stream, tag="online")
+        dx_next = self.trunk.backward(d_phi_next, stream, tag="next")
+        if self.temporal is not None:  # temporal input: both passes' dh̃ through the scan
+            self.temporal.backward(dx, stream)
+            self.temporal.backward(dx_next, stream, tag="next")
 
     # UPDATE (global-norm clip, AdamW, target copy / Polyak)
     def _update(self, stream):
@@ -1425,6 +1554,10 @@ class DQNAgent(Agent):
             self._conf_stats(stream)
         if self.ens_heads and self._aux:  # ensemble: the batch-mean epistemic score
             self._ens_stats(stream)
+        if self.rdrop is not None:  # regime dropout: the share of the online trunk features dropped this step
+            self._rdrop_reducer.mean(self.rdrop.dropped, self.stats.device, stream, at=self._slot_rdrop)
+        if self.pc_head is not None and self._aux:  # predictive coding: its loss
+            stat_copy_kernel[1, 1, stream](self.pc_loss.loss, self.stats.device, np.int64(self._slot_pc_loss))
 
     def _atom_entropy_control(self, stream):
         B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms

@@ -95,32 +95,54 @@ def attention_backward_ref(dy, qkv, probs, n_tokens: int, n_heads: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# device functions
+# ---------------------------------------------------------------------------------------------
+@_cuda.jit(device=True, inline=True)
+def thread_row_dev(t, T, H, E):
+    """(sequence b, head h, row i, head width d = E / H, token row b·T + i) of thread t over the (b, h, i)
+    of T tokens, H heads and width E: i fastest, then h, then b."""
+    b = t // (T * H)
+    i = t % T
+    return b, (t // T) % H, i, E // H, b * T + i
+
+
+@_cuda.jit(device=True, inline=True)
+def row_dot_dev(a, row_a, col_a, x, row_x, col_x, d):
+    """Σ_c a[row_a, col_a + c]·x[row_x, col_x + c] in order c = 0..d−1."""
+    acc = np.float32(0.0)
+    for c in range(d):
+        acc += a[row_a, col_a + c] * x[row_x, col_x + c]
+    return acc
+
+
+@_cuda.jit(device=True, inline=True)
+def weighted_rows_dev(w, b, h, i, x, first_row, col):
+    """Σ_{j<=i} w[b, h, i, j]·x[first_row + j, col] in order j = 0..i (a causal row of weights times
+    a column of the sequence's token rows)."""
+    acc = np.float32(0.0)
+    for j in range(i + 1):
+        acc += w[b, h, i, j] * x[first_row + j, col]
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
 def attention_forward_kernel(qkv, n_tokens, n_heads, scale, probs, y):
     """One thread per (sequence b, head h, query i): the causal softmax row and the output row."""
     t = _cuda.grid(1)
-    T = n_tokens
-    H = n_heads
-    if t >= probs.shape[0] * H * T:
+    if t >= probs.shape[0] * n_heads * n_tokens:
         return
-    i = t % T
-    h = (t // T) % H
-    b = t // (T * H)
-    E = y.shape[1]
-    d = E // H
-    row = b * T + i
+    b, h, i, d, row = thread_row_dev(t, n_tokens, n_heads, y.shape[1])
+    T, E = n_tokens, y.shape[1]
     qo = h * d
     ko = E + h * d
     vo = 2 * E + h * d
     s = _cuda.local.array(MAX_TOKENS, np.float32)
     m = np.float32(-3.0e38)
     for j in range(i + 1):
-        acc = np.float32(0.0)
-        for c in range(d):
-            acc += qkv[row, qo + c] * qkv[b * T + j, ko + c]
-        s[j] = acc * scale
+        s[j] = row_dot_dev(qkv, row, qo, qkv, b * T + j, ko, d) * scale
         m = max(m, s[j])
     z = np.float32(0.0)
     for j in range(i + 1):
@@ -130,57 +152,37 @@ def attention_forward_kernel(qkv, n_tokens, n_heads, scale, probs, y):
     for j in range(T):
         probs[b, h, i, j] = s[j] * inv if j <= i else np.float32(0.0)
     for c in range(d):
-        acc = np.float32(0.0)
-        for j in range(i + 1):
-            acc += probs[b, h, i, j] * qkv[b * T + j, vo + c]
-        y[row, qo + c] = acc
+        y[row, qo + c] = weighted_rows_dev(probs, b, h, i, qkv, b * T, vo + c)
 
 
 @_cuda.jit(cache=True)
 def attention_backward_query_kernel(qkv, probs, dy, n_tokens, n_heads, scale, dscores, dqkv):
     """One thread per (b, h, query i): dS row i (saved for kernel 2) and dq_i."""
     t = _cuda.grid(1)
-    T = n_tokens
-    H = n_heads
-    if t >= probs.shape[0] * H * T:
+    if t >= probs.shape[0] * n_heads * n_tokens:
         return
-    i = t % T
-    h = (t // T) % H
-    b = t // (T * H)
-    E = dy.shape[1]
-    d = E // H
-    row = b * T + i
+    b, h, i, d, row = thread_row_dev(t, n_tokens, n_heads, dy.shape[1])
+    T, E = n_tokens, dy.shape[1]
     vo = 2 * E + h * d
     dot = np.float32(0.0)  # Σ_j P_ij dP_ij
     for j in range(i + 1):
-        acc = np.float32(0.0)
-        for c in range(d):
-            acc += dy[row, h * d + c] * qkv[b * T + j, vo + c]
+        acc = row_dot_dev(dy, row, h * d, qkv, b * T + j, vo, d)
         dscores[b, h, i, j] = acc  # dP_ij for now
         dot += probs[b, h, i, j] * acc
     for j in range(T):
         dscores[b, h, i, j] = probs[b, h, i, j] * (dscores[b, h, i, j] - dot) if j <= i else np.float32(0.0)
     for c in range(d):
-        acc = np.float32(0.0)
-        for j in range(i + 1):
-            acc += dscores[b, h, i, j] * qkv[b * T + j, E + h * d + c]
-        dqkv[row, h * d + c] = acc * scale
+        dqkv[row, h * d + c] = weighted_rows_dev(dscores, b, h, i, qkv, b * T, E + h * d + c) * scale
 
 
 @_cuda.jit(cache=True)
 def attention_backward_key_kernel(qkv, probs, dy, dscores, n_tokens, n_heads, scale, dqkv):
     """One thread per (b, h, key j): dk_j and dv_j (sums over the queries i >= j in order)."""
     t = _cuda.grid(1)
-    T = n_tokens
-    H = n_heads
-    if t >= probs.shape[0] * H * T:
+    if t >= probs.shape[0] * n_heads * n_tokens:
         return
-    j = t % T
-    h = (t // T) % H
-    b = t // (T * H)
-    E = dy.shape[1]
-    d = E // H
-    row = b * T + j
+    b, h, j, d, row = thread_row_dev(t, n_tokens, n_heads, dy.shape[1])
+    T, E = n_tokens, dy.shape[1]
     for c in range(d):
         acc_k = np.float32(0.0)
         acc_v = np.float32(0.0)

@@ -7,7 +7,12 @@ For widths (w_0, ..., w_{L-1}) and input x [B, in_dim]:
                       (the "Linear-LN-act" block of e.g. Ball et al. 2023 / Nauman et al. 2024, BRO)
 
 input_gate=True puts a :class:`numbarl.rl.nets.feature_gate.FeatureGate` (y = x ⊙ σ(x·W + b),
-parameter group ``{group}.gate``) before the first Linear.
+parameter group ``{group}.gate``) before the first Linear; kan_gate=True a
+:class:`numbarl.rl.nets.kan_gate.KanGate` (y = x ⊙ σ(φ(x)), a KAN spline per feature, group
+``{group}.kan``) before that (both on: the spline gate first). attention=True ends the trunk with the
+sigmoid-gated feature attention block y = LN(h + h ⊙ σ(h·W + b)) (squeeze-and-excitation style gating
+with a LayerNorm residual: a :class:`numbarl.rl.nets.attention.Residual` around a FeatureGate, then a
+LayerNorm; parameter group ``{group}.attn``; the origin's attn_sdp + attn_layer_norm).
 
 Every width gets the activation, so the trunk output h_L [B, w_{L-1}] feeds a head directly.
 Layer (and parameter) names: ``{name}.fc{i}`` (``.w`` [in, out], ``.b``), ``{name}.ln{i}``
@@ -23,7 +28,9 @@ backward GEMM's sibling, dX = dH·W_0ᵀ).
 from __future__ import annotations
 
 from numbarl.rl.nets.activations import Activation
+from numbarl.rl.nets.attention import Residual
 from numbarl.rl.nets.feature_gate import FeatureGate
+from numbarl.rl.nets.kan_gate import KanGate
 from numbarl.rl.nets.layernorm import LayerNorm
 from numbarl.rl.nets.linear import LINEAR_ACTIVATIONS, Linear
 from numbarl.rl.nets.module import Sequential
@@ -34,7 +41,8 @@ class Mlp(Sequential):
 
     def __init__(self, name: str, in_dim: int, widths, activation="relu", layernorm: bool = False,
                  group: str | None = None, decay: bool = True, input_grad: bool = False,
-                 compute: str = "fp32", ln_eps: float = 1e-5, input_gate: bool = False):
+                 compute: str = "fp32", ln_eps: float = 1e-5, input_gate: bool = False, kan_gate: bool = False,
+                 attention: bool = False):
         widths = tuple(int(w) for w in widths)
         if not widths or min(widths) < 1:
             raise ValueError(f"{name}: widths must be a non-empty sequence of sizes >= 1 (got {widths})")
@@ -43,21 +51,28 @@ class Mlp(Sequential):
         group = group or name
         layers = []
         d = int(in_dim)
+        if kan_gate:  # KAN spline gate on the input, its own parameter group
+            layers.append(KanGate(f"{name}.kan", d, group=f"{group}.kan", input_grad=input_grad))
         if input_gate:  # sigmoid feature gate on the input, its own parameter group
-            layers.append(FeatureGate(f"{name}.gate", d, group=f"{group}.gate", decay=decay, input_grad=input_grad,
-                                      compute=compute))
+            layers.append(FeatureGate(f"{name}.gate", d, group=f"{group}.gate", decay=decay,
+                                      input_grad=input_grad or kan_gate, compute=compute))
         for i, w in enumerate(widths):
             fused = None if layernorm else activation
             layers.append(Linear(f"{name}.fc{i}", d, w, fused, group=group, decay=decay,
-                                 input_grad=input_grad or input_gate or i > 0, compute=compute))
+                                 input_grad=input_grad or input_gate or kan_gate or i > 0, compute=compute))
             if layernorm:
                 layers.append(LayerNorm(f"{name}.ln{i}", w, eps=ln_eps, group=group))
                 if activation not in (None, "none"):
                     layers.append(Activation(f"{name}.act{i}", w, activation))
             d = w
+        if attention:  # the gated feature-attention block on the last hidden layer, its own parameter group
+            layers.append(Residual(f"{name}.attn", FeatureGate(f"{name}.attn.gate", d, group=f"{group}.attn",
+                                                               decay=decay, compute=compute), d))
+            layers.append(LayerNorm(f"{name}.attn.ln", d, eps=ln_eps, group=f"{group}.attn"))
         super().__init__(name, layers, group)
         self.in_dim, self.widths = int(in_dim), widths
         self.activation, self.layernorm, self.input_gate = activation, bool(layernorm), bool(input_gate)
+        self.kan_gate, self.attention = bool(kan_gate), bool(attention)
 
     @property
     def out_dim(self) -> int:

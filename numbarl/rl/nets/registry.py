@@ -49,6 +49,7 @@ def _cases() -> dict[str, ModuleCase]:
     from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
     from numbarl.rl.nets.feature_gate import FeatureGate
     from numbarl.rl.nets.icm import IcmModel
+    from numbarl.rl.nets.kan_gate import KanGate
     from numbarl.rl.nets.layernorm import LayerNorm
     from numbarl.rl.nets.linear import Linear
     from numbarl.rl.nets.mamba import MambaScan
@@ -61,6 +62,9 @@ def _cases() -> dict[str, ModuleCase]:
         "activation-silu": ModuleCase(lambda: Activation("act", 6, "silu"), 7, 6),
         "layernorm": ModuleCase(lambda: LayerNorm("ln", 13), 7, 13),
         "feature-gate": ModuleCase(lambda: FeatureGate("gate", 6), 7, 6),
+        "kan-gate": ModuleCase(lambda: KanGate("kan", 6), 7, 6),
+        "mlp-kan-gated": ModuleCase(lambda: Mlp("trunk", 5, (9,), input_gate=True, kan_gate=True, input_grad=True), 7, 5),
+        "mlp-attention": ModuleCase(lambda: Mlp("trunk", 5, (9,), attention=True, input_grad=True), 7, 5),
         "mlp-gated": ModuleCase(lambda: Mlp("trunk", 5, (9,), input_gate=True, input_grad=True), 7, 5),
         "mlp-relu": ModuleCase(lambda: Mlp("trunk", 5, (13, 9), input_grad=True), 7, 5),
         "mlp-layernorm-silu": ModuleCase(lambda: Mlp("trunk", 5, (11, 6), activation="silu", layernorm=True,

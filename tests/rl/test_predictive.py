@@ -1,0 +1,132 @@
+"""Predictive coding loss (numbarl/rl/losses/predictive.py) on the simulator: a hand-computed case,
+the float64 reference against finite differences, the kernel against the reference (zero vectors,
+done rows), the gradient rule through Loss.apply, and the PyTorch peer (F.normalize, autograd)."""
+
+import numpy as np
+import pytest
+
+from numbarl.cuda.runtime import cuda, stream
+from numbarl.cuda.testing import assert_close
+from numbarl.rl.losses.predictive import PredictiveLoss, predictive_ref
+
+_cuda = cuda()
+
+
+def test_hand_computed():
+    """p = (3, 4) → p̂ = (0.6, 0.8); t = (0, 2) → t̂ = (0, 1): cos = 0.8, ℓ = 2 − 1.6 = 0.4; with B = 1:
+    ∂ℓ/∂p = −2 (t̂ − 0.8 p̂) / 5 = −0.4 (−0.48, 0.36) = (0.192, −0.144). A done row: 0, no gradient."""
+    loss, _, d = predictive_ref([[3.0, 4.0]], [[0.0, 2.0]], [0.0])
+    assert loss == pytest.approx(0.4)
+    np.testing.assert_allclose(d, [[0.192, -0.144]])
+    loss, _, d = predictive_ref([[3.0, 4.0]], [[0.0, 2.0]], [1.0])
+    assert loss == 0.0 and not d.any()
+
+
+def test_reference_matches_finite_differences(rng):
+    p, t = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
+    dones = np.array([0.0, 1.0, 0.0, 0.0])
+    _, _, d = predictive_ref(p, t, dones)
+    e = 1e-6
+    fd = np.zeros_like(p)
+    for i in np.ndindex(p.shape):
+        hi, lo = p.copy(), p.copy()
+        hi[i] += e
+        lo[i] -= e
+        fd[i] = (predictive_ref(hi, t, dones)[0] - predictive_ref(lo, t, dones)[0]) / (2 * e)
+    np.testing.assert_allclose(d, fd, atol=1e-8)
+
+
+def _run(p, t, dones):
+    B, H = p.shape
+    loss = PredictiveLoss(B, H)
+    s = stream()
+    dst = _cuda.to_device(np.full((B, H), np.nan, np.float32))
+    loss.apply({"pred": _cuda.to_device(p), "target": _cuda.to_device(t), "dones": _cuda.to_device(dones)},
+               {"pred": dst}, s, weight=0.5)
+    return loss.loss.copy_to_host()[0], loss.per_sample.copy_to_host(), dst.copy_to_host()
+
+
+def test_kernel_against_reference(rng):
+    B, H = 9, 7
+    p = rng.standard_normal((B, H)).astype(np.float32)
+    t = np.maximum(rng.standard_normal((B, H)), 0).astype(np.float32)  # ReLU features
+    p[2] = 0.0  # a zero prediction: per-sample 1 (t̂ alone), no gradient
+    t[4] = 0.0  # a dead target row
+    dones = (rng.random(B) < 0.3).astype(np.float32)
+    dones[2] = dones[4] = 0.0
+    got_loss, got_per, got_d = _run(p, t, dones)
+    ref_loss, ref_per, ref_d = predictive_ref(p, t, dones)
+    assert_close(got_per, ref_per, 1e-6, 1e-5)
+    assert got_loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    assert_close(got_d, 0.5 * ref_d, 1e-7, 1e-5)  # weight 0.5 into a NaN-filled buffer: overwritten
+    assert got_per[2] == pytest.approx(1.0) and not got_d[2].any()
+
+
+def test_pytorch_peer(rng):
+    torch = pytest.importorskip("torch")
+    B, H = 6, 5
+    p = rng.standard_normal((B, H)).astype(np.float32)
+    t = rng.standard_normal((B, H)).astype(np.float32)
+    dones = np.array([0, 0, 1, 0, 0, 0], np.float32)
+    pt = torch.tensor(p, requires_grad=True)
+    diff = torch.nn.functional.normalize(pt, dim=1) - torch.nn.functional.normalize(torch.tensor(t), dim=1)
+    peer = ((1 - torch.tensor(dones)) * (diff * diff).sum(1)).mean()
+    peer.backward()
+    got_loss, _, got_d = _run(p, t, dones)
+    assert got_loss == pytest.approx(peer.item(), rel=1e-5)
+    assert_close(got_d, 0.5 * pt.grad.numpy(), 1e-7, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent (agent.predictive_weight > 0): an auxiliary loss on the aux train steps
+# ---------------------------------------------------------------------------------------------
+def test_trunk_gradient_is_the_sum_of_both_heads(rng):
+    """The predictor's input gradient adds into the C51 head's dh; the trunk's backward runs on the sum."""
+    from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads
+
+    from numbarl.rl.nets.linear import Linear
+
+    check_trunk_gradient_is_the_sum_of_both_heads(rng, lambda h: Linear("head.pc", h, h, None, group="head.pc"),
+                                                  lambda b: (b, 6))
+
+
+def test_agent_aux_step_trains_the_predictor_and_the_trunk(rng):
+    """One aux step: head.pc and the trunk get gradients; predictive_loss is the reference loss of the
+    predictor's output (pre-update parameters) against the target pass's trunk output on next_obs,
+    masked by the batch's dones; a plain step zeroes the predictor's gradients."""
+    from agent_helpers import check_aux_step_trains_the_head, fill_replay
+
+    from numbarl.config import AgentConfig
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=40, n_step=2, gamma=0.9,
+                      target_update="polyak", predictive_weight=0.25, aux_frequency=2)
+    agent = DQNAgent(cfg, 5, (3, 3, 4, 4), 4, seed=1)
+    assert agent.aux_every == 2 and "head.pc" in agent.optim.groups
+    fill_replay(agent, rng, done_rate=0.3, count=13)
+    s = stream()
+    names, before, _, _ = check_aux_step_trains_the_head(agent, s, "head.pc.")
+    assert sorted(names) == ["head.pc.b", "head.pc.w"]
+    h_on = agent.trunk.output("online").copy_to_host()
+    pred, _ = agent.pc_head.forward_ref(h_on, {k: np.asarray(v, np.float64) for k, v in before.items()})
+    loss_ref, _, _ = predictive_ref(pred, agent.trunk.output("target").copy_to_host(),
+                                    agent.replay.batch.done.copy_to_host())
+    stats = agent.read_stats(s)
+    assert stats["predictive_loss"] > 0 and stats["predictive_loss"] == pytest.approx(loss_ref, rel=1e-5)
+    # inside the agent the predictor's input gradient (λ · ∂L/∂pred through W_pc) adds to the C51 head's dh
+    d_pred = agent.pc_loss.grad("pred").copy_to_host()  # λ-scaled in place by Loss.apply
+    dh_pc = d_pred @ before["head.pc.w"].T
+    _, cache = agent.head.forward_ref(h_on, {k: np.asarray(v, np.float64) for k, v in before.items()})
+    dh_c51, _ = agent.head.backward_ref(agent.loss.d_logits.copy_to_host(), cache,
+                                        {k: np.asarray(v, np.float64) for k, v in before.items()})
+    _, trunk_cache = agent.trunk.forward_ref(agent.replay.batch.obs.copy_to_host(),
+                                             {k: np.asarray(v, np.float64) for k, v in before.items()})
+    _, g_ref = agent.trunk.backward_ref(dh_c51 + dh_pc, trunk_cache, {k: np.asarray(v, np.float64)
+                                                                       for k, v in before.items()})
+    grads = agent.store.to_host("grads")
+    for name, want in g_ref.items():
+        assert_close(grads[name], want, 1e-5, 1e-4)
+    agent.train_step(s, aux=False)
+    s.synchronize()
+    grads = agent.store.to_host("grads")
+    assert not grads["head.pc.w"].any() and not grads["head.pc.b"].any()
