@@ -225,6 +225,10 @@ class AgentConfig:
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
     its own optimizer group 'trunk.gate'. Off until its A/B says otherwise (docs/RESULTS.md)."""
+    input_bottleneck: str = ""
+    """Tanh input bottleneck (issue 15, D7; numbarl/rl/nets/bottleneck.py): 'lo:hi:width' compresses obs columns
+    lo..hi-1 (e.g. a block of order-flow and book-shape features) through width tanh units, trunk input =
+    [the other columns, tanh(x[:, lo:hi] W + b)]; its own optimizer group 'trunk.bn'. Empty: off."""
     feature_attention: bool = False
     """Sigmoid-gated feature attention with a LayerNorm residual at the end of the trunk, h <- LN(h + h ⊙ σ(h·W + b))
     (issue 15, T1; numbarl/rl/nets/mlp.py), its own optimizer group 'trunk.attn'; every head reads its output."""
@@ -413,6 +417,12 @@ class AgentConfig:
         _check("agent", "iql_hidden", self.iql_hidden, lo=1, hi=16384)
         _check("agent", "confidence_weight", self.confidence_weight, lo=0.0, hi=1e3)  # recursive confidence
         _check("agent", "predictive_weight", self.predictive_weight, lo=0.0, hi=1e3)  # predictive coding
+        try:  # the tanh input bottleneck's lo:hi:width (its columns are checked against the obs width by the agent)
+            from numbarl.rl.nets.bottleneck import parse_bottleneck
+
+            parse_bottleneck(self.input_bottleneck)
+        except ValueError as e:
+            raise ConfigError(f"agent.input_bottleneck = {e}") from None
         _check("agent", "regime_dropout_lo", self.regime_dropout_lo, lo=0.0, hi=0.95)  # regime dropout
         _check("agent", "regime_dropout_hi", self.regime_dropout_hi, lo=0.0, hi=0.95)
         if self.regime_dropout_hi < self.regime_dropout_lo:
@@ -426,7 +436,8 @@ class AgentConfig:
                               f"head trained (agent.confidence_weight > 0, got {self.confidence_weight})")
         _check("agent", "restart_momentum_scale", self.restart_momentum_scale, lo=0.0, hi=1.0)
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
-            groups = (["trunk"] + (["trunk.kan"] if self.kan_gate else []) + (["trunk.gate"] if self.feature_gate else [])
+            groups = (["trunk"] + (["trunk.bn"] if self.input_bottleneck else [])
+                      + (["trunk.kan"] if self.kan_gate else []) + (["trunk.gate"] if self.feature_gate else [])
                       + (["trunk.attn"] if self.feature_attention else []) + ["head.value", "head.adv"])
             groups += ["head.iqn"] if self.iqn else []
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
@@ -511,7 +522,7 @@ class AgentConfig:
                         "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
                         "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate, "kan_gate": self.kan_gate,
-                        "feature_attention": self.feature_attention,
+                        "feature_attention": self.feature_attention, "input_bottleneck": bool(self.input_bottleneck),
                         "ensemble_heads": self.ensemble_heads >= 2,  # ensemble
                         "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups),
                         "curiosity_weight": self.curiosity,  # ICM: the c51 agent's hooks only

@@ -197,6 +197,13 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_module_contract.py", "tests/rl/test_feature_gate.py"),
         "grad_norm.trunk.attn", "> 0"),
     Component(
+        "input_bottleneck", "tanh input bottleneck: a block of observation columns compressed through tanh units, "
+        "concatenated with the rest before the trunk, own optimizer group",
+        "agent.input_bottleneck=0:24:8",
+        "the origin's bn_tanh_concat (spec D7)",
+        ("tests/rl/test_bottleneck.py", "tests/rl/test_module_contract.py"),
+        "grad_norm.trunk.bn", "> 0"),
+    Component(
         "kan_gate", "KAN spline gate on each observation feature, y = x ⊙ σ(w_b·silu(x) + w_s·Σ c·B(x)), cubic "
         "B-splines per feature, own optimizer group",
         "agent.kan_gate=true",

@@ -23,7 +23,7 @@ FAST = ["--preset", "tiny", "--quiet", "--epochs", "1", "--set", "data.synth_bar
 RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
                "--set", "agent.feature_gate=true", "--set", "agent.kan_gate=true",
-               "--set", "agent.feature_attention=true",
+               "--set", "agent.feature_attention=true", "--set", "agent.input_bottleneck=0:8:3",
                "--set", "agent.lock_aware_target=true",
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",

@@ -2,7 +2,7 @@
 reference (a float32 rate computed with the same operations; an element whose draw sits within an ulp
 of its rate may differ under fused multiply-add, so a handful of mismatches out of two million are
 allowed), graph replay == eager bitwise and two runs bitwise identical for the agent's train steps, alone
-and with the trunk's KAN gate and gated feature-attention block.
+and with the trunk's tanh input bottleneck, KAN gate and gated feature-attention block.
 
 Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_regime_dropout.py -m gpu -q`
 """
@@ -64,10 +64,11 @@ def test_two_runs_bitwise_identical(rng):
     check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3), _snapshot, steps=train_steps)
 
 
-def test_with_the_kan_gate_and_feature_attention(rng):
-    """Regime dropout with the trunk's KAN gate and the gated feature-attention block on: graph replay ==
-    eager and two runs, bitwise."""
-    cfg = gpu_agent_config(regime_dropout=True, regime_dropout_col=3, kan_gate=True, feature_attention=True)
+def test_with_the_kan_gate_feature_attention_and_the_input_bottleneck(rng):
+    """Regime dropout with the trunk's tanh input bottleneck, KAN gate and gated feature-attention block on:
+    graph replay == eager and two runs, bitwise."""
+    cfg = gpu_agent_config(regime_dropout=True, regime_dropout_col=3, kan_gate=True, feature_attention=True,
+                           input_bottleneck="0:24:8")
 
     def make(seed=1):
         return DQNAgent(cfg, GPU_STATE_DIM, GPU_SIZES, GPU_N_ENVS, seed=seed)

@@ -173,6 +173,7 @@ from numbarl.rl.losses.quantile_huber import (  # IQN (agent.iqn)
     iqn_readiness_kernel,
 )
 from numbarl.rl.nets.base import ParamStore
+from numbarl.rl.nets.bottleneck import parse_bottleneck  # agent.input_bottleneck
 from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
 from numbarl.rl.nets.confidence import ConfidenceHead  # agent.confidence_weight
 from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
@@ -610,9 +611,13 @@ class DQNAgent(Agent):
         # NETWORK: trunk MLP + dueling branched C51 head, one flat parameter buffer
         self.store = ParamStore()
         # with the temporal input the first layer also computes its input gradient (the scan's dh̃)
+        bottleneck = parse_bottleneck(cfg.input_bottleneck)  # the tanh input bottleneck (agent.input_bottleneck)
+        if bottleneck and bottleneck[1] > self.state_dim:
+            raise ConfigError(f"agent.input_bottleneck = {cfg.input_bottleneck!r}: columns {bottleneck[0]}..{bottleneck[1] - 1} "
+                              f"do not fit the observation's {self.state_dim}")
         self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute,
                          input_gate=cfg.feature_gate, kan_gate=cfg.kan_gate, input_grad=bool(cfg.temporal),
-                         attention=cfg.feature_attention)
+                         attention=cfg.feature_attention, bottleneck=bottleneck)
         self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
                                            cfg.v_min, cfg.v_max, compute=cfg.compute)
         self.trunk.declare_params(self.store)

@@ -9,7 +9,9 @@ For widths (w_0, ..., w_{L-1}) and input x [B, in_dim]:
 input_gate=True puts a :class:`numbarl.rl.nets.feature_gate.FeatureGate` (y = x ⊙ σ(x·W + b),
 parameter group ``{group}.gate``) before the first Linear; kan_gate=True a
 :class:`numbarl.rl.nets.kan_gate.KanGate` (y = x ⊙ σ(φ(x)), a KAN spline per feature, group
-``{group}.kan``) before that (both on: the spline gate first). attention=True ends the trunk with the
+``{group}.kan``) before that (both on: the spline gate first); bottleneck=(lo, hi, width) passes the
+input through a :class:`numbarl.rl.nets.bottleneck.TanhBottleneck` first (columns lo..hi − 1 compressed
+to width tanh units, group ``{group}.bn``), so the gates and the first Linear see its output. attention=True ends the trunk with the
 sigmoid-gated feature attention block y = LN(h + h ⊙ σ(h·W + b)) (squeeze-and-excitation style gating
 with a LayerNorm residual: a :class:`numbarl.rl.nets.attention.Residual` around a FeatureGate, then a
 LayerNorm; parameter group ``{group}.attn``; the origin's attn_sdp + attn_layer_norm).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from numbarl.rl.nets.activations import Activation
 from numbarl.rl.nets.attention import Residual
+from numbarl.rl.nets.bottleneck import TanhBottleneck
 from numbarl.rl.nets.feature_gate import FeatureGate
 from numbarl.rl.nets.kan_gate import KanGate
 from numbarl.rl.nets.layernorm import LayerNorm
@@ -42,7 +45,7 @@ class Mlp(Sequential):
     def __init__(self, name: str, in_dim: int, widths, activation="relu", layernorm: bool = False,
                  group: str | None = None, decay: bool = True, input_grad: bool = False,
                  compute: str = "fp32", ln_eps: float = 1e-5, input_gate: bool = False, kan_gate: bool = False,
-                 attention: bool = False):
+                 attention: bool = False, bottleneck: tuple | None = None):
         widths = tuple(int(w) for w in widths)
         if not widths or min(widths) < 1:
             raise ValueError(f"{name}: widths must be a non-empty sequence of sizes >= 1 (got {widths})")
@@ -51,15 +54,21 @@ class Mlp(Sequential):
         group = group or name
         layers = []
         d = int(in_dim)
+        if bottleneck:  # the tanh input bottleneck, its own parameter group
+            lo, hi, width = bottleneck
+            layers.append(TanhBottleneck(f"{name}.bn", d, lo, hi, width, group=f"{group}.bn", decay=decay,
+                                         input_grad=input_grad, compute=compute))
+            d = layers[-1].out_dim
         if kan_gate:  # KAN spline gate on the input, its own parameter group
-            layers.append(KanGate(f"{name}.kan", d, group=f"{group}.kan", input_grad=input_grad))
+            layers.append(KanGate(f"{name}.kan", d, group=f"{group}.kan", input_grad=input_grad or bool(bottleneck)))
         if input_gate:  # sigmoid feature gate on the input, its own parameter group
             layers.append(FeatureGate(f"{name}.gate", d, group=f"{group}.gate", decay=decay,
-                                      input_grad=input_grad or kan_gate, compute=compute))
+                                      input_grad=input_grad or kan_gate or bool(bottleneck), compute=compute))
         for i, w in enumerate(widths):
             fused = None if layernorm else activation
             layers.append(Linear(f"{name}.fc{i}", d, w, fused, group=group, decay=decay,
-                                 input_grad=input_grad or input_gate or kan_gate or i > 0, compute=compute))
+                                 input_grad=input_grad or input_gate or kan_gate or bool(bottleneck) or i > 0,
+                                 compute=compute))
             if layernorm:
                 layers.append(LayerNorm(f"{name}.ln{i}", w, eps=ln_eps, group=group))
                 if activation not in (None, "none"):
@@ -72,7 +81,7 @@ class Mlp(Sequential):
         super().__init__(name, layers, group)
         self.in_dim, self.widths = int(in_dim), widths
         self.activation, self.layernorm, self.input_gate = activation, bool(layernorm), bool(input_gate)
-        self.kan_gate, self.attention = bool(kan_gate), bool(attention)
+        self.kan_gate, self.attention, self.bottleneck = bool(kan_gate), bool(attention), bottleneck
 
     @property
     def out_dim(self) -> int:

@@ -46,6 +46,7 @@ def _c51_valid(module):
 def _cases() -> dict[str, ModuleCase]:
     from numbarl.rl.nets.activations import Activation
     from numbarl.rl.nets.attention import causal_self_attention, transformer_block
+    from numbarl.rl.nets.bottleneck import TanhBottleneck
     from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
     from numbarl.rl.nets.feature_gate import FeatureGate
     from numbarl.rl.nets.icm import IcmModel
@@ -62,6 +63,9 @@ def _cases() -> dict[str, ModuleCase]:
         "activation-silu": ModuleCase(lambda: Activation("act", 6, "silu"), 7, 6),
         "layernorm": ModuleCase(lambda: LayerNorm("ln", 13), 7, 13),
         "feature-gate": ModuleCase(lambda: FeatureGate("gate", 6), 7, 6),
+        "tanh-bottleneck": ModuleCase(lambda: TanhBottleneck("bn", 7, 2, 5, 2), 6, 7),
+        "mlp-bottleneck": ModuleCase(lambda: Mlp("trunk", 7, (9,), bottleneck=(1, 5, 3), kan_gate=True,
+                                                 input_grad=True), 6, 7),
         "kan-gate": ModuleCase(lambda: KanGate("kan", 6), 7, 6),
         "mlp-kan-gated": ModuleCase(lambda: Mlp("trunk", 5, (9,), input_gate=True, kan_gate=True, input_grad=True), 7, 5),
         "mlp-attention": ModuleCase(lambda: Mlp("trunk", 5, (9,), attention=True, input_grad=True), 7, 5),
