@@ -8,11 +8,16 @@ import math
 
 import numpy as np
 import pytest
+from agent_helpers import build_module
 
-from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
-from numbarl.rl.nets.base import ParamStore
-from numbarl.rl.nets.bottleneck import TanhBottleneck, bottleneck_backward_ref, bottleneck_forward_ref, parse_bottleneck
+from numbarl.rl.nets.bottleneck import (
+    TanhBottleneck,
+    bottleneck_backward_ref,
+    bottleneck_forward_ref,
+    parse_bottleneck,
+)
 
 _cuda = cuda()
 
@@ -39,14 +44,7 @@ def test_parse():
 
 
 def _build(rng, batch, in_dim, lo, hi, width, input_grad):
-    layer = TanhBottleneck("bn", in_dim, lo, hi, width, input_grad=input_grad)
-    store = ParamStore()
-    layer.declare_params(store)
-    store.allocate()
-    store.init(rng)
-    acts = Arena("acts")
-    layer.declare_acts(acts, batch, "online")
-    acts.allocate()
+    layer, store, _, _ = build_module(TanhBottleneck("bn", in_dim, lo, hi, width, input_grad=input_grad), rng, batch)
     return layer, store
 
 

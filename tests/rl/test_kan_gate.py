@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 import pytest
+from agent_helpers import build_module
 
-from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
-from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.kan_gate import (
     N_BASIS,
     N_COEF,
@@ -63,14 +63,7 @@ def test_hand_computed_gate():
 
 
 def _build(rng, batch, dim, input_grad=True):
-    gate = KanGate("kan", dim, input_grad=input_grad)
-    store = ParamStore()
-    gate.declare_params(store)
-    store.allocate()
-    store.init(rng)
-    acts = Arena("acts")
-    gate.declare_acts(acts, batch, "online")
-    acts.allocate()
+    gate, store, _, _ = build_module(KanGate("kan", dim, input_grad=input_grad), rng, batch)
     return gate, store
 
 
