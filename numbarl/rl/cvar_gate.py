@@ -161,9 +161,8 @@ def risk_budget_kernel(readiness_state, risk_budget, stats, slot):
     non-finite readiness state (a NaN IQN loss, first or later) gives ρ = 1: the configured protection,
     never none. Before the first aux step (L_first < 0) ρ = 0: the prefill trades uncapped."""
     if _cuda.grid(1) == 0:
-        a, b = readiness_state[0], readiness_state[1]
-        rho = _ONE if (math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b)) else \
-            _budget(readiness_state, True)
+        finite = math.isfinite(readiness_state[0]) and math.isfinite(readiness_state[1])
+        rho = _budget(readiness_state, True) if finite else _ONE
         risk_budget[0] = rho
         stats[slot] = rho
 

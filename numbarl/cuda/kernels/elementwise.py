@@ -47,6 +47,7 @@ import math
 import numpy as np
 from numba import njit
 
+from numbarl.cuda import launch
 from numbarl.cuda.reduce import as_rows
 from numbarl.cuda.runtime import cuda  # the backend (GPU or simulator), selected once
 
@@ -401,6 +402,12 @@ def activation_code(act) -> int:
 def grid_for(n: int) -> int:
     """Blocks for a grid-stride launch over n elements."""
     return max(1, min(-(-int(n) // BLOCK), MAX_GRID))
+
+
+def stride_launch(n: int) -> tuple[int, int]:
+    """(blocks, threads) of a grid-stride launch over n elements: grid_for(n) x BLOCK on a GPU, one block
+    of 32 under the simulator (every simulated thread is a Python thread; the kernel's loop does the rest)."""
+    return launch.shape(gpu=grid_for(n), sim=1), launch.shape(gpu=BLOCK, sim=32)
 
 
 def _flat(x, what: str):

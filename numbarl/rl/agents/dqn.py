@@ -155,6 +155,7 @@ from numbarl.cuda.registry import StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
+from numbarl.rl.cvar_gate import risk_budget_kernel  # R18: ρ for the env step (agent.risk_budget)
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.losses.confidence import ConfidenceLoss  # agent.confidence_weight
 from numbarl.rl.losses.cql import CqlLoss
@@ -179,7 +180,9 @@ from numbarl.rl.nets.confidence import ConfidenceHead  # agent.confidence_weight
 from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
 from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
+from numbarl.rl.nets.linear import Linear  # the predictive-coding predictor (agent.predictive_weight)
 from numbarl.rl.nets.mlp import Mlp
+from numbarl.rl.nets.regime_dropout import RegimeDropout  # agent.regime_dropout
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
     STAT_CLIPPED,
@@ -691,8 +694,6 @@ class DQNAgent(Agent):
         # --- predictive coding (agent.predictive_weight): a linear predictor on the online trunk output
         # (backward); its target is the target pass's trunk output on next_obs; declared last -------------
         if cfg.predictive_weight > 0:
-            from numbarl.rl.nets.linear import Linear
-
             h = self.trunk.out_dim
             self.pc_head = Linear("head.pc", h, h, None, group="head.pc", input_grad=True, compute=cfg.compute)
             self.pc_head.declare_params(self.store)
@@ -700,8 +701,6 @@ class DQNAgent(Agent):
         # --- end predictive coding -------------------------------------------------------------------------
         # --- regime dropout (agent.regime_dropout): on the online pass's trunk output, rate from an obs column
         if cfg.regime_dropout:
-            from numbarl.rl.nets.regime_dropout import RegimeDropout
-
             if cfg.regime_dropout_col >= self.state_dim:
                 raise ConfigError(f"agent.regime_dropout_col = {cfg.regime_dropout_col} is not an obs column "
                                   f"(the observation has {self.state_dim})")
@@ -899,8 +898,6 @@ class DQNAgent(Agent):
         (one thread, stats risk_budget) with agent.risk_budget (needs agent.iqn); None (the env's ρ = 1) without."""
         if self.iqn_head is None or not self.cfg.risk_budget:
             return None
-        from numbarl.rl.cvar_gate import risk_budget_kernel
-
         risk_budget_kernel[1, 1, stream](self.iqn_state["readiness_state"], self.iqn_state["risk_budget"],
                                          self.stats.device, self._slot_risk_budget)
         return self.iqn_state["risk_budget"]

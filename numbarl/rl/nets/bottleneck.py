@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from numbarl.cuda import blas, launch, reduce
+from numbarl.cuda import blas, reduce
 from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import cuda
 from numbarl.rl.nets.base import bias_uniform_init, kaiming_uniform_init
@@ -35,11 +35,6 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 
 _ONE = np.float32(1.0)
 
-
-def _grid(n: int) -> tuple[int, int]:
-    """(blocks, threads) of a grid-stride launch: the elementwise shape on a GPU, one block of 32 under the
-    simulator (every simulated thread is a Python thread; the loop does the rest)."""
-    return launch.shape(gpu=elementwise.grid_for(n), sim=1), launch.shape(gpu=elementwise.BLOCK, sim=32)
 
 
 def parse_bottleneck(text: str) -> tuple[int, int, int] | None:
@@ -175,22 +170,22 @@ class TanhBottleneck(Module):
 
     def forward_impl(self, c: Ctx, x):
         xg, pre, y = c.buf("xg"), c.buf("pre"), c.buf("y")
-        block_copy_kernel[_grid(xg.size) + (c.stream,)](x, np.int64(self.lo), xg)
+        block_copy_kernel[elementwise.stride_launch(xg.size) + (c.stream,)](x, np.int64(self.lo), xg)
         blas.gemm(xg, c.p("w"), pre, bias=c.p("b"), compute=self.compute, stream=c.stream)
-        assemble_kernel[_grid(y.size) + (c.stream,)](x, np.int64(self.lo), np.int64(self.hi), pre, y)
+        assemble_kernel[elementwise.stride_launch(y.size) + (c.stream,)](x, np.int64(self.lo), np.int64(self.hi), pre, y)
         return y
 
     def backward_impl(self, c: Ctx, dy, dx):
         if tuple(dy.shape) != (c.batch, self.out_dim):
             raise ValueError(f"{self.name}.backward: dy has shape {tuple(dy.shape)}, expected {(c.batch, self.out_dim)}")
         dpre = c.buf("dpre")
-        dpre_kernel[_grid(dpre.size) + (c.stream,)](dy, c.buf("y"), dpre)
+        dpre_kernel[elementwise.stride_launch(dpre.size) + (c.stream,)](dy, c.buf("y"), dpre)
         linear_param_grads(c, c.buf("xg"), dpre, "w", "b", c.buf("partials"), self.compute)
         if dx is None:
             return None
         dxg = c.buf("dxg")
         blas.gemm(dpre, c.p("w"), dxg, trans_b=True, compute=self.compute, stream=c.stream)
-        dx_assemble_kernel[_grid(dx.size) + (c.stream,)](dy, dxg, np.int64(self.lo), np.int64(self.hi), dx)
+        dx_assemble_kernel[elementwise.stride_launch(dx.size) + (c.stream,)](dy, dxg, np.int64(self.lo), np.int64(self.hi), dx)
         return dx
 
     # -- float64 reference (host dict of params by name; composable) ----------------------------

@@ -40,18 +40,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from numbarl.cuda import launch, reduce
+from numbarl.cuda import reduce
 from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import cuda
 from numbarl.rl.nets.module import Buf, Ctx, Module, Param
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
-
-def _grid(n: int) -> tuple[int, int]:
-    """(blocks, threads) of a grid-stride launch over n elements: the elementwise kernels' shape on a GPU; one
-    block of 32 under the simulator, where every thread is a Python thread (the loop does the rest)."""
-    return launch.shape(gpu=elementwise.grid_for(n), sim=1), launch.shape(gpu=elementwise.BLOCK, sim=32)
 
 GRID = 5  # intervals of the spline grid (pykan's grid = 5)
 X_LO, X_HI = -5.0, 5.0  # the grid's range (the features' clip range)
@@ -271,7 +266,7 @@ class KanGate(Module):
 
     def forward_impl(self, c: Ctx, x):
         g, y = c.buf("g"), c.buf("y")
-        kan_forward_kernel[_grid(y.size) + (c.stream,)](x, c.p("theta"), g, y)
+        kan_forward_kernel[elementwise.stride_launch(y.size) + (c.stream,)](x, c.p("theta"), g, y)
         return y
 
     def backward_impl(self, c: Ctx, dy, dx):
@@ -279,7 +274,7 @@ class KanGate(Module):
             raise ValueError(f"{self.name}.backward: dy has shape {tuple(dy.shape)}, expected {(c.batch, self.dim)}")
         contrib = c.buf("contrib")
         mode = DX_NONE if dx is None else (DX_ADD if c.dx_beta != 0.0 else DX_OVERWRITE)
-        kan_backward_kernel[_grid(dy.size) + (c.stream,)](
+        kan_backward_kernel[elementwise.stride_launch(dy.size) + (c.stream,)](
             c.x(), c.p("theta"), c.buf("g"), dy, contrib, dy if dx is None else dx, np.int32(mode))
         grad = c.g("theta")
         grad = grad.reshape(grad.size)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from numbarl.cuda import launch
 from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.rng import uniform
@@ -34,11 +33,6 @@ from numbarl.cuda.runtime import Arena, cuda
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
-
-def _grid(n: int) -> tuple[int, int]:
-    """(blocks, threads) of a grid-stride launch over n elements: the elementwise kernels' shape on a GPU; one
-    block of 32 under the simulator, where every thread is a Python thread (the loop does the rest)."""
-    return launch.shape(gpu=elementwise.grid_for(n), sim=1), launch.shape(gpu=elementwise.BLOCK, sim=32)
 
 DROPOUT_SLOT = RNG_STREAMS.claim("regime.dropout", 205)  # lane b·H + j, counter = the train step
 P_MAX = 0.95  # largest drop rate accepted (a rate of 1 has no inverse scale)
@@ -135,11 +129,11 @@ class RegimeDropout:
             raise ValueError(f"regime dropout: h {tuple(h.shape)}, obs {tuple(obs.shape)}, column {self.col}; "
                              f"expected h {(self.batch, self.width)} and obs of {self.batch} rows with that column")
         out = self.arena["h"]
-        dropout_forward_kernel[_grid(out.size) + (stream,)](
+        dropout_forward_kernel[elementwise.stride_launch(out.size) + (stream,)](
             h, obs, np.int64(self.col), np.float32(self.p_lo), np.float32(self.p_hi) - np.float32(self.p_lo),
             np.uint64(self.seed), counter, out, self.arena["scale"], self.arena["dropped"])
         return out
 
     def backward(self, dh, stream):
-        dropout_backward_kernel[_grid(dh.size) + (stream,)](dh, self.arena["scale"])
+        dropout_backward_kernel[elementwise.stride_launch(dh.size) + (stream,)](dh, self.arena["scale"])
         return dh
