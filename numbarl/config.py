@@ -63,9 +63,10 @@ class DataConfig:
     """Imbalance bars per synthetic session (0 = the scale's default)."""
     synth_mode: str = "planted"
     """Synthetic market: 'planted' (order flow leads the mid), 'memory' (its sign is a hidden regime: only history
-    pays) or 'walk' (a null whose mid is a random walk nothing observable leads: the queues do not move the price)."""
+    pays), 'walk' (a null whose mid is a random walk nothing observable leads: the queues do not move the price) or
+    'memory_walk' (the memory market's regime drift moving the walk's coin: no book structure leads the mid either)."""
     synth_regime_bars: float = 40.0
-    """Memory mode: mean duration of the hidden regime, in bars."""
+    """Memory modes (memory, memory_walk): mean duration of the hidden regime, in bars."""
     symbol: str = ""
     """Instrument to keep when a DBN file holds several ('' = the only one)."""
     features: str = ""
@@ -76,7 +77,7 @@ class DataConfig:
         _check("data", "synth_signal", self.synth_signal, lo=0.0, hi=100.0)
         _check("data", "synth_scale", self.synth_scale, choices=("tiny", "default"))
         _check("data", "synth_bars_per_day", self.synth_bars_per_day, lo=0, hi=1_000_000)
-        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory", "walk"))
+        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory", "walk", "memory_walk"))
         _check("data", "synth_regime_bars", self.synth_regime_bars, lo=1.0, hi=1_000_000.0)
 
 
@@ -206,6 +207,16 @@ class AgentConfig:
     """Recursive confidence's selectivity gate (numbarl/rl/nets/confidence.py:ConfidenceGate): a flat env may not
     enter (direction long / short) where c(s) < this, in the collect step and the backtest scores; holding and
     exits stay allowed. 0 = no gate (needs agent.confidence_weight > 0; in [0, 1))."""
+    risk_head_weight: float = 0.0
+    """Risk-budget head (issue 15, T7; numbarl/rl/nets/risk_head.py, numbarl/rl/losses/risk_head.py): weight of the
+    binary cross-entropy of rho(s) = sigmoid(h.w + b) on the online trunk features against the outcome of the trade
+    the replay row opened (1 if it closed with net P&L > 0, else 0; rows without a known outcome are left out); an
+    auxiliary loss (every agent.aux_frequency train steps), optimizer group 'head.risk', its gradient adds to the
+    trunk's. 0 = off (the default: nothing of it is built)."""
+    risk_head_sizing: bool = True
+    """Risk-budget head, with agent.risk_head_weight > 0: a flat env's new entry executes at the largest grid size
+    <= the chosen size x rho(s) (never below the smallest size), in the collect step (the replay stores the executed
+    action) and the backtests' greedy choice alike. False: the head is trained only (a diagnostic)."""
     predictive_weight: float = 0.0
     """Predictive coding (issue 15, T3; numbarl/rl/losses/predictive.py, SPR: Schwarzer et al. 2021): weight λ of
     the normalized L2 between a linear predictor (optimizer group 'head.pc') of the online trunk features of obs
@@ -229,6 +240,15 @@ class AgentConfig:
     """Tanh input bottleneck (issue 15, D7; numbarl/rl/nets/bottleneck.py): 'lo:hi:width' compresses obs columns
     lo..hi-1 (e.g. a block of order-flow and book-shape features) through width tanh units, trunk input =
     [the other columns, tanh(x[:, lo:hi] W + b)]; its own optimizer group 'trunk.bn'. Empty: off."""
+    regime_gate: bool = False
+    """Regime gate on the trunk's last hidden layer (issue 15, T9; numbarl/rl/nets/regime_gate.py):
+    h <- h ⊙ 2σ(r W_g + b_g), r = the columns agent.regime_gate_cols of the trunk's input (the observation; with
+    agent.temporal those columns of the scan's output h̃, and the gate's gradient then reaches the scan through r),
+    W_g = b_g = 0 at init (the gate starts at exactly 1); every head reads its output; its own optimizer group
+    'trunk.rgate' (the global agent.lr_warmup_steps, no warm-up of its own: at exactly 1 it starts without a shock)."""
+    regime_gate_cols: str = "53,9,10,11,12"
+    """Regime gate: comma list of the obs columns of r (53, 9, 10, 11, 12 = adx_14, rv_8, rv_32, rv_128, rv_ratio in
+    the default 64-feature set); checked against the observation width when the agent is built."""
     feature_attention: bool = False
     """Sigmoid-gated feature attention with a LayerNorm residual at the end of the trunk, h <- LN(h + h ⊙ σ(h·W + b))
     (issue 15, T1; numbarl/rl/nets/mlp.py), its own optimizer group 'trunk.attn'; every head reads its output."""
@@ -309,6 +329,17 @@ class AgentConfig:
     """Temporal input: heads of the scan (each its own decay); must divide the observation width."""
     temporal_lr: float = 1e-4
     """Temporal input: learning rate of the optimizer group 'temporal.mamba' (the origin's Adam 1e-4)."""
+    isv: bool = False
+    """ISV signals (issue 15, T5; numbarl/rl/isv.py): a device vector of 12 training-health signals (fast/slow EMAs
+    of the loss, grad norm and Q-mean, Q slope, clip share, bootstrap gap, stabilities, non-finite share) updated by
+    one kernel at the end of every train step from the device stats; logged as isv_<name>, checkpointed."""
+    isv_routing: bool = False
+    """ISV temporal routing (issue 15, T6; numbarl/rl/isv.py): the trunk reads h = x_t + w ⊙ (y W_out) with
+    per-feature weights w = σ(isv W_r + b_r) (init W_r = b_r = 0: w = 0.5, the fixed-mixing baseline), optimizer
+    group 'temporal.route' at agent.temporal_lr; needs agent.temporal = 'mamba' and implies agent.isv."""
+    isv_routing_lr: float = -1.0
+    """ISV routing: learning rate of the group 'temporal.route'; -1 = agent.temporal_lr, 0 = W_r and b_r stay at
+    their init (w = 0.5 for every feature: the fixed 0.5 mixing the routing's A/B compares against)."""
     # --- end temporal input ---------------------------------------------------------------------------
     # --- ICM curiosity (numbarl/rl/nets/icm.py, numbarl/rl/losses/icm.py) --------------------------------
     curiosity_weight: float = 0.0
@@ -423,6 +454,12 @@ class AgentConfig:
             parse_bottleneck(self.input_bottleneck)
         except ValueError as e:
             raise ConfigError(f"agent.input_bottleneck = {e}") from None
+        try:  # the regime gate's columns (checked against the obs width by the agent)
+            from numbarl.rl.nets.regime_gate import parse_regime_cols
+
+            parse_regime_cols(self.regime_gate_cols)
+        except ValueError as e:
+            raise ConfigError(f"agent.regime_gate_cols = {e}") from None
         _check("agent", "regime_dropout_lo", self.regime_dropout_lo, lo=0.0, hi=0.95)  # regime dropout
         _check("agent", "regime_dropout_hi", self.regime_dropout_hi, lo=0.0, hi=0.95)
         if self.regime_dropout_hi < self.regime_dropout_lo:
@@ -431,6 +468,9 @@ class AgentConfig:
         _check("agent", "regime_dropout_col", self.regime_dropout_col, lo=0, hi=1 << 20)
         _check("agent", "confidence_epsilon", self.confidence_epsilon, lo=0.0, hi=1e9)
         _check("agent", "confidence_floor", self.confidence_floor, lo=0.0, hi=1.0)
+        _check("agent", "risk_head_weight", self.risk_head_weight, lo=0.0, hi=1e3)  # risk-budget head
+        if not isinstance(self.risk_head_sizing, bool):
+            raise ConfigError(f"agent.risk_head_sizing = {self.risk_head_sizing!r} must be true or false")
         if self.confidence_floor >= 1.0 or (self.confidence_floor > 0 and not self.confidence_weight > 0):
             raise ConfigError(f"agent.confidence_floor = {self.confidence_floor} needs 0 <= floor < 1 and the confidence "
                               f"head trained (agent.confidence_weight > 0, got {self.confidence_weight})")
@@ -438,14 +478,17 @@ class AgentConfig:
         if self.weight_decay_groups:  # the c51 network's optimizer groups (numbarl/rl/agents/dqn.py)
             groups = (["trunk"] + (["trunk.bn"] if self.input_bottleneck else [])
                       + (["trunk.kan"] if self.kan_gate else []) + (["trunk.gate"] if self.feature_gate else [])
-                      + (["trunk.attn"] if self.feature_attention else []) + ["head.value", "head.adv"])
+                      + (["trunk.attn"] if self.feature_attention else []) + (["trunk.rgate"] if self.regime_gate else [])
+                      + ["head.value", "head.adv"])
             groups += ["head.iqn"] if self.iqn else []
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
             groups += ["head.conf"] if self.confidence_weight > 0 else []  # recursive confidence
             groups += ["head.pc"] if self.predictive_weight > 0 else []  # predictive coding
+            groups += ["head.risk"] if self.risk_head_weight > 0 else []  # risk-budget head
             groups += ["head.ens"] if self.ensemble_heads >= 2 else []  # ensemble
             groups += ["icm.forward", "icm.inverse"] if self.curiosity else []  # ICM (agent.curiosity_weight)
             groups += ["temporal.mamba"] if self.temporal else []  # temporal input (agent.temporal)
+            groups += ["temporal.route"] if self.isv_routing else []  # ISV routing (agent.isv_routing)
             unknown = [g.strip() for g in self.weight_decay_groups.split(",") if g.strip() and g.strip() not in groups]
             if unknown:
                 raise ConfigError(f"agent.weight_decay_groups = {self.weight_decay_groups!r}: no optimizer group "
@@ -518,15 +561,18 @@ class AgentConfig:
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
                         "confidence_weight": self.confidence_weight > 0,  # recursive confidence
                         "predictive_weight": self.predictive_weight > 0,  # predictive coding
+                        "risk_head_weight": self.risk_head_weight > 0,  # risk-budget head
                         "regime_dropout": self.regime_dropout,
                         "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,
                         "freeze_reset": self.freeze_reset, "spectral_norm": bool(self.spectral_norm),
                         "cvar_alpha": self.cvar_alpha > 0, "feature_gate": self.feature_gate, "kan_gate": self.kan_gate,
                         "feature_attention": self.feature_attention, "input_bottleneck": bool(self.input_bottleneck),
+                        "regime_gate": self.regime_gate,  # regime gate
                         "ensemble_heads": self.ensemble_heads >= 2,  # ensemble
                         "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups),
                         "curiosity_weight": self.curiosity,  # ICM: the c51 agent's hooks only
-                        "temporal": bool(self.temporal)}  # temporal input: the c51 agent's passes
+                        "temporal": bool(self.temporal),  # temporal input: the c51 agent's passes
+                        "isv": self.isv, "isv_routing": self.isv_routing}  # ISV: the c51 agent's train step
             on = [f"agent.{name}" for name, value in c51_only.items() if value]
             if on:
                 raise ConfigError(f"agent.kind = '{self.kind}' does not have {', '.join(on)} (c51 components); turn them off")
@@ -566,6 +612,11 @@ class AgentConfig:
         _check("agent", "temporal_steps", self.temporal_steps, lo=1, hi=32)  # numbarl/cuda/kernels/ssm.py MAX_STEPS
         _check("agent", "temporal_heads", self.temporal_heads, lo=1, hi=1024)
         _check("agent", "temporal_lr", self.temporal_lr, lo=0.0, hi=1.0, lo_open=True)
+        if self.isv_routing_lr != -1.0:
+            _check("agent", "isv_routing_lr", self.isv_routing_lr, lo=0.0, hi=1.0)  # or -1: agent.temporal_lr
+        if self.isv_routing and self.temporal != "mamba":  # ISV routing weights the temporal input's scan
+            raise ConfigError(f"agent.isv_routing = true routes the temporal input's scan: it needs agent.temporal = "
+                              f"'mamba' (got {self.temporal!r}); set agent.temporal=mamba or agent.isv_routing=false")
 
 
 @dataclass(frozen=True)
@@ -701,6 +752,12 @@ class Config:
                 f"{self.train.n_envs} and agent.n_step = {self.agent.n_step}: needs at least "
                 f"{self.train.n_envs * (self.agent.n_step + 1)}"
             )
+        if self.agent.risk_head_weight > 0 and int(getattr(self.env, "latency_bars", 0)) > 0:
+            # the outcome labels go on the row whose step filled the entry, the sizing rewrites the action of
+            # the row that decides it: with latency they are L rows apart (numbarl/rl/losses/risk_head.py)
+            raise ConfigError(f"agent.risk_head_weight = {self.agent.risk_head_weight} needs env.latency_bars = 0 "
+                              f"(got {self.env.latency_bars}): the head's labels would land on the fill's row, L rows "
+                              "after the decision it sizes; set env.latency_bars=0 or agent.risk_head_weight=0")
         if self.agent.horizons:  # multi-horizon C51: the longest window
             longest = max(parse_horizons(self.agent.horizons))
             if self.agent.replay_capacity < self.train.n_envs * (longest + 1):

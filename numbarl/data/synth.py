@@ -49,6 +49,15 @@ Oracle (memory mode): r · mean(b(e - W + 1 .. e)) at each record, the drift exp
 next W events (b from flow already seen, r the regime now): known at that moment. Per bar,
 ``oracle`` at the closing record as above; ``null=True`` sets signal 0 (no drift, oracle 0).
 
+Memory-walk mode (``mode="memory_walk"``, ``data.synth_mode=memory_walk``): the memory mode's regime
+and flow response on the walk mode's book (below). The book's sides are fair coins and its queues
+do not move the price; the drift is in the walk's coin only, P(step up) = 1/2 + κ_w · r · b(e - W)
+(κ_w = ``MEMORY_WALK_COUPLING``, a step with probability ``MEMORY_WALK_MOVE_P`` per event). Why: in the
+memory mode the response goes through the passive side of the book, so queue imbalance shows the
+drift's direction in the current bar, and the book's own queue mechanics lead the mid in its null
+twin too (a memoryless learner earns 0.65 of that market's oracle). Here nothing in one bar's book
+leads the mid; its null twin (``null=True``) is a walk market with fair steps. Same oracle formula.
+
 Walk mode (``mode="walk"``, ``data.synth_mode=walk``): a null market in which nothing observable
 leads the mid. The same book, flow and calendar, no drift (signal 0, oracle 0), but the price no
 longer follows the queues: a best queue that trades or cancels away is refilled at its price, and
@@ -70,6 +79,13 @@ what each number is):
     planted       0.92 0.80 0.82     0.85 0.79 0.77        0.67 0.65 0.57      0.47 0.48 0.45
     memory        0.03 -0.04 0.02    0.25 0.16 0.23        0.39 0.28 0.43      0.15 0.17 0.17
                                                            0.28 0.26 0.24 (→ next move)
+    memory_walk   0.01 0.07 -0.00    0.19 0.19 0.12        0.36 0.46 0.35      0.45 0.43 0.42
+                                                           0.24 0.25 0.20 (→ next move)
+
+(``--modes memory_walk,memory_walk-null,walk``; the memory_walk null and the walk market score 0 on
+the oracle columns and |0.09| or less against the next move.) At the training scale (20 sessions of
+120,000 events, 1,000 bars per day, seed 7): products 0.28, memory predictor 0.34 (K = 8) and 0.39
+(K = 16), oracle 0.39 per bar.
 
 The best single-bar linear predictor of the next mid move scores 0.20/0.20/0.23 in memory mode
 and 0.25/0.20/0.22 on the memory null: queue imbalance leads the mid by a fraction of a tick in
@@ -128,10 +144,12 @@ NEW_LEVEL_MAX = 24
 LATENCY_NS = 20_000  # ts_recv - ts_event
 PRESSURE_EVENTS = 6000.0
 PASSIVE_COUPLING = 0.5
-MODES = ("planted", "memory", "walk")
+MODES = ("planted", "memory", "walk", "memory_walk")
 WALK_MOVE_P = 0.008  # walk mode: chance per event that the book steps one tick (fair coin): ~0.9 tick per bar
 DEFAULT_REGIME_BARS = 40.0  # memory mode: mean regime duration in bars
 MEMORY_FLOW_FRACTION = 0.125  # memory mode: time constant of the flow EWMA / W (short: little momentum)
+MEMORY_WALK_COUPLING = 5.0  # memory_walk: P(the walk steps up) = 1/2 + coupling · r · b (saturates above signal 0.2)
+MEMORY_WALK_MOVE_P = 0.1  # memory_walk: chance per event of a walk step (sd ~4.6 ticks per bar at the default sizes)
 MEMORY_COUPLING = 5.0  # memory mode: P(add on bid) = P(cancel on ask) = 1/2 + coupling · r · b (saturates above signal 0.2)
 WARMUP_SESSIONS = 1  # generated before the first cached session: the target bar mode calibrates on it
 
@@ -248,14 +266,35 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
     k = 0
     seq = 1
     walk = walk_p > 0.0
+    step_up = 0.5  # the walk's coin; memory_walk: 1/2 + coupling · r · b(e - W)
+    signal_now = 0.0
+    old = 0.0
     for e in range(n_events):
         x = phi * x + shock * np.random.standard_normal()
         delta = 0.5 * signal * math.tanh(x)
         ts = times[e]
+        if memory:
+            # b(e): the response to the signed trade flow before this event; the drift follows
+            # r·b(e - W) (W events ago): through the passive side of the book (memory) or the walk's
+            # coin (memory_walk, whose book sides stay fair coins); the oracle is the drift expected
+            # over the next W events, r·mean(b(e - W + 1 .. e)): all known now. Drawn before the
+            # walk's step, so that every event (steps too) advances the regime and the lag ring.
+            flow = flow_decay * flow + last_v
+            last_v = 0.0
+            if np.random.random() < switch_p:
+                r = -r
+            b_now = 0.5 * signal * math.tanh(flow / flow_sd)
+            old = lagbuf[pos]
+            lagbuf[pos] = b_now
+            pos = (pos + 1) % lag
+            lag_sum += b_now - old
+            signal_now = r * lag_sum / lag
+            if walk:
+                step_up = 0.5 + coupling * r * old
         if walk and np.random.random() < walk_p:
-            # STEP: the mid moves by one tick at random, whatever the book shows
+            # STEP: the mid moves by one tick, whatever the book shows (a fair coin but in memory_walk)
             size = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
-            if np.random.random() < 0.5:
+            if np.random.random() < step_up:
                 ba += 1
                 _shift_out(aq, ac)
                 bb += 1
@@ -268,26 +307,13 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
                 _shift_in(aq, ac, size)
                 side, price = SIDE_ASK, ba * tick
             _write(out, k, ts, ACTION_ADD, side, price, size, F_LAST, 0, seq, bb, ba, bq, aq, bc, ac, tick)
-            oracle[k] = 0.0
+            oracle[k] = signal_now if memory else 0.0
             k += 1
             seq += 1
             continue
         if memory:
-            # b(e): the response to the signed trade flow before this event; the passive side
-            # follows r·b(e - W) (W events ago), the oracle is the drift expected over the next
-            # W events, r·mean(b(e - W + 1 .. e)): all known now
-            flow = flow_decay * flow + last_v
-            last_v = 0.0
-            if np.random.random() < switch_p:
-                r = -r
-            b_now = 0.5 * signal * math.tanh(flow / flow_sd)
-            old = lagbuf[pos]
-            lagbuf[pos] = b_now
-            pos = (pos + 1) % lag
-            lag_sum += b_now - old
-            passive_bid = 0.5 + coupling * r * old
+            passive_bid = 0.5 if walk else 0.5 + coupling * r * old
             buy_p = 0.5
-            signal_now = r * lag_sum / lag
         else:
             passive_bid = 0.5 + coupling * delta  # P(add on bid) = P(cancel on ask)
             buy_p = 0.5 + delta
@@ -460,8 +486,8 @@ def iter_sessions(
         raise DataError(f"synthetic market: signal must be in [0, 1], got {signal}")
     if mode not in MODES:
         raise DataError(f"synthetic market: mode must be one of {list(MODES)}, got {mode!r}")
-    memory = mode == "memory"
-    walk_p = WALK_MOVE_P if mode == "walk" else 0.0
+    memory = mode in ("memory", "memory_walk")
+    walk_p = {"walk": WALK_MOVE_P, "memory_walk": MEMORY_WALK_MOVE_P}.get(mode, 0.0)
     if mode == "walk":  # no planted drift: the null of every mode
         null = True
     if memory:
@@ -469,7 +495,7 @@ def iter_sessions(
             raise DataError(f"synthetic market: regime_events must be >= 1, got {regime_events}")
         if isinstance(lag_events, bool) or int(lag_events) != lag_events or lag_events < 1:
             raise DataError(f"synthetic market: lag_events must be an integer >= 1, got {lag_events!r}")
-        passive_coupling = MEMORY_COUPLING
+        passive_coupling = MEMORY_WALK_COUPLING if mode == "memory_walk" else MEMORY_COUPLING
     strength = 0.0 if null else float(signal)
     coupling = 0.0 if null else float(passive_coupling)
     master = np.random.default_rng(seed)
@@ -555,7 +581,7 @@ def build_synthetic_cache(
             raise DataError(f"--dbn {dbn_out} already exists; choose another name or pass --force to replace it")
     if mode not in MODES:
         raise DataError(f"synthetic market: mode must be one of {list(MODES)}, got {mode!r}")
-    memory = mode == "memory"
+    memory = mode in ("memory", "memory_walk")
     if memory and not (isinstance(regime_bars, (int, float, np.integer, np.floating)) and regime_bars >= 1):
         raise DataError(f"synthetic market: regime_bars must be a number >= 1, got {regime_bars!r}")
     lag_events = max(1, round(events_per_session / max(int(bars_per_day), 1)))  # W: about one bar
@@ -606,6 +632,9 @@ def build_synthetic_cache(
             "pressure_events": None,  # no latent pressure drives this market
             "passive_coupling": 0.0 if null else MEMORY_COUPLING,
         })  # fmt: skip
+    if mode == "memory_walk":  # the regime drift moves the walk's coin; the book's sides are fair
+        config.update({"mode": "memory_walk", "walk_move_p": MEMORY_WALK_MOVE_P,
+                       "passive_coupling": 0.0, "walk_coupling": 0.0 if null else MEMORY_WALK_COUPLING})
     if mode == "walk":
         config.update({"mode": "walk", "signal": 0.0, "null": True, "passive_coupling": 0.0,
                        "pressure_events": None, "walk_move_p": WALK_MOVE_P})

@@ -101,12 +101,15 @@ def main(argv=None) -> int:
     ap.add_argument("--bars-per-day", type=int, default=200)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--modes", default="planted,memory,memory-null",
+                    help="markets to build: planted, memory, memory_walk, walk; '-null' appended: its null twin")
     args = ap.parse_args(argv)
     keys = ("linear_next", "linear_oracle", "products_oracle", "memory_next", "memory_oracle", "oracle_next", "oracle_sharpe")
     print(f"{'market':<14}{'seed':>5}" + "".join(f"{key:>16}" for key in keys))
     with tempfile.TemporaryDirectory() as tmp:
         for seed in (int(s) for s in args.seeds.split(",")):
-            for label, mode, null in (("planted", "planted", False), ("memory", "memory", False), ("memory-null", "memory", True)):
+            for label in args.modes.split(","):
+                mode, null = label.removesuffix("-null"), label.endswith("-null")
                 path = synth.build_synthetic_cache(Path(tmp) / f"{label}-{seed}", args.sessions, seed, null=null, mode=mode,
                                                    events_per_session=args.events, bars_per_day=args.bars_per_day)
                 rep = edge_report(load_cache(path), args.k)

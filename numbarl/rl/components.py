@@ -128,6 +128,18 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_confidence.py", "tests/rl/test_gpu_confidence.py"),
         "confidence_loss", "> 0"),
     # --- end recursive confidence -----------------------------------------------------------------------
+    # --- risk-budget head (agent.risk_head_weight) -------------------------------------------------------
+    Component(
+        "risk_head", "risk-budget head rho(s) = sigmoid(h.w + b) on the shared trunk: cross-entropy to the outcome "
+        "of the trade each replay row opened (1 if it closed with net P&L > 0; unlabelled rows left out), an "
+        "auxiliary loss whose trunk gradient adds to the C51 head's; a flat env's new entry executes at the "
+        "largest grid size <= size x rho(s), in the collect step and the backtest alike",
+        "agent.risk_head_weight=0.5",
+        "numbarl/rl/losses/risk_head.py, numbarl/rl/nets/risk_head.py (origin notes' 'risk_budget_forward: risk "
+        "budget from h_s2'; interpretation: a logistic win-probability head that scales entry sizes)",
+        ("tests/rl/test_risk_head.py", "tests/rl/test_gpu_risk_head.py"),
+        "risk_head_labeled", "> 0"),
+    # --- end risk-budget head ------------------------------------------------------------------------------
     Component(
         "icm_curiosity", "ICM curiosity: forward and inverse models on the detached trunk features of obs and "
         "next_obs, trained every train step; intrinsic reward w x forward error / its running scale added to the "
@@ -173,6 +185,22 @@ COMPONENTS: tuple[Component, ...] = (
         "(sequence replay windows of stored observations)",
         ("tests/rl/test_temporal.py", "tests/rl/test_mamba.py", "tests/rl/test_sequence.py"),
         "grad_norm.temporal.mamba", "> 0"),
+    Component(
+        "isv", "ISV: 12 training-health signals (fast/slow EMAs of loss, grad norm and Q-mean, Q slope, clip share, "
+        "bootstrap gap, stabilities, non-finite share) updated from the device stats by one kernel at the end of "
+        "every train step, non-finite inputs skipped, checkpointed",
+        "agent.isv=true",
+        "the origin's update_isv_signals (spec T5: its ISV stayed at zero because the update never ran); "
+        "EMA recursions in numbarl/rl/isv.py:isv_update_ref",
+        ("tests/rl/test_isv.py",),
+        "isv_loss_fast", "> 0"),
+    Component(
+        "isv_routing", "ISV temporal routing: per-feature weights w = σ(isv·W_r + b_r) on the temporal scan's output, "
+        "h = x_t + w ⊙ (y W_out) on every pass (init w = 0.5), own optimizer group",
+        "agent.temporal=mamba,agent.isv_routing=true",
+        "the origin's launch_isv_temporal_route (spec T6); Dauphin et al. 2017, Eq. 1 (sigmoid gating)",
+        ("tests/rl/test_isv.py", "tests/rl/test_gpu_isv.py", "tests/rl/test_mamba.py"),
+        "grad_norm.temporal.route", "> 0"),
     # --- end temporal input --------------------------------------------------------------------------------
     Component(
         "predictive_coding", "predictive coding: a linear predictor of the target network's trunk features of the "
@@ -203,6 +231,14 @@ COMPONENTS: tuple[Component, ...] = (
         "the origin's bn_tanh_concat (spec D7)",
         ("tests/rl/test_bottleneck.py", "tests/rl/test_module_contract.py"),
         "grad_norm.trunk.bn", "> 0"),
+    Component(
+        "regime_gate", "regime gate on the trunk's last hidden layer, h <- h ⊙ 2σ(r·W_g + b_g) with r the trunk input's "
+        "regime columns (ADX, realised volatilities; with the temporal input, those columns of the scan's output), "
+        "starting at exactly 1, own optimizer group",
+        "agent.regime_gate=true",
+        "Dauphin et al. 2017, Eq. 1 (sigmoid gating); spec T9 (the origin's regime gate tensor group)",
+        ("tests/rl/test_regime_gate.py", "tests/rl/test_gpu_regime_gate.py", "tests/rl/test_module_contract.py"),
+        "grad_norm.trunk.rgate", "> 0"),
     Component(
         "kan_gate", "KAN spline gate on each observation feature, y = x ⊙ σ(w_b·silu(x) + w_s·Σ c·B(x)), cubic "
         "B-splines per feature, own optimizer group",

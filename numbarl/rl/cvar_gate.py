@@ -154,6 +154,33 @@ def _budget(readiness_state, use_budget):
     return np.float32(r * r)
 
 
+@_cuda.jit(device=True)
+def gated_sides_dev(x_short, x_long, threshold):
+    """The entry gates' common test: bit 0 (short) and bit 1 (long) set where the side's score x
+    (scaled by the budget and signed so that larger is worse) exceeds the threshold. The CVaR gate
+    passes x = −budget·CVaR with threshold = floor (budget·CVaR < −floor: negation is exact, the
+    same comparison), the epistemic gate x = budget·score with θ (numbarl/rl/nets/ensemble.py)."""
+    return (1 if x_short > threshold else 0) | (2 if x_long > threshold else 0)
+
+
+@_cuda.jit(device=True)
+def gate_mask_dev(mask, i, sides):
+    """Collect step: the gated entry sides of env i off its mask [N, n_branches, max_actions]."""
+    if sides & 1:
+        mask[i, 0, DIR_SHORT] = 0
+    if sides & 2:
+        mask[i, 0, DIR_LONG] = 0
+
+
+@_cuda.jit(device=True)
+def gate_scores_dev(q, i, sides):
+    """Backtest: the gated entry sides of policy i scored lowest in its greedy scores."""
+    if sides & 1:
+        q[i, 0, DIR_SHORT] = _LOWEST
+    if sides & 2:
+        q[i, 0, DIR_LONG] = _LOWEST
+
+
 @_cuda.jit(cache=True)
 def risk_budget_kernel(readiness_state, risk_budget, stats, slot):
     """risk_budget[0] = stats[slot] = ρ = readiness² (one thread, once per collect step, before the
@@ -179,15 +206,13 @@ def cvar_mask_kernel(value, adv, lse, support, n0, inv_n0, alpha, floor, readine
     if i == 0:
         budget_out[0] = budget
     is_flat = obs[i, position_col] == _ZERO
-    hit = 0
-    for s in range(2):
-        action = DIR_SHORT if s == 0 else DIR_LONG
-        c = side_cvar(value, adv, lse, support, i, action, n0, inv_n0, alpha)
-        cvar[i, s] = c
-        if is_flat and budget * c < -floor:
-            mask[i, 0, action] = 0
-            hit = 1
-    blocked[i] = hit
+    c_short = side_cvar(value, adv, lse, support, i, DIR_SHORT, n0, inv_n0, alpha)
+    c_long = side_cvar(value, adv, lse, support, i, DIR_LONG, n0, inv_n0, alpha)
+    cvar[i, 0] = c_short
+    cvar[i, 1] = c_long
+    sides = gated_sides_dev(-(budget * c_short), -(budget * c_long), floor) if is_flat else 0
+    gate_mask_dev(mask, i, sides)
+    blocked[i] = 1 if sides else 0
     flat[i] = 1 if is_flat else 0
 
 
@@ -201,11 +226,9 @@ def cvar_scores_kernel(value, adv, lse, support, n0, inv_n0, alpha, floor, readi
     if obs[i, position_col] != _ZERO:
         return
     budget = _budget(readiness_state, use_budget)
-    for s in range(2):
-        action = DIR_SHORT if s == 0 else DIR_LONG
-        c = side_cvar(value, adv, lse, support, i, action, n0, inv_n0, alpha)
-        if budget * c < -floor:
-            q[i, 0, action] = _LOWEST
+    c_short = side_cvar(value, adv, lse, support, i, DIR_SHORT, n0, inv_n0, alpha)
+    c_long = side_cvar(value, adv, lse, support, i, DIR_LONG, n0, inv_n0, alpha)
+    gate_scores_dev(q, i, gated_sides_dev(-(budget * c_short), -(budget * c_long), floor))
 
 
 @_cuda.jit(cache=True)

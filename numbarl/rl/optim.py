@@ -224,6 +224,34 @@ def target_update_ref(target, params, step: int, cfg: TargetConfig):
 _cuda = cuda()
 
 
+@_cuda.jit(device=True)
+def nonfinite_flag_dev(stats, t, loss, grad_norm, slot_step, slot_what):
+    """The sticky non-finite flag of a train step's bookkeeping: stats[slot_step] < 0 until the first
+    step t whose loss (what 1) or gradient norm (what 2) is not finite, then t and what, kept."""
+    if stats[slot_step] < np.float32(0.0):
+        if not math.isfinite(loss):
+            stats[slot_step] = np.float32(t)
+            stats[slot_what] = np.float32(1.0)
+        elif not math.isfinite(grad_norm):
+            stats[slot_step] = np.float32(t)
+            stats[slot_what] = np.float32(2.0)
+
+
+@_cuda.jit(cache=True)
+def after_train_step_kernel(loss, train_step, stats, slot_step, slot_loss, slot_nonfinite_step, slot_nonfinite_what):
+    """One thread, after an optimizer step of an agent whose stats layout puts these slots where it
+    says (PPO's minibatch step, the Decision Transformer's step): train_step += 1, stats[slot_step]
+    and stats[slot_loss] written, and the sticky non-finite flag: the first step whose loss (what 1)
+    or gradient norm (stats[STAT_GRAD_NORM], what 2) was not finite; stats[slot_nonfinite_step] < 0
+    until then."""
+    if _cuda.grid(1) == 0:
+        t = train_step[0] + 1
+        train_step[0] = t
+        stats[slot_step] = np.float32(t)
+        stats[slot_loss] = loss[0]
+        nonfinite_flag_dev(stats, t, loss[0], stats[STAT_GRAD_NORM], slot_nonfinite_step, slot_nonfinite_what)
+
+
 @_cuda.jit(cache=True)
 def finalize_kernel(step, lr, weight_decay, scal, group_scal, stats, max_norm, clip_eps, beta1, beta2, skip_nonfinite):
     """One thread: clip scale from scal[_SCAL_SUMSQ], step counter, bias corrections and stats

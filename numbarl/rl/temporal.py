@@ -27,6 +27,11 @@ trains the trunk on φ(next_obs)): the trunk's first layer computes its input gr
 when the switch is off) and the scan's backward runs on it through all K steps; the scan computes no
 input gradient of its own (the observations are data).
 
+ISV routing (agent.isv_routing, numbarl/rl/isv.py): the scan returns u = y · W_out without the residual and
+every pass reads h̃ = x_t + w ⊙ u, w = σ(isv · W_r + b_r) (optimizer group 'temporal.route', online and
+target copies like the scan's; the isv vector is the agent's, bound with bind_isv). The backward runs the
+routing's first (g = w ⊙ dh̃, dW_r, db_r) and the scan's on g.
+
 Off (the default) nothing here is built: the agent's launches and bits are those without it.
 """
 
@@ -39,6 +44,7 @@ import numpy as np
 from numbarl.config import AgentConfig, ConfigError
 from numbarl.cuda import launch
 from numbarl.cuda.runtime import Arena, cuda
+from numbarl.rl.isv import IsvRoute
 from numbarl.rl.nets.mamba import GROUP, MambaScan
 from numbarl.rl.sequence import gather_sequences
 
@@ -134,8 +140,10 @@ class TemporalInput:
             raise ConfigError(f"agent.temporal_heads = {cfg.temporal_heads} must divide the observation width "
                               f"{self.dim} (the scan splits the features into heads of equal width); pick a divisor "
                               f"of {self.dim}")
+        routed = bool(cfg.isv_routing)  # ISV routing: the scan without its residual
         self.scan = MambaScan(GROUP, self.dim, n_steps=self.K, n_heads=int(cfg.temporal_heads), input_grad=False,
-                              compute=cfg.compute)
+                              compute=cfg.compute, residual=not routed)
+        self.route = IsvRoute("temporal.route", self.dim) if routed else None
         self.n_envs, self.eval_batch, self.horizons = int(n_envs), int(eval_batch), tuple(int(h) for h in horizons)
         self.batch_size = int(cfg.batch_size)
         self.state = Arena("temporal")
@@ -157,14 +165,27 @@ class TemporalInput:
         return self.WINDOW[tag]
 
     # -- declarations ---------------------------------------------------------------------------
+    @property
+    def groups(self) -> tuple:
+        """The optimizer groups of the temporal input (the scan's; the routing's with agent.isv_routing)."""
+        return (GROUP,) if self.route is None else (GROUP, self.route.group)
+
     def declare_params(self, store) -> None:
         self.scan.declare_params(store)
+        if self.route is not None:
+            self.route.declare_params(store)
+
+    def bind_isv(self, isv) -> None:
+        """The ISV vector the routing reads (agent.isv_routing): a fixed device address."""
+        self.route.bind_isv(isv)
 
     def declare_acts(self, acts: Arena, tags, backward=("online",)) -> None:
         """The scan's buffers of each pass tag in `tags` (those in `backward` with their backward)."""
         for tag in tags:
             rows = self._rows[self.window(tag)]
             self.scan.declare_acts(acts, rows * self.K, tag, backward=tag in backward)
+            if self.route is not None:
+                self.route.declare_acts(acts, rows, tag, backward=tag in backward)
 
     def allocate(self) -> None:
         self.state.allocate()
@@ -219,15 +240,30 @@ class TemporalInput:
     def forward(self, tag: str, stream, role: str = "params"):
         """h̃ [rows, D] of the pass `tag` (parameters of `role`) on its window."""
         x, mask = self.inputs(tag)
-        return self.scan.forward(x, stream, tag=tag, role=role, mask=mask)
+        h = self.scan.forward(x, stream, tag=tag, role=role, mask=mask)
+        if self.route is not None:  # ISV routing: h̃ = x_t + w ⊙ u
+            h = self.route.route(h, x, self.K, stream, tag=tag, role=role)
+        return h
+
+    def output(self, tag: str):
+        """h̃ of the pass `tag` (after forward)."""
+        return self.scan.output(tag) if self.route is None else self.route.output(tag)
 
     def backward(self, dh, stream, tag: str = "online") -> None:
         """The pass's backward from dh̃ [B, D]: the scan's parameter gradients (the gradient rule: a second
-        pass's backward in the same train step adds to the first's)."""
+        pass's backward in the same train step adds to the first's); with the ISV routing its gradients
+        first and the scan's backward on w ⊙ dh̃."""
+        if self.route is not None:
+            dh = self.route.backward(dh, stream, tag=tag)
         self.scan.backward(dh, stream, tag=tag)
 
     # -- float64 reference ------------------------------------------------------------------------
-    def forward_ref(self, window, mask, params):
-        """(h̃ [rows, D], cache) of a window [rows, K, D] with mask [rows, K] (MambaScan.forward_ref)."""
+    def forward_ref(self, window, mask, params, isv=None):
+        """(h̃ [rows, D], cache) of a window [rows, K, D] with mask [rows, K] (MambaScan.forward_ref); with the
+        ISV routing (isv [12] given) h̃ = x_t + w ⊙ u and cache = (scan cache, routing cache)."""
         window = np.asarray(window)
-        return self.scan.forward_ref(window.reshape(-1, self.dim), params, mask=mask)
+        h, cache = self.scan.forward_ref(window.reshape(-1, self.dim), params, mask=mask)
+        if self.route is None:
+            return h, cache
+        h, route_cache = self.route.forward_ref(h, window[:, -1], isv, params)
+        return h, (cache, route_cache)

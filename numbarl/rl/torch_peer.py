@@ -97,10 +97,20 @@ def trunk_ops_from_layers(layers) -> list:
     `activation`; a LayerNorm by gamma/beta names and `eps`; a stand-alone activation layer by
     `activation` (or `kind`) alone. Raise with the layer's repr when a layer is not understood.
     """
+    from numbarl.rl.nets.activations import Activation
+    from numbarl.rl.nets.layernorm import LayerNorm
+    from numbarl.rl.nets.linear import Linear
+    from numbarl.rl.nets.module import Module
+
     if hasattr(layers, "layers"):
         layers = layers.layers
     ops = []
     for layer in layers:
+        if isinstance(layer, Module) and not isinstance(layer, (Linear, LayerNorm, Activation)):
+            # a gate, bottleneck, residual block or dropout also names a "w"/"b": mirroring it as a
+            # Linear would give a peer that silently computes another network
+            raise TypeError(f"torch peer: cannot mirror trunk layer {layer!r} ({type(layer).__name__}); describe "
+                            "the trunk with TrunkOp(...) or use the component's own peer")
         names = dict(getattr(layer, "param_names", {}) or {})
         cls_name = type(layer).__name__.lower()
         activation = getattr(layer, "activation", None)

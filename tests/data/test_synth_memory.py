@@ -139,3 +139,66 @@ def test_config_fields_and_cache_keys():
     assert "mode" not in planted and "regime_bars" not in planted  # today's caches keep their keys
     memory = _synth_spec(DataConfig(synth_mode="memory", synth_regime_bars=12.0))
     assert memory == {**planted, "mode": "memory", "regime_bars": 12.0}
+
+
+@pytest.fixture(scope="module")
+def memory_walk_markets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synth_memory_walk")
+    return {null: load_cache(synth.build_synthetic_cache(root / f"null_{null}", seed=1, null=null, mode="memory_walk",
+                                                         **SMALL))
+            for null in (False, True)}
+
+
+def test_memory_walk_edge_only_through_history(memory_walk_markets):
+    """memory_walk: the regime drift moves the walk's coin, the book's sides are fair coins, so no
+    single-bar feature leads the mid (the memory market's queue imbalance did: its linear_next 0.20)."""
+    rep = edge_report(memory_walk_markets[False])
+    assert abs(rep["linear_oracle"]) < 0.1 and abs(rep["linear_next"]) < 0.1  # measured 0.007, -0.011
+    assert rep["memory_oracle"] > 0.25 and rep["memory_next"] > 0.15  # measured 0.36, 0.24
+    assert rep["memory_oracle"] > rep["products_oracle"] + 0.1  # one bar's window products: 0.19
+    assert rep["oracle_next"] > 0.45 and rep["oracle_sharpe"] > 0.3  # measured 0.57 and 0.45 after costs
+    meta = memory_walk_markets[False].meta["synthetic"]
+    assert meta["mode"] == "memory_walk" and meta["passive_coupling"] == 0.0
+    assert meta["walk_coupling"] == synth.MEMORY_WALK_COUPLING and meta["walk_move_p"] == synth.MEMORY_WALK_MOVE_P
+
+
+def test_memory_walk_null_has_no_edge(memory_walk_markets):
+    cache = memory_walk_markets[True]
+    assert np.all(cache.oracle == 0.0) and cache.meta["synthetic"]["walk_coupling"] == 0.0
+    rep = edge_report(cache)
+    assert abs(rep["linear_next"]) < 0.1 and abs(rep["memory_next"]) < 0.1  # measured -0.09, 0.05
+    mid, sid = np.asarray(cache.mid), np.asarray(cache.session_id)
+    args = (mid, np.asarray(cache.bid), np.asarray(cache.ask), sid)
+    flow = np.asarray(cache.features[:, cache.feature_names.index("trade_imb_4")], np.float64)
+    assert after_cost_sharpe(np.sign(memory_predictor(flow, mid, sid)), *args) < 0.0
+    assert after_cost_sharpe(np.sign(flow), *args) < 0.0 and after_cost_sharpe(-np.sign(flow), *args) < 0.0
+
+
+def test_memory_walk_oracle_uses_nothing_after_its_record():
+    """The generator's memory_walk path (memory on, walk steps on): records and oracle values of a
+    shortened run equal the full run's prefix, so the oracle at a record uses nothing later."""
+    def session(n):
+        times = synth.session_event_times(np.random.default_rng(0), 4_000, 0)[:n]
+        out, oracle = np.zeros(2 * n, MBP10_DTYPE), np.zeros(2 * n, np.float64)
+        k, _, _ = synth._simulate_session(3, n, times, synth.START_PRICE_TICKS, 0.3, 0.2, synth.MEMORY_WALK_COUPLING,
+                                          300.0, synth.ADD_LEVEL_WEIGHTS, out, oracle, True, 1 / 400, 5.0,
+                                          np.zeros(40), np.array([1.0, 0.0, 0.0, 0.0]), synth.MEMORY_WALK_MOVE_P)
+        return out[:k], oracle[:k]
+
+    full, full_oracle = session(4_000)
+    steps = np.diff(full["levels"]["bid_px"][:, 0].astype(np.int64))
+    assert np.any(full_oracle > 0) and np.any(full_oracle < 0) and np.any(steps != 0)
+    for n in (500, 1_777, 3_001):
+        part, part_oracle = session(n)
+        assert part.tobytes() == full[: len(part)].tobytes()
+        assert part_oracle.tobytes() == full_oracle[: len(part)].tobytes()
+
+
+def test_memory_walk_config_and_cache_key():
+    from numbarl.run.trainer import _synth_spec
+
+    DataConfig(synth_mode="memory_walk").validate()
+    spec = _synth_spec(DataConfig(synth_mode="memory_walk"))
+    assert spec["mode"] == "memory_walk" and spec["regime_bars"] == 40.0
+    with pytest.raises(DataError, match="mode must be one of"):
+        synth.generate(sessions=1, events_per_session=1_000, mode="memory-walk")

@@ -24,12 +24,15 @@ RUNS = {
     "polyak": ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3", "--set", "agent.max_grad_norm=1e-6",
                "--set", "agent.feature_gate=true", "--set", "agent.kan_gate=true",
                "--set", "agent.feature_attention=true", "--set", "agent.input_bottleneck=0:8:3",
+               "--set", "agent.regime_gate=true",  # regime gate (its default columns: adx_14, rv_8 .. rv_ratio)
+               "--set", "agent.isv=true",  # ISV signals
                "--set", "agent.lock_aware_target=true",
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
                "--set", "agent.iqn=true", "--set", "agent.risk_budget=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
                "--set", "agent.iql=true", "--set", "agent.iql_hidden=8",
                "--set", "agent.confidence_weight=0.5",  # recursive confidence
+               "--set", "agent.risk_head_weight=0.5",  # risk-budget head (its labels need the trades this run makes)
                "--set", "agent.predictive_weight=0.1",  # predictive coding
                "--set", "agent.regime_dropout=true", "--set", "agent.regime_dropout_col=0",  # regime dropout
                "--set", "agent.curiosity_weight=0.1", "--set", "agent.curiosity_hidden=8",
@@ -52,7 +55,8 @@ RUNS = {
              # the ensemble and its epistemic gate (agent.ensemble_heads): +5 s here, +19 s in the polyak run
              "--set", "agent.ensemble_heads=2", "--set", "agent.epistemic_theta=0.01",
              # the temporal input (agent.temporal): a scan over the last 2 bars before the trunk
-             "--set", "agent.temporal=mamba", "--set", "agent.temporal_steps=2"],
+             "--set", "agent.temporal=mamba", "--set", "agent.temporal_steps=2",
+             "--set", "agent.isv_routing=true"],  # ISV routing on the temporal input (implies agent.isv)
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
     # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)
     "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5",
@@ -95,7 +99,7 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
-          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh",
+          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "isv_routing": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh",
           "adaptive_atoms": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
@@ -149,6 +153,16 @@ def test_liveness_conditions_tell_off_from_on():
     n_step = components.by_name()["n_step"]
     assert not n_step.is_live(1.0) and n_step.is_live(2.5)  # n = 1: every window is one step
     assert not components.by_name()["grad_clip"].is_live(0) and not components.by_name()["c51"].is_live(float("nan"))
+
+
+def test_risk_head_logs_its_keys_finite_and_live(live_runs):
+    """The risk-budget head (polyak run): every train record carries its loss, mean ρ and labelled-row count
+    finite, and the run's trades label rows the loss trains on (some record with a non-zero loss and count)."""
+    records = live_runs["polyak"]
+    keys = ("risk_head_loss", "risk_head_rho_mean", "risk_head_labeled")
+    assert all(np.isfinite(rec[k]) for rec in records for k in keys)
+    assert 0 < records[-1]["risk_head_rho_mean"] < 1
+    assert any(rec["risk_head_loss"] > 0 and rec["risk_head_labeled"] > 0 for rec in records)
 
 
 def test_log_records_carry_the_diagnostics(live_runs):

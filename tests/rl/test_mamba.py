@@ -35,8 +35,8 @@ def _dev(x):
     return _cuda.to_device(np.ascontiguousarray(x, np.float32))
 
 
-def _build(rng, n_seq=N_SEQ, n_steps=K, width=H, n_heads=N_HEADS, act_envs=0):
-    module = MambaScan("temporal.mamba", width, n_steps=n_steps, n_heads=n_heads)
+def _build(rng, n_seq=N_SEQ, n_steps=K, width=H, n_heads=N_HEADS, act_envs=0, residual=True):
+    module = MambaScan("temporal.mamba", width, n_steps=n_steps, n_heads=n_heads, residual=residual)
     store = ParamStore()
     module.declare_params(store)
     store.allocate()
@@ -89,10 +89,12 @@ def test_hand_computed():
     np.testing.assert_allclose(grads["m.a_log"], [-math.log(2.0)], rtol=1e-12)
 
 
-def test_reference_bptt_matches_finite_differences(rng):
+@pytest.mark.parametrize("residual", [True, False])
+def test_reference_bptt_matches_finite_differences(rng, residual):
     """Central differences of L = Σ R ⊙ h̃(x, θ) for every element of x (all K rows of every window:
-    the gradient through the whole recurrence) and of every parameter, with the masks."""
-    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS)
+    the gradient through the whole recurrence) and of every parameter, with the masks; also without
+    the residual (u = y·W_out alone, the ISV routing's input)."""
+    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS, residual=residual)
     store = ParamStore()
     module.declare_params(store)
     params = {n: 0.5 * rng.standard_normal(s.shape) for n, s in store.specs.items()}
@@ -128,11 +130,11 @@ def test_reference_bptt_matches_finite_differences(rng):
 # ---------------------------------------------------------------------------------------------
 # kernels against the reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("masked", [False, True])
-def test_kernels_match_reference(rng, masked):
+@pytest.mark.parametrize("masked, residual", [(False, True), (True, True), (True, False)])
+def test_kernels_match_reference(rng, masked, residual):
     """h̃, dx (every row) and every parameter gradient; gradients preset to garbage are overwritten
-    (a backward outside a train step)."""
-    module, store, params = _build(rng)
+    (a backward outside a train step); residual=False: u = y·W_out alone."""
+    module, store, params = _build(rng, residual=residual)
     x, dy = _inputs(rng)
     mask = MASK if masked else None
     ref_out, cache = module.forward_ref(x, params, mask)
@@ -203,11 +205,12 @@ def test_mask_semantics(rng):
     np.testing.assert_array_equal(ones, plain)
 
 
-def test_acting_step_matches_the_scan(rng):
+@pytest.mark.parametrize("residual", [True, False])
+def test_acting_step_matches_the_scan(rng, residual):
     """Each window stepped row by row as one env, its state holding garbage from an earlier episode
     and cleared (reset) at the window's first live row: h̃ after the last row equals the scan's, and
-    every step equals the float64 step reference."""
-    module, _, params = _build(rng, act_envs=N_SEQ)
+    every step equals the float64 step reference (with and without the residual)."""
+    module, _, params = _build(rng, act_envs=N_SEQ, residual=residual)
     x, _ = _inputs(rng)
     s = stream()
     scan = _host(module.forward(_dev(x), s, mask=_dev(MASK)))

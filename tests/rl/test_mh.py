@@ -163,12 +163,16 @@ def test_torch_peer_matches_reference(rng):
 # ---------------------------------------------------------------------------------------------
 # the replay's extra horizons vs its host model
 # ---------------------------------------------------------------------------------------------
-def test_replay_horizons_match_host_model(rng):
+@pytest.mark.parametrize("history", [0, 2])
+def test_replay_horizons_match_host_model(rng, history):
+    """The extra horizons' windows against the host model, also with a temporal input's history (the
+    oldest `history` times skipped once the ring wrapped, the longest horizon's window kept whole)."""
     N, D, nb, na, B = 3, 2, 2, 3, 24
     n_step, extra = 2, (1, 5)
     buf = Replay(capacity=9 * N, n_envs=N, state_dim=D, n_branches=nb, batch_size=B, n_step=n_step, gamma=0.8,
                  seed=5, max_actions=na, horizons=extra).allocate()
-    ref = ReplayRef(9, N, D, nb, n_step, 0.8, 5, horizons=extra)
+    buf.set_history(history)
+    ref = ReplayRef(9, N, D, nb, n_step, 0.8, 5, horizons=extra, history=history)
     assert buf.min_writes == 6 and buf.window == 5
     s = stream()
     counter = _dev(np.zeros(1, np.int64))
@@ -196,6 +200,10 @@ def test_replay_horizons_match_host_model(rng):
                 np.testing.assert_array_equal(hb.next_mask.copy_to_host(stream=s), hw["next_mask"])
             if t == 4:
                 assert np.all(want["index"] == -1)
+            if t == 12:  # slots hold times 4..12; the longest window (5) and the history bound τ
+                slots = want["index"] // N
+                times = np.where(slots >= 4, slots, slots + 9)
+                assert set(times.tolist()) == set(range(4 + history, 12 - 5 + 1))
     s.synchronize()
 
 

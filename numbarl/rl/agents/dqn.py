@@ -81,6 +81,16 @@ are those without them):
   With agent.confidence_floor > 0 the gate (numbarl/rl/nets/confidence.py:ConfidenceGate) takes a flat env's
   entries away where c(s) < floor: on the env's mask after the acting pass (collect) and on the greedy scores
   (agent.scores), the head run on those passes' trunk outputs. Stats (diagnostics): confidence_gated_frac.
+* ``agent.risk_head_weight`` > 0 (issue 15, T7, risk budget): a head ρ(s) = σ(h·w + b) on the online trunk
+  output (numbarl/rl/nets/risk_head.py, optimizer group 'head.risk'), an auxiliary loss: the binary
+  cross-entropy of ρ against the outcome of the trade each sampled row opened (1 if it closed with net
+  P&L > 0), on the labelled rows only (numbarl/rl/losses/risk_head.py; the labels are written by the collect
+  step after the replay write, from E6's entry tracking). Its input gradient adds into dh after the other
+  auxiliary heads'. Stats: risk_head_loss, risk_head_rho_mean (batch mean of ρ), risk_head_labeled. With
+  agent.risk_head_sizing (default) the collect step, after the behaviour policy and before env.step, lowers
+  the size of each flat env's new entry to the largest grid size ≤ size·ρ (the replay stores the executed
+  action), and agent.scores moves a flat policy's greedy size the same way. Stats (diagnostics):
+  risk_head_resized_frac.
 * ``agent.spectral_norm`` (comma list of layers, e.g. "trunk.fc1,head.value"): every pass reads
   W_sn = W / σ for those weights (numbarl/rl/nets/spectral_norm.py, the store's substitutes). Two
   phases join the train step: "spectral_grad" before UPDATE (dW = (dW_sn − ⟨dW_sn, W_sn⟩ v uᵀ) / σ)
@@ -136,6 +146,12 @@ are those without them):
   set by each sample's regime column (numbarl/rl/nets/regime_dropout.py; counter RNG keyed by the train
   step); every consumer of the online pass reads the dropped h', and the BACKWARD scales dh by the same
   mask before the trunk's backward. Stats: regime_dropout_frac.
+* ``agent.isv`` (issue 15, T5): twelve training-health signals (numbarl/rl/isv.py: fast/slow EMAs of the loss,
+  grad norm and Q-mean, ...) in a device vector, updated by one one-thread kernel from this step's device stats,
+  the train step's last phase ("isv"); checkpointed (isv/vector, isv/updates; with the policy too). Stats:
+  isv_<name> per signal. ``agent.isv_routing`` (T6, with agent.temporal = "mamba"; implies agent.isv): the
+  temporal input's scan output is weighted per feature by w = σ(isv W_r + b_r) on every pass (numbarl/rl/temporal.py;
+  optimizer group 'temporal.route'). Stats (diagnostics): grad_norm.temporal.route.
 """
 
 from __future__ import annotations
@@ -155,7 +171,13 @@ from numbarl.cuda.registry import StatsLayout
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BRANCH_NAMES
 from numbarl.rl.agents.base import Agent, register
-from numbarl.rl.cvar_gate import risk_budget_kernel  # R18: ρ for the env step (agent.risk_budget)
+from numbarl.rl.cvar_gate import (
+    risk_budget_kernel,  # R18: ρ for the env step (agent.risk_budget)
+)
+from numbarl.rl.isv import (
+    ROUTE_GROUP as ISV_ROUTE_GROUP,  # ISV signals (agent.isv, agent.isv_routing)
+)
+from numbarl.rl.isv import Isv
 from numbarl.rl.losses.c51 import C51Loss
 from numbarl.rl.losses.confidence import ConfidenceLoss  # agent.confidence_weight
 from numbarl.rl.losses.cql import CqlLoss
@@ -180,9 +202,12 @@ from numbarl.rl.nets.confidence import ConfidenceHead  # agent.confidence_weight
 from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
 from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
-from numbarl.rl.nets.linear import Linear  # the predictive-coding predictor (agent.predictive_weight)
+from numbarl.rl.nets.linear import (
+    Linear,  # the predictive-coding predictor (agent.predictive_weight)
+)
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_dropout import RegimeDropout  # agent.regime_dropout
+from numbarl.rl.nets.regime_gate import parse_regime_cols  # agent.regime_gate
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
     STAT_CLIPPED,
@@ -199,6 +224,7 @@ from numbarl.rl.optim import (
     Adam,
     AdamConfig,
     TargetConfig,
+    nonfinite_flag_dev,
 )
 from numbarl.rl.policies import scheduled_epsilon, scheduled_epsilon_greedy
 from numbarl.rl.replay import Replay
@@ -359,13 +385,7 @@ def train_stats_kernel(tq, tn, tm, tl, loss, optim_stats, train_step, stats):
         stats[STAT_NSTEP_LEN] = sm[0] / np.float32(B)
         stats[STAT_LOCK_MASKED] = sl[0] / np.float32(B)
         stats[STAT_TRAIN_STEP] = np.float32(t)
-        if stats[STAT_NONFINITE_STEP] < _ZERO:
-            if not math.isfinite(loss[0]):
-                stats[STAT_NONFINITE_STEP] = np.float32(t)
-                stats[STAT_NONFINITE_WHAT] = np.float32(1.0)
-            elif not math.isfinite(optim_stats[STAT_GRAD_NORM]):
-                stats[STAT_NONFINITE_STEP] = np.float32(t)
-                stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
+        nonfinite_flag_dev(stats, t, loss[0], optim_stats[STAT_GRAD_NORM], STAT_NONFINITE_STEP, STAT_NONFINITE_WHAT)
 
 
 MAX_BRANCH_ACTIONS = 32  # actions per branch the diagnostics' entropy kernel counts (one thread each)
@@ -591,6 +611,10 @@ class DQNAgent(Agent):
     rdrop = None  # regime dropout on the online pass's trunk output (agent.regime_dropout)
     conf_head = None  # the recursive-confidence head (agent.confidence_weight)
     conf_gate = None  # its selectivity gate on new entries (agent.confidence_floor)
+    risk_head = None  # the risk-budget head (agent.risk_head_weight)
+    risk_sizer = None  # its size rewrite of new entries (agent.risk_head_sizing)
+    risk_labels = None  # its trade-outcome labels beside the replay
+    risk_loss = None  # its cross-entropy (and the base win rate ρ̄ the sizing reads)
     icm = None  # the ICM curiosity models (agent.curiosity_weight)
     spectral = None  # spectral normalization of chosen layers (agent.spectral_norm)
     cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
@@ -600,6 +624,7 @@ class DQNAgent(Agent):
     atoms = None  # the adaptive support's spacings (agent.adaptive_atoms)
     extra_horizons = ()  # the horizons other than n_step (agent.horizons)
     temporal = None  # the temporal input: a scan over the last K observations (agent.temporal)
+    isv = None  # the ISV signals (agent.isv; implied by agent.isv_routing)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
                  eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False):
@@ -618,9 +643,13 @@ class DQNAgent(Agent):
         if bottleneck and bottleneck[1] > self.state_dim:
             raise ConfigError(f"agent.input_bottleneck = {cfg.input_bottleneck!r}: columns {bottleneck[0]}..{bottleneck[1] - 1} "
                               f"do not fit the observation's {self.state_dim}")
+        regime_cols = parse_regime_cols(cfg.regime_gate_cols) if cfg.regime_gate else None  # the regime gate
+        if regime_cols and max(regime_cols) >= self.state_dim:
+            raise ConfigError(f"agent.regime_gate_cols = {cfg.regime_gate_cols!r}: column {max(regime_cols)} is not an "
+                              f"obs column (the observation has {self.state_dim})")
         self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute,
                          input_gate=cfg.feature_gate, kan_gate=cfg.kan_gate, input_grad=bool(cfg.temporal),
-                         attention=cfg.feature_attention, bottleneck=bottleneck)
+                         attention=cfg.feature_attention, bottleneck=bottleneck, regime_gate=regime_cols)
         self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
                                            cfg.v_min, cfg.v_max, compute=cfg.compute)
         self.trunk.declare_params(self.store)
@@ -707,6 +736,18 @@ class DQNAgent(Agent):
             self.rdrop = RegimeDropout(B, self.trunk.out_dim, cfg.regime_dropout_col, cfg.regime_dropout_lo,
                                        cfg.regime_dropout_hi, self.seed)
         # --- end regime dropout ------------------------------------------------------------------------------
+        # --- risk-budget head (agent.risk_head_weight): on the online trunk output (backward) and, for the
+        # sizing, on the acting and evaluation passes; declared last: the other parameters keep their init --
+        if cfg.risk_head_weight > 0:
+            from numbarl.rl.nets.risk_head import RiskHead
+
+            self.risk_head = RiskHead("risk", self.trunk.out_dim, compute=cfg.compute)
+            self.risk_head.declare_params(self.store)
+            self.risk_head.declare_acts(self.acts, B, "online", backward=True)
+            if cfg.risk_head_sizing:
+                self.risk_head.declare_acts(self.acts, self.n_envs, "act", backward=False)
+                self.risk_head.declare_acts(self.acts, int(eval_batch), "eval", backward=False)
+        # --- end risk-budget head -------------------------------------------------------------------------
         self.store.allocate()
         self.acts.allocate()
         self.store.init(np.random.default_rng(self.seed))
@@ -751,8 +792,10 @@ class DQNAgent(Agent):
                              n_step=cfg.n_step, gamma=cfg.gamma, seed=self.seed,
                              max_actions=self.max_actions,
                              horizons=self.extra_horizons).allocate()  # + the env's masks (lock-aware target)
-        if self.temporal is not None:  # temporal input: its own learning rate, K slots of history
-            self.optim.set_lr(cfg.temporal_lr, group=self.temporal.group)
+        if self.temporal is not None:  # temporal input: its own learning rate (the ISV routing's too), K slots of history
+            for group in self.temporal.groups:
+                routed = group == ISV_ROUTE_GROUP and cfg.isv_routing_lr >= 0.0  # 0: the fixed 0.5 mixing
+                self.optim.set_lr(cfg.isv_routing_lr if routed else cfg.temporal_lr, group=group)
             self.temporal.check_replay(self.replay)
 
         # device scalars (counters, the epsilon schedule) and the mapped stats read at log intervals
@@ -796,7 +839,8 @@ class DQNAgent(Agent):
         self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self._qgap_reducer = Reducer(self.n_envs)
         self._init_c51_extras()
-        if any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head, self.pc_head)) or self.ens_heads:
+        if (any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head, self.pc_head, self.risk_head))
+                or self.ens_heads):
             # the trunk's output gradient that the C51 head writes and every auxiliary head adds into
             self.aux_state = Arena("agent.aux")
             self.aux_state.add("dh", (self.cfg.batch_size, self.trunk.out_dim), np.float32)
@@ -809,6 +853,8 @@ class DQNAgent(Agent):
             self._init_icm()
         if self.conf_head is not None:  # recursive confidence (agent.confidence_weight): loss, stats slots
             self._init_conf()
+        if self.risk_head is not None:  # risk-budget head (agent.risk_head_weight): labels, loss, sizing, slots
+            self._init_risk(int(eval_batch))
         if self.ens_heads:  # ensemble (agent.ensemble_heads): losses, masks, stats slots, the epistemic gate
             self._init_ensemble()
         if self.rdrop is not None:  # regime dropout (agent.regime_dropout): the dropped share's stat
@@ -820,6 +866,10 @@ class DQNAgent(Agent):
             self._pc_grads = [self.store.grad(n) for n in self.pc_head.param_names.values()]
         if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
             self._init_mh()
+        if cfg.isv or cfg.isv_routing:  # ISV signals (agent.isv; agent.isv_routing implies them): state, stats slots
+            self.isv = Isv(self.stats_layout)
+            if self.temporal is not None and self.temporal.route is not None:  # the routing reads the vector
+                self.temporal.bind_isv(self.isv.vector)
         # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
         self._init_spectral_cvar()
         # --- end spectral norm + CVaR gate -----------------------------------------------------------------
@@ -993,6 +1043,44 @@ class DQNAgent(Agent):
         self._conf_reducer.mean(self.conf_loss.confidence, self.stats.device, stream, at=self._slot_conf_mean)
         self._conf_reducer.mean(self.conf_loss.bootstrapped, self.stats.device, stream, at=self._slot_conf_boot)
     # --- end recursive confidence --------------------------------------------------------------------
+
+    # --- risk-budget head (agent.risk_head_weight; numbarl/rl/nets/risk_head.py, losses/risk_head.py) ---------
+    def _init_risk(self, eval_batch: int) -> None:
+        """The outcome labels beside the replay, the cross-entropy, the sizer (agent.risk_head_sizing) and the
+        stats slots; before the mapped stats are sized."""
+        from numbarl.env.params import PORTFOLIO_FEATURES
+        from numbarl.rl.losses.risk_head import RiskHeadLoss, TradeOutcomeLabels
+        from numbarl.rl.nets.risk_head import RiskSizer
+
+        B = self.cfg.batch_size
+        self.risk_labels = TradeOutcomeLabels(self.replay.n_slots, self.n_envs, B)
+        self.risk_loss = RiskHeadLoss(B)
+        self._slot_risk_loss = self.stats_layout.slot("risk_head_loss")
+        self._slot_risk_rho = self.stats_layout.slot("risk_head_rho_mean")
+        self._slot_risk_labeled = self.stats_layout.slot("risk_head_labeled")
+        self._risk_reducer = Reducer(B)
+        self._risk_grads = [self.store.grad(n) for n in self.risk_head.param_names]
+        if self.cfg.risk_head_sizing:  # the size rewrite of new entries (collect step and backtest scores)
+            position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
+            self.risk_sizer = RiskSizer(self.risk_head, self.n_envs, eval_batch, position_col, self.branch_sizes,
+                                        self.risk_loss.base_rate)
+            self._slot_risk_resized = self.stats_layout.slot("risk_head_resized_frac")
+            self._risk_resized_reducer = Reducer(self.n_envs)
+
+    def _risk_forward_loss(self, stream) -> None:
+        """Aux steps: the sampled rows' outcome labels, the head on the online pass's trunk output (obs), the
+        cross-entropy on the labelled rows; weight · ∂L/∂z stays in the loss's own buffer."""
+        labels = self.risk_labels.gather(self.replay.batch.index, stream)
+        z = self.risk_head.forward(self._h_online(), stream, tag="online")
+        self.risk_loss.apply({"logits": z, "labels": labels}, {"logits": self.risk_loss.grad("logits")}, stream,
+                             weight=self.cfg.risk_head_weight, ledger=self.store)
+
+    def _risk_stats(self, stream) -> None:
+        """Aux steps: the (unweighted) loss, the batch mean of ρ (every sampled row), the labelled rows."""
+        stat_copy_kernel[1, 1, stream](self.risk_loss.loss, self.stats.device, np.int64(self._slot_risk_loss))
+        self._risk_reducer.mean(self.risk_loss.rho, self.stats.device, stream, at=self._slot_risk_rho)
+        stat_copy_kernel[1, 1, stream](self.risk_loss.count, self.stats.device, np.int64(self._slot_risk_labeled))
+    # --- end risk-budget head --------------------------------------------------------------------------
 
     # --- ensemble + epistemic gate (agent.ensemble_heads, agent.epistemic_theta; numbarl/rl/nets/ensemble.py) ---
     def _declare_ensemble(self, eval_batch: int) -> None:
@@ -1301,6 +1389,8 @@ class DQNAgent(Agent):
             self.ens_gate.on_scores(self.trunk.output("eval"), obs, q_out, stream, tag="eval")
         if self.feedback is not None:  # E9: no entries in gated regimes (numbarl/rl/feedback)
             self.feedback.on_scores(obs, q_out, stream)
+        if self.risk_sizer is not None:  # risk head sizing, after every gate: a flat entry's greedy size × ρ
+            self.risk_sizer.on_scores(self.trunk.output("eval"), obs, q_out, stream, tag="eval")
 
     def reset_eval(self, stream) -> None:
         """A backtest starts: the temporal input's windows are emptied (nothing else is carried)."""
@@ -1327,6 +1417,7 @@ class DQNAgent(Agent):
         aux = aux or self.atoms is not None  # adaptive atoms (agent.adaptive_atoms) step on the aux steps
         aux = aux or bool(self.ens_heads)  # the ensemble's extra heads (agent.ensemble_heads) too
         aux = aux or self.pc_head is not None  # predictive coding (agent.predictive_weight) too
+        aux = aux or self.risk_head is not None  # the risk-budget head (agent.risk_head_weight) too
         return int(self.cfg.aux_frequency) if aux else 1
 
     def step_functions(self, env) -> dict:
@@ -1373,6 +1464,8 @@ class DQNAgent(Agent):
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
         scheduled_epsilon_greedy(q, mask, sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
                                  env.seed_dev, env.counter, t.actions, preference, stream)
+        if self.risk_sizer is not None:  # risk head: a flat env's new entry at size × ρ, snapped down (executed)
+            self.risk_sizer.on_actions(self.trunk.output("act"), obs, t.actions, env.grids.sizes, stream, tag="act")
         out = env.step(t.actions, preference, stream=stream,           # fills, reward, done, reset
                        risk_budget=self._risk_budget(stream))          # R18: ρ = IQN readiness² (or 1)
         self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask, obs_written=True, advance=False)
@@ -1381,6 +1474,8 @@ class DQNAgent(Agent):
                                           sc["epsilon"], self.stats.device, self.replay.count, env.counter)
         if self.feedback is not None:                                  # E6: rows of winning trades
             self.feedback.on_written(out, env, self.replay, stream)
+        if self.risk_labels is not None:  # risk head: the closed trades' entry rows get their outcome
+            self.risk_labels.mark(out, env.state, self.replay, stream)
 
     def train_phases(self) -> list:
         """The train step's phases in program order (train_step opens the gradient ledger's step and
@@ -1397,6 +1492,8 @@ class DQNAgent(Agent):
         # --- end spectral norm -------------------------------------------------------------------------------
         if self.icm is not None:  # ICM (agent.curiosity_weight): models, their loss and backward, reward′ before LOSS
             phases.insert([name for name, _ in phases].index("loss"), ("curiosity", self._curiosity))
+        if self.isv is not None:  # ISV (agent.isv): the last launch of the step, on the stats it wrote
+            phases.append(("isv", self._isv_update))
         return phases
 
     def train_step(self, stream, aux: bool = True):
@@ -1455,6 +1552,8 @@ class DQNAgent(Agent):
             self._iql_forward_loss(stream)
         if self.conf_head is not None and self._aux:  # recursive confidence: the head's cross-entropy
             self._conf_forward_loss(stream)
+        if self.risk_head is not None and self._aux:  # risk-budget head: cross-entropy on the trade outcomes
+            self._risk_forward_loss(stream)
         if self.ens_heads and self._aux:  # ensemble: the extra heads' masked C51 losses
             self._ens_forward_loss(stream)
         if self.pc_head is not None and self._aux:  # predictive coding: the predictor's normalized L2
@@ -1480,6 +1579,8 @@ class DQNAgent(Agent):
                       zip(self.ens_heads, self.ens_losses, self._ens_grads)]
         if self.pc_head is not None:  # predictive coding (agent.predictive_weight): the predictor
             heads.append((self.pc_head, self.pc_loss.grad("pred"), self._pc_grads))
+        if self.risk_head is not None:  # the risk-budget head (agent.risk_head_weight)
+            heads.append((self.risk_head, self.risk_loss.grad("logits"), self._risk_grads))
         return heads
 
     def _backward(self, stream):
@@ -1560,6 +1661,13 @@ class DQNAgent(Agent):
             self._rdrop_reducer.mean(self.rdrop.dropped, self.stats.device, stream, at=self._slot_rdrop)
         if self.pc_head is not None and self._aux:  # predictive coding: its loss
             stat_copy_kernel[1, 1, stream](self.pc_loss.loss, self.stats.device, np.int64(self._slot_pc_loss))
+        if self.risk_head is not None and self._aux:  # risk-budget head: loss, mean ρ, labelled rows
+            self._risk_stats(stream)
+
+    def _isv_update(self, stream):
+        """ISV (agent.isv, numbarl/rl/isv.py): one one-thread kernel on this step's device stats."""
+        self.isv.update(self.stats.device, (STAT_LOSS, STAT_GRAD_NORM, STAT_Q_MEAN, STAT_Q_NEXT_MAX, STAT_CLIP_SCALE),
+                        stream)
 
     def _atom_entropy_control(self, stream):
         B, nb, Z = self.cfg.batch_size, self.n_branches, self.cfg.n_atoms
@@ -1618,6 +1726,9 @@ class DQNAgent(Agent):
             self._conf_gate_reducer.mean(self.conf_gate.gated, self.stats.device, stream, at=self._slot_conf_gated)
         if self.ens_gate is not None:  # epistemic gate: the last collect step's share gated
             self.ens_gate.write_stats(self.stats.device, self._slots_ens_gate, stream)
+        if self.risk_sizer is not None:  # risk head sizing: the share of envs the last collect step resized
+            self._risk_resized_reducer.mean(self.risk_sizer.resized, self.stats.device, stream,
+                                            at=self._slot_risk_resized)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -1647,6 +1758,13 @@ class DQNAgent(Agent):
             out.update(self.spectral.state_arrays())
         if self.icm is not None:  # ICM (agent.curiosity_weight): the intrinsic reward's running scale
             out["icm/scale"] = self.icm_loss.scale.copy_to_host()
+        if self.isv is not None:  # ISV (agent.isv): the signals and their update counts
+            out.update(self.isv.state_arrays())
+        if self.risk_labels is not None:  # risk-budget head: the outcome labels beside the replay, the size grid
+            out.update({f"risk/{k}": v for k, v in self.risk_labels.state_arrays().items()})
+            out["risk_grid/base_rate"] = self.risk_loss.base_rate.copy_to_host()  # the sizing's ρ̄ (a policy array)
+            if self.risk_sizer is not None and self.risk_sizer.bound:
+                out["risk_grid/sizes"] = self.risk_sizer.dev["sizes"].copy_to_host()
         return out
 
     def optim_state(self) -> dict[str, np.ndarray]:
@@ -1684,6 +1802,26 @@ class DQNAgent(Agent):
             self.icm_loss.arena.load({"scale": arrays["icm/scale"]})
         if self.spectral is not None:  # spectral norm (agent.spectral_norm): vectors, then W_sn of the loaded W
             self.spectral.load_arrays(arrays)
+        if self.isv is not None:  # ISV (agent.isv)
+            self._load_isv(arrays)
+        if self.risk_labels is not None:  # risk-budget head: labels and entry rows, the size grid
+            self.risk_labels.load_state({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("risk/")})
+            self._load_risk_grid(arrays)
+
+    def _load_isv(self, arrays) -> None:
+        """The ISV state; with the ISV routing on, arrays without isv/vector are refused (the routing would
+        read isv = 0 and route every pass with w = σ(b_r) alone, silently)."""
+        if self.temporal is not None and self.temporal.route is not None and "isv/vector" not in arrays:
+            raise ValueError("the checkpoint has no isv/vector: the ISV routing (agent.isv_routing) would route with "
+                             "isv = 0; load a checkpoint written with agent.isv_routing on")
+        self.isv.load_arrays(arrays)
+
+    def _load_risk_grid(self, arrays) -> None:
+        """The size grid the risk head's sizing was trained with (risk_grid/sizes), if the arrays have it."""
+        if self.risk_loss is not None and "risk_grid/base_rate" in arrays:
+            self.risk_loss.arena.load({"base_rate": np.asarray(arrays["risk_grid/base_rate"], np.float32)})
+        if self.risk_sizer is not None and "risk_grid/sizes" in arrays:
+            self.risk_sizer.load_sizes(arrays["risk_grid/sizes"])
 
     def _load_support(self, arrays) -> None:
         """The support a checkpoint was trained with (a fitted one), if it saved one."""
@@ -1697,7 +1835,8 @@ class DQNAgent(Agent):
 
     # what the greedy policy reads besides the weights: the support (fitted range, adaptive atoms'
     # live support), spectral norm's vectors, and the IQN readiness the entry gates' budget is
-    policy_prefixes = ("params/", "support/", "atoms/", "spectral/", "iqn/")
+    policy_prefixes = ("params/", "support/", "atoms/", "spectral/", "iqn/", "isv/",  # isv: the routing reads it
+                       "risk_grid/")  # the risk head's sizing reads the size grid
 
     def load_params(self, arrays: dict[str, np.ndarray]) -> None:
         """Load the policy from checkpoint arrays (the `policy_prefixes` entries): the online
@@ -1709,6 +1848,9 @@ class DQNAgent(Agent):
             self.spectral.load_arrays(arrays)
         if self.iqn_head is not None and "iqn/readiness_state" in arrays:  # the gates' budget
             self.iqn_state.load({"readiness_state": np.asarray(arrays["iqn/readiness_state"], np.float64)})
+        if self.isv is not None:  # ISV (agent.isv): the vector the ISV routing reads, as trained
+            self._load_isv(arrays)
+        self._load_risk_grid(arrays)  # the risk head's size grid (agent.risk_head_sizing)
 
     def read_stats(self, stream) -> dict[str, float]:
         """Host read of the mapped stats by name (waits on an event behind the writers; log

@@ -81,12 +81,12 @@ from numbarl.rl.nets.dt import (
     launch_tokens,
 )
 from numbarl.rl.optim import (
-    STAT_GRAD_NORM,
     STAT_LR,
     STAT_LR_SCALE,
     STAT_WARMUP_SCALE,
     Adam,
     AdamConfig,
+    after_train_step_kernel,
     claim_optimizer_slots,
 )
 from numbarl.rl.schedules import ScheduleConfig
@@ -247,23 +247,6 @@ def sample_kernel(seed, updates, n_steps, step, n_starts, d_obs, d_actions, rtg,
             mb_obs[w, t, c] = d_obs[t0 + t, env, c]
         for k in range(mb_actions.shape[2]):
             mb_actions[w, t, k] = d_actions[t0 + t, env, k]
-
-
-@_cuda.jit(cache=True)
-def after_step_kernel(loss, train_step, stats):
-    """train_step += 1; the sticky non-finite flag from the loss and the optimizer's gradient norm."""
-    if _cuda.grid(1) == 0:
-        t = train_step[0] + 1
-        train_step[0] = t
-        stats[STAT_TRAIN_STEP] = np.float32(t)
-        stats[STAT_LOSS] = loss[0]
-        if stats[STAT_NONFINITE_STEP] < np.float32(0.0):
-            if not math.isfinite(loss[0]):
-                stats[STAT_NONFINITE_STEP] = np.float32(t)
-                stats[STAT_NONFINITE_WHAT] = np.float32(1.0)
-            elif not math.isfinite(stats[STAT_GRAD_NORM]):
-                stats[STAT_NONFINITE_STEP] = np.float32(t)
-                stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
 
 
 @_cuda.jit(cache=True)
@@ -509,7 +492,8 @@ class DTAgent(ArenaStateAgent):
         # UPDATE
         self.optim.step(stream)
         # STATS
-        after_step_kernel[1, 1, stream](self.loss.loss, self.scalars["train_step"], self.stats.device)
+        after_train_step_kernel[1, 1, stream](self.loss.loss, self.scalars["train_step"], self.stats.device,
+                                             STAT_TRAIN_STEP, STAT_LOSS, STAT_NONFINITE_STEP, STAT_NONFINITE_WHAT)
         if last:
             self.loss.accuracy(self.stats.device, STAT_ACCURACY, stream)
 

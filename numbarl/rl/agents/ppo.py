@@ -57,12 +57,12 @@ from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.optim import (
-    STAT_GRAD_NORM,
     STAT_LR,
     STAT_LR_SCALE,
     STAT_WARMUP_SCALE,
     Adam,
     AdamConfig,
+    after_train_step_kernel,
     claim_optimizer_slots,
 )
 from numbarl.rl.schedules import ScheduleConfig
@@ -163,23 +163,6 @@ def advance_kernel(pos, collect_step, T, stats):
         collect_step[0] += 1
         stats[STAT_COLLECT_STEP] = np.float32(collect_step[0])
         stats[STAT_EPSILON] = np.float32(0.0)
-
-
-@_cuda.jit(cache=True)
-def after_minibatch_kernel(loss, train_step, stats):
-    """train_step += 1; the sticky non-finite flag from the loss and the optimizer's gradient norm."""
-    if _cuda.grid(1) == 0:
-        t = train_step[0] + 1
-        train_step[0] = t
-        stats[STAT_TRAIN_STEP] = np.float32(t)
-        stats[STAT_LOSS] = loss[0]
-        if stats[STAT_NONFINITE_STEP] < np.float32(0.0):
-            if not math.isfinite(loss[0]):
-                stats[STAT_NONFINITE_STEP] = np.float32(t)
-                stats[STAT_NONFINITE_WHAT] = np.float32(1.0)
-            elif not math.isfinite(stats[STAT_GRAD_NORM]):
-                stats[STAT_NONFINITE_STEP] = np.float32(t)
-                stats[STAT_NONFINITE_WHAT] = np.float32(2.0)
 
 
 @_cuda.jit(cache=True)
@@ -381,7 +364,8 @@ class PPOAgent(ArenaStateAgent):
         self.v.backward(self.loss.grad("value"), stream, tag="train", dx_out=dh)
         self.trunk.backward(dh, stream, tag="train")
         self.optim.step(stream)
-        after_minibatch_kernel[1, 1, stream](self.loss.loss, self.scalars["train_step"], self.stats.device)
+        after_train_step_kernel[1, 1, stream](self.loss.loss, self.scalars["train_step"], self.stats.device,
+                                             STAT_TRAIN_STEP, STAT_LOSS, STAT_NONFINITE_STEP, STAT_NONFINITE_WHAT)
         if last:
             self.loss.means(self.stats.device, {"policy": STAT_POLICY, "value": STAT_VALUE, "entropy": STAT_ENTROPY,
                                                 "kl": STAT_KL, "clipped": STAT_CLIPFRAC}, stream)

@@ -31,6 +31,7 @@ import numpy as np
 
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import DIR_FLAT, EXIT_NONE
+from numbarl.rl.feedback.replay_weights import closed_trade_entry_dev, track_entry_dev
 
 _cuda = cuda()
 
@@ -49,16 +50,11 @@ def label_kernel(trade_pnl, exit_reason, bar, position, entry_bar, label, count,
     now = c - 1
     label[now % n_slots, j] = NO_LABEL
     if exit_reason[j] != EXIT_NONE and trade_pnl[j] < 0:
-        start = entry_slot[j]
-        if start < 0:
-            start = now
+        start = closed_trade_entry_dev(entry_slot, j, now)
         if start >= c - n_slots and start >= 0:
             label[start % n_slots, j] = DIR_FLAT
             labelled[j] += 1
-    if position[j] != 0:
-        entry_slot[j] = now - (np.int64(bar[j]) - np.int64(entry_bar[j]))
-    else:
-        entry_slot[j] = -1
+    track_entry_dev(entry_slot, j, now, position, bar, entry_bar)  # the entry tracking E6 and E7 share
 
 
 @_cuda.jit(cache=True)

@@ -125,6 +125,30 @@ def _logged(log, count) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# device functions: the entry tracking every trade-outcome component shares (E6 here, E7's hindsight
+# labels, the risk head's outcome labels: numbarl/rl/losses/risk_head.py)
+# ---------------------------------------------------------------------------------------------
+@_cuda.jit(device=True, inline=True)
+def closed_trade_entry_dev(entry_slot, j, now):
+    """τ_in: the replay time of the entry row of the trade env j closed in this step, entry_slot[j] when the
+    trade was open before the step, else now (opened and closed within it). Call before track_entry_dev."""
+    start = entry_slot[j]
+    if start < 0:
+        start = now
+    return start
+
+
+@_cuda.jit(device=True, inline=True)
+def track_entry_dev(entry_slot, j, now, position, bar, entry_bar):
+    """entry_slot[j] after the step: now − (bar − entry_bar) (the fill bar's row) while env j holds a
+    position, else −1 (module docstring)."""
+    if position[j] != 0:
+        entry_slot[j] = now - (np.int64(bar[j]) - np.int64(entry_bar[j]))
+    else:
+        entry_slot[j] = -1
+
+
+# ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
@@ -142,9 +166,7 @@ def winner_mark_kernel(trade_pnl, exit_reason, bar, position, entry_bar, weight_
         k = log_count[j]
         log[k % log.shape[0], j] = pnl
         log_count[j] = k + 1
-        start = entry_slot[j]
-        if start < 0:
-            start = now
+        start = closed_trade_entry_dev(entry_slot, j, now)
         if pnl >= threshold[0]:
             lo = max(start, max(c - n_slots, 0))
             w = weight_value[0]
@@ -153,10 +175,7 @@ def winner_mark_kernel(trade_pnl, exit_reason, bar, position, entry_bar, weight_
             if c > lo:
                 marked_rows[j] += c - lo
             marked_trades[j] += 1
-    if position[j] != 0:
-        entry_slot[j] = now - (np.int64(bar[j]) - np.int64(entry_bar[j]))
-    else:
-        entry_slot[j] = -1
+    track_entry_dev(entry_slot, j, now, position, bar, entry_bar)
 
 
 @_cuda.jit(cache=True)

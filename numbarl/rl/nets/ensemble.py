@@ -70,7 +70,14 @@ from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.rng import uniform
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import DIR_LONG, DIR_SHORT
-from numbarl.rl.cvar_gate import STATS_BLOCK, budget_ref, cvar_stats_kernel
+from numbarl.rl.cvar_gate import (
+    STATS_BLOCK,
+    budget_ref,
+    cvar_stats_kernel,
+    gate_mask_dev,
+    gate_scores_dev,
+    gated_sides_dev,
+)
 from numbarl.rl.cvar_gate import (
     _budget as budget_dev,  # the exploration risk budget, written once
 )
@@ -212,13 +219,9 @@ def epistemic_mask_kernel(score, theta, readiness_state, use_budget, obs, positi
     if i == 0:
         budget_out[0] = budget
     is_flat = obs[i, position_col] == _ZERO
-    hit = 0
-    for s in range(2):
-        action = DIR_SHORT if s == 0 else DIR_LONG
-        if is_flat and budget * score[i, s] > theta:
-            mask[i, 0, action] = 0
-            hit = 1
-    blocked[i] = hit
+    sides = gated_sides_dev(budget * score[i, 0], budget * score[i, 1], theta) if is_flat else 0
+    gate_mask_dev(mask, i, sides)
+    blocked[i] = 1 if sides else 0
     flat[i] = 1 if is_flat else 0
 
 
@@ -231,10 +234,7 @@ def epistemic_scores_kernel(score, theta, readiness_state, use_budget, obs, posi
     if obs[i, position_col] != _ZERO:
         return
     budget = budget_dev(readiness_state, use_budget)
-    for s in range(2):
-        action = DIR_SHORT if s == 0 else DIR_LONG
-        if budget * score[i, s] > theta:
-            q[i, 0, action] = _LOWEST
+    gate_scores_dev(q, i, gated_sides_dev(budget * score[i, 0], budget * score[i, 1], theta))
 
 
 # ---------------------------------------------------------------------------------------------

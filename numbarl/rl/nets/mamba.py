@@ -18,6 +18,9 @@ B_t and C_t are shared by all heads (Mamba2's single B/C group, ngroups = 1): N�
 n_heads·N·2, and the heads differ by their decay (Δ, A_log) and their value channels. The scan math,
 its thread mapping and the BPTT derivation are in numbarl/cuda/kernels/ssm.py.
 
+With residual=False the pass returns u = y · W_out alone (the ISV routing of numbarl/rl/isv.py adds
+x_{K−1} with its own weights); the default keeps the residual.
+
 Backward from dh̃ [B, H] (the gradient rule of module.py: c.beta per parameter, c.dx_beta for dx):
     ∂W_out = yᵀ dh̃ (GEMM)       g = dh̃ W_outᵀ (GEMM)       dz = scan backward (ssm.py kernels)
     ∂b_Δ, ∂A_log: fixed-order column sums (numbarl.cuda.reduce.col_sum) of per-(row, head) and
@@ -84,7 +87,7 @@ class MambaScan(Module):
     native_dx_accumulate = True  # dx is a GEMM with the ledger's beta, the residual adds onto it
 
     def __init__(self, name: str, width: int, n_steps: int = 8, n_heads: int = 8, group: str | None = GROUP,
-                 decay: bool = True, input_grad: bool = True, compute: str = "fp32"):
+                 decay: bool = True, input_grad: bool = True, compute: str = "fp32", residual: bool = True):
         super().__init__(name, group)
         self.width, self.n_steps, self.n_heads = int(width), int(n_steps), int(n_heads)
         if self.n_heads < 1 or self.width % self.n_heads:
@@ -97,6 +100,8 @@ class MambaScan(Module):
         self.d_state = ssm.D_STATE
         self.proj_width = ssm.z_width(self.width, self.n_heads)  # P
         self.decay, self.input_grad, self.compute = bool(decay), bool(input_grad), compute
+        # residual=False: the pass returns u = y · W_out alone (the ISV routing adds x_t itself: numbarl/rl/isv.py)
+        self.residual = bool(residual)
         self._masks: dict[str, object] = {}
 
     @property
@@ -157,8 +162,9 @@ class MambaScan(Module):
         blas.gemm(x, c.p("w_in"), z, compute=self.compute, stream=c.stream)
         ssm.ssd_scan_forward(z, c.p("dt_bias"), c.p("a_log"), self._masks.get(c.tag), self.n_steps, self.head_dim,
                              y_ssm, c.buf("delta"), c.buf("decay"), c.stream)
-        ssm.last_row(x, self.n_steps, y, c.stream)  # residual: the newest row's features
-        blas.gemm(y_ssm, c.p("w_out"), y, beta=1.0, compute=self.compute, stream=c.stream)
+        if self.residual:
+            ssm.last_row(x, self.n_steps, y, c.stream)  # residual: the newest row's features
+        blas.gemm(y_ssm, c.p("w_out"), y, beta=1.0 if self.residual else 0.0, compute=self.compute, stream=c.stream)
         return y
 
     def backward_impl(self, c: Ctx, dy, dx):
@@ -183,7 +189,8 @@ class MambaScan(Module):
         if dx is None:
             return None
         blas.gemm(dz, c.p("w_in"), dx, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
-        ssm.add_to_last_row(dy, self.n_steps, dx, c.stream)
+        if self.residual:
+            ssm.add_to_last_row(dy, self.n_steps, dx, c.stream)
         return dx
 
     # -- acting ---------------------------------------------------------------------------------
@@ -198,8 +205,9 @@ class MambaScan(Module):
         z, y_ssm, y = c.buf("z"), c.buf("y_ssm"), c.buf("y")
         blas.gemm(x, c.p("w_in"), z, compute=self.compute, stream=stream)
         ssm.ssd_step(z, c.p("dt_bias"), c.p("a_log"), reset, self.head_dim, state, y_ssm, stream)
-        elementwise.copy(x, y, stream)
-        blas.gemm(y_ssm, c.p("w_out"), y, beta=1.0, compute=self.compute, stream=stream)
+        if self.residual:
+            elementwise.copy(x, y, stream)
+        blas.gemm(y_ssm, c.p("w_out"), y, beta=1.0 if self.residual else 0.0, compute=self.compute, stream=stream)
         return y
 
     # -- float64 reference (host dict of params by name) ----------------------------------------
@@ -213,7 +221,9 @@ class MambaScan(Module):
         x = np.asarray(x, np.float64)
         z = x @ p["w_in"]
         y_ssm, scan = ssm.ssd_scan_ref(z, p["dt_bias"], p["a_log"], mask, self.n_steps, self.n_heads)
-        out = x[self.n_steps - 1::self.n_steps] + y_ssm @ p["w_out"]
+        out = y_ssm @ p["w_out"]
+        if self.residual:
+            out = out + x[self.n_steps - 1::self.n_steps]
         return out, (x, y_ssm, scan)
 
     def backward_ref(self, dy, cache, params):
@@ -224,7 +234,8 @@ class MambaScan(Module):
         g = dy @ p["w_out"].T
         dz, d_dt_bias, d_a_log = ssm.ssd_scan_backward_ref(g, scan)
         dx = dz @ p["w_in"].T
-        dx[self.n_steps - 1::self.n_steps] += dy
+        if self.residual:
+            dx[self.n_steps - 1::self.n_steps] += dy
         return dx, {n["w_in"]: x.T @ dz, n["dt_bias"]: d_dt_bias, n["a_log"]: d_a_log, n["w_out"]: y_ssm.T @ dy}
 
     def step_ref(self, x, state, reset, params):
@@ -232,4 +243,4 @@ class MambaScan(Module):
         p = self._p(params)
         x = np.asarray(x, np.float64)
         y_ssm, new_state = ssm.ssd_step_ref(x @ p["w_in"], state, reset, p["dt_bias"], p["a_log"], self.n_heads)
-        return x + y_ssm @ p["w_out"], new_state
+        return (x if self.residual else 0.0) + y_ssm @ p["w_out"], new_state

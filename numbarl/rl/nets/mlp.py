@@ -15,6 +15,9 @@ to width tanh units, group ``{group}.bn``), so the gates and the first Linear se
 sigmoid-gated feature attention block y = LN(h + h ⊙ σ(h·W + b)) (squeeze-and-excitation style gating
 with a LayerNorm residual: a :class:`numbarl.rl.nets.attention.Residual` around a FeatureGate, then a
 LayerNorm; parameter group ``{group}.attn``; the origin's attn_sdp + attn_layer_norm).
+regime_gate=(c_1, ..., c_R) wraps all of that in a :class:`numbarl.rl.nets.regime_gate.RegimeGate`:
+y = h ⊙ 2σ(x[:, c]·W_g + b_g), the features scaled by a gate of the input's regime columns (group
+``{group}.rgate``; then ``layers`` is that one gate, its body the layers above).
 
 Every width gets the activation, so the trunk output h_L [B, w_{L-1}] feeds a head directly.
 Layer (and parameter) names: ``{name}.fc{i}`` (``.w`` [in, out], ``.b``), ``{name}.ln{i}``
@@ -37,6 +40,7 @@ from numbarl.rl.nets.kan_gate import KanGate
 from numbarl.rl.nets.layernorm import LayerNorm
 from numbarl.rl.nets.linear import LINEAR_ACTIVATIONS, Linear
 from numbarl.rl.nets.module import Sequential
+from numbarl.rl.nets.regime_gate import RegimeGate
 
 
 class Mlp(Sequential):
@@ -45,7 +49,7 @@ class Mlp(Sequential):
     def __init__(self, name: str, in_dim: int, widths, activation="relu", layernorm: bool = False,
                  group: str | None = None, decay: bool = True, input_grad: bool = False,
                  compute: str = "fp32", ln_eps: float = 1e-5, input_gate: bool = False, kan_gate: bool = False,
-                 attention: bool = False, bottleneck: tuple | None = None):
+                 attention: bool = False, bottleneck: tuple | None = None, regime_gate: tuple | None = None):
         widths = tuple(int(w) for w in widths)
         if not widths or min(widths) < 1:
             raise ValueError(f"{name}: widths must be a non-empty sequence of sizes >= 1 (got {widths})")
@@ -78,10 +82,14 @@ class Mlp(Sequential):
             layers.append(Residual(f"{name}.attn", FeatureGate(f"{name}.attn.gate", d, group=f"{group}.attn",
                                                                decay=decay, compute=compute), d))
             layers.append(LayerNorm(f"{name}.attn.ln", d, eps=ln_eps, group=f"{group}.attn"))
+        if regime_gate:  # the regime gate around all of it (it reads the trunk's input), its own parameter group
+            layers = [RegimeGate(f"{name}.rgate", Sequential(f"{name}.body", layers, group), int(in_dim), d,
+                                 regime_gate, group=f"{group}.rgate", decay=decay, compute=compute)]
         super().__init__(name, layers, group)
         self.in_dim, self.widths = int(in_dim), widths
         self.activation, self.layernorm, self.input_gate = activation, bool(layernorm), bool(input_gate)
         self.kan_gate, self.attention, self.bottleneck = bool(kan_gate), bool(attention), bottleneck
+        self.regime_gate = tuple(regime_gate) if regime_gate else None
 
     @property
     def out_dim(self) -> int:

@@ -55,6 +55,7 @@ def _cases() -> dict[str, ModuleCase]:
     from numbarl.rl.nets.linear import Linear
     from numbarl.rl.nets.mamba import MambaScan
     from numbarl.rl.nets.mlp import Mlp
+    from numbarl.rl.nets.regime_gate import RegimeGate
 
     return {
         "linear": ModuleCase(lambda: Linear("fc", 5, 13), 7, 5),
@@ -67,6 +68,8 @@ def _cases() -> dict[str, ModuleCase]:
         "mlp-bottleneck": ModuleCase(lambda: Mlp("trunk", 7, (9,), bottleneck=(1, 5, 3), kan_gate=True,
                                                  input_grad=True), 6, 7),
         "kan-gate": ModuleCase(lambda: KanGate("kan", 6), 7, 6),
+        "regime-gate": ModuleCase(lambda: RegimeGate("rg", Linear("rg.fc", 7, 5, "silu"), 7, 5, (4, 0, 2)), 6, 7),
+        "mlp-regime-gate": ModuleCase(lambda: Mlp("trunk", 7, (9,), regime_gate=(6, 1), input_grad=True), 5, 7),
         "mlp-kan-gated": ModuleCase(lambda: Mlp("trunk", 5, (9,), input_gate=True, kan_gate=True, input_grad=True), 7, 5),
         "mlp-attention": ModuleCase(lambda: Mlp("trunk", 5, (9,), attention=True, input_grad=True), 7, 5),
         "mlp-gated": ModuleCase(lambda: Mlp("trunk", 5, (9,), input_gate=True, input_grad=True), 7, 5),
