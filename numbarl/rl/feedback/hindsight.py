@@ -40,8 +40,12 @@ NO_LABEL = -1
 
 
 @_cuda.jit(cache=True)
-def label_kernel(trade_pnl, exit_reason, bar, position, entry_bar, label, count, entry_slot, labelled):
-    """One thread per env (module docstring)."""
+def label_kernel(trade_pnl, exit_reason, bar, position, entry_bar, label, count, entry_slot, labelled, win_label,
+                 even_label, loss_label):
+    """One thread per env (module docstring): the row just written loses its label; a trade that closed this
+    step labels its entry row (if the ring still holds it) by its net P&L p: win_label (p > 0), even_label
+    (p = 0) or loss_label (p < 0), NO_LABEL meaning "leave it": E7 passes (NO_LABEL, NO_LABEL, DIR_FLAT), the
+    risk-budget head's outcome labels (1, 0, 0) (numbarl/rl/losses/risk_head.py)."""
     j = _cuda.grid(1)
     if j >= entry_slot.shape[0]:
         return
@@ -49,11 +53,14 @@ def label_kernel(trade_pnl, exit_reason, bar, position, entry_bar, label, count,
     c = count[0]
     now = c - 1
     label[now % n_slots, j] = NO_LABEL
-    if exit_reason[j] != EXIT_NONE and trade_pnl[j] < 0:
-        start = closed_trade_entry_dev(entry_slot, j, now)
-        if start >= c - n_slots and start >= 0:
-            label[start % n_slots, j] = DIR_FLAT
-            labelled[j] += 1
+    if exit_reason[j] != EXIT_NONE:
+        p = trade_pnl[j]
+        value = win_label if p > 0 else (loss_label if p < 0 else even_label)
+        if value != NO_LABEL:
+            start = closed_trade_entry_dev(entry_slot, j, now)
+            if start >= c - n_slots and start >= 0:  # the ring still holds the entry row
+                label[start % n_slots, j] = value
+                labelled[j] += 1
     track_entry_dev(entry_slot, j, now, position, bar, entry_bar)  # the entry tracking E6 and E7 share
 
 
@@ -110,7 +117,8 @@ class HindsightLabels:
         a = self.arena
         label_kernel[max(1, -(-self.n_envs // BLOCK)), BLOCK, stream](
             env_out.trade_pnl, env_out.exit_reason, env_out.bar, env_state.position, env_state.entry_bar,
-            a["label"], replay.count, a["entry_slot"], a["labelled"])
+            a["label"], replay.count, a["entry_slot"], a["labelled"], np.int32(NO_LABEL), np.int32(NO_LABEL),
+            np.int32(DIR_FLAT))
 
     def gather(self, batch, stream):
         """Train step, after the sample: the batch's labels (int32 [B])."""

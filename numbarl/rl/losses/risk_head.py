@@ -1,7 +1,7 @@
 """Binary cross-entropy of the risk-budget head (issue 15, T7; numbarl/rl/nets/risk_head.py) on the replay's
 trade outcomes: did the trade opened at s close with a net profit?
 
-The labels (`outcome_label_kernel`, per collect step, after ``env.step``, ``replay.write`` and the count's
+The labels (E7's `label_kernel` with outcome labels (1, 0, 0), per collect step, after ``env.step``, ``replay.write`` and the count's
 advance, so τ_now = count − 1 is the row just written; one thread per env j)::
 
     label[τ_now % n_slots, j] = −1                             the row just written: no (or not yet) label
@@ -51,8 +51,7 @@ import numpy as np
 from numbarl.cuda import launch
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import EXIT_NONE
-from numbarl.rl.feedback.hindsight import NO_LABEL, gather_labels_kernel
-from numbarl.rl.feedback.replay_weights import closed_trade_entry_dev, track_entry_dev
+from numbarl.rl.feedback.hindsight import NO_LABEL, gather_labels_kernel, label_kernel
 from numbarl.rl.losses.base import Loss
 from numbarl.rl.losses.confidence import sigmoid_dev
 from numbarl.rl.nets.confidence import sigmoid_ref
@@ -74,7 +73,7 @@ _ONE_MINUS_DECAY = np.float32(1.0 - 0.99)
 # ---------------------------------------------------------------------------------------------
 def outcome_label_ref(trade_pnl, exit_reason, bar, position, entry_bar, label, count: int, entry_slot,
                       labeled) -> None:
-    """numpy model of outcome_label_kernel for one collect step (label [n_slots, N], entry_slot [N] and
+    """numpy model of the outcome labelling (E7's label_kernel with (1, 0, 0)) for one collect step (label [n_slots, N], entry_slot [N] and
     labeled [N] modified in place; count: the replay's write count after this step's write)."""
     n_slots = label.shape[0]
     now = count - 1
@@ -124,27 +123,6 @@ def risk_bce_ref(z, labels):
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@_cuda.jit(cache=True)
-def outcome_label_kernel(trade_pnl, exit_reason, bar, position, entry_bar, label, count, entry_slot, labeled):
-    """One thread per env (module docstring)."""
-    j = _cuda.grid(1)
-    if j >= entry_slot.shape[0]:
-        return
-    n_slots = label.shape[0]
-    c = count[0]
-    now = c - 1
-    label[now % n_slots, j] = NO_LABEL
-    if exit_reason[j] != EXIT_NONE:
-        start = closed_trade_entry_dev(entry_slot, j, now)
-        if start >= c - n_slots and start >= 0:  # the ring still holds the entry row
-            won = 0
-            if trade_pnl[j] > 0:
-                won = 1
-            label[start % n_slots, j] = won
-            labeled[j] += 1
-    track_entry_dev(entry_slot, j, now, position, bar, entry_bar)
-
-
 @_cuda.jit(cache=True)
 def risk_bce_kernel(z, labels, grad_scale, per_sample, rho, labeled, loss, count, dz, base):
     """One block (module docstring): per_sample, ρ = σ(z), m into per_sample / rho / labeled; the mean over
@@ -233,9 +211,9 @@ class TradeOutcomeLabels:
             raise ValueError(f"risk head labels for [{self.n_slots}, {self.n_envs}], replay has "
                              f"[{replay.n_slots}, {replay.n_envs}]")
         a = self.arena
-        outcome_label_kernel[launch.blocks(self.n_envs, LABEL_BLOCK), min(LABEL_BLOCK, self.n_envs), stream](
+        label_kernel[launch.blocks(self.n_envs, LABEL_BLOCK), min(LABEL_BLOCK, self.n_envs), stream](
             env_out.trade_pnl, env_out.exit_reason, env_out.bar, env_state.position, env_state.entry_bar,
-            a["label"], replay.count, a["entry_slot"], a["labeled"])
+            a["label"], replay.count, a["entry_slot"], a["labeled"], np.int32(1), np.int32(0), np.int32(0))
 
     def gather(self, index, stream):
         """Train step, after the sample: the labels of the sampled rows index [B] (int32 [B], −1 = none)."""

@@ -61,20 +61,29 @@ def sigmoid_ref(z):
     return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-class ConfidenceHead(Sequential):
-    """z(s) = h·w + b [B, 1] on the trunk features h [B, H]; c(s) = σ(z) (module docstring)."""
+class LogitHead(Sequential):
+    """One logit per state, z(s) = h·w + b [B, 1] on the trunk features h [B, H] (one Linear "{name}.fc", its
+    input gradient on): the confidence head's and the risk-budget head's (numbarl/rl/nets/risk_head.py)."""
 
-    def __init__(self, name: str, in_dim: int, group: str | None = "head.conf", compute: str = "fp32"):
+    default_group = "head.logit"
+
+    def __init__(self, name: str, in_dim: int, group: str | None = None, compute: str = "fp32"):
         self.in_dim = int(in_dim)
         if self.in_dim < 1:
             raise ValueError(f"{name}: in_dim must be >= 1 (got {in_dim})")
-        group = group or name
+        group = group or self.default_group or name
         super().__init__(name, [Linear(f"{name}.fc", self.in_dim, 1, None, group=group, input_grad=True,
                                        compute=compute)], group)
 
     @property
     def out_dim(self) -> int:
         return 1
+
+
+class ConfidenceHead(LogitHead):
+    """z(s) = h·w + b [B, 1] on the trunk features h [B, H]; c(s) = σ(z) (module docstring)."""
+
+    default_group = "head.conf"
 
 
 # ---------------------------------------------------------------------------------------------

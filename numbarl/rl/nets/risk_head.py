@@ -75,8 +75,7 @@ from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BR_DIRECTION, BR_SIZE, DIR_LONG, DIR_SHORT
 from numbarl.env.rows import greedy_action, mask_row
 from numbarl.rl.losses.confidence import sigmoid_dev
-from numbarl.rl.nets.linear import Linear
-from numbarl.rl.nets.module import Sequential
+from numbarl.rl.nets.confidence import LogitHead
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -89,20 +88,10 @@ _NEG_INF = np.float32(-np.inf)
 _greedy_action = launch.device_function(greedy_action)
 
 
-class RiskHead(Sequential):
+class RiskHead(LogitHead):
     """z(s) = h·w + b [B, 1] on the trunk features h [B, H]; ρ(s) = σ(z) (module docstring)."""
 
-    def __init__(self, name: str, in_dim: int, group: str | None = "head.risk", compute: str = "fp32"):
-        self.in_dim = int(in_dim)
-        if self.in_dim < 1:
-            raise ValueError(f"{name}: in_dim must be >= 1 (got {in_dim})")
-        group = group or name
-        super().__init__(name, [Linear(f"{name}.fc", self.in_dim, 1, None, group=group, input_grad=True,
-                                       compute=compute)], group)
-
-    @property
-    def out_dim(self) -> int:
-        return 1
+    default_group = "head.risk"
 
 
 # ---------------------------------------------------------------------------------------------
