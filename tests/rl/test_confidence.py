@@ -8,8 +8,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from agent_helpers import build_module, check_aux_step_trains_the_head, check_scalar_head_forward_backward
-from agent_helpers import check_trunk_gradient_is_the_sum_of_both_heads, fill_replay
+from agent_helpers import (
+    build_module,
+    check_aux_step_trains_the_head,
+    check_input_gradient_fd,
+    check_param_gradients_fd,
+    check_scalar_head_forward_backward,
+    check_trunk_gradient_is_the_sum_of_both_heads,
+    fill_replay,
+)
 
 from numbarl.cuda.runtime import cuda, stream
 from numbarl.cuda.testing import assert_close
@@ -108,21 +115,8 @@ def test_reference_head_gradients_match_finite_differences(rng):
     z, cache = head.forward_ref(h, p)
     dz = _ref(x, z)[2]
     dh, grads = head.backward_ref(dz, cache, p)
-    eps = 1e-6
-    for b in range(B):
-        for c in range(H):
-            up, down = h.copy(), h.copy()
-            up[b, c] += eps
-            down[b, c] -= eps
-            numeric = (loss_of(up, p) - loss_of(down, p)) / (2 * eps)
-            assert abs(dh[b, c] - numeric) <= 1e-9 + 1e-5 * abs(numeric)
-    for name, value in p.items():
-        for idx in np.ndindex(value.shape):
-            up, down = {k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in p.items()}
-            up[name][idx] += eps
-            down[name][idx] -= eps
-            numeric = (loss_of(h, up) - loss_of(h, down)) / (2 * eps)
-            assert abs(grads[name][idx] - numeric) <= 1e-9 + 1e-5 * abs(numeric), name
+    check_input_gradient_fd(rng, lambda h_: loss_of(h_, p), h, dh, 2 * B * H)
+    check_param_gradients_fd(rng, lambda p_: loss_of(h, p_), p, grads, 2 * H)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import pytest
 from agent_helpers import (
     build_module,
     check_aux_step_trains_the_head,
+    check_input_gradient_fd,
+    check_param_gradients_fd,
     check_scalar_head_forward_backward,
     fill_replay,
 )
@@ -331,21 +333,8 @@ def test_reference_head_gradients_match_finite_differences(rng):
 
     z, cache = head.forward_ref(h, p)
     dh, grads = head.backward_ref(risk_bce_ref(z, y)[2], cache, p)
-    eps = 1e-6
-    for b in range(B):
-        for c in range(H):
-            up, down = h.copy(), h.copy()
-            up[b, c] += eps
-            down[b, c] -= eps
-            numeric = (loss_of(up, p) - loss_of(down, p)) / (2 * eps)
-            assert abs(dh[b, c] - numeric) <= 1e-9 + 1e-5 * abs(numeric)
-    for name, value in p.items():
-        for idx in np.ndindex(value.shape):
-            up, down = {k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in p.items()}
-            up[name][idx] += eps
-            down[name][idx] -= eps
-            numeric = (loss_of(h, up) - loss_of(h, down)) / (2 * eps)
-            assert abs(grads[name][idx] - numeric) <= 1e-9 + 1e-5 * abs(numeric), name
+    check_input_gradient_fd(rng, lambda h_: loss_of(h_, p), h, dh, 2 * B * H)
+    check_param_gradients_fd(rng, lambda p_: loss_of(h, p_), p, grads, 2 * H)
 
 
 # ---------------------------------------------------------------------------------------------
