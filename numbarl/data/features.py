@@ -83,6 +83,14 @@ def lag_log_return(x, k):
     return out
 
 
+def flow_move(flow, mid, k):
+    """Σ_{j=0..k-1} flow_{t-j-1} · log(mid_{t-j} / mid_{t-j-1}) (causal: bar t's value uses bars ≤ t); NaN
+    until k such products exist."""
+    pair = np.full(flow.shape[0], np.nan)
+    pair[1:] = flow[:-1] * lag_log_return(mid, 1)[1:]
+    return rolling_sum(pair, k)
+
+
 @njit(cache=True)
 def rolling_sum(x, w):
     """Σ of the finite values among x_{t-w+1..t}; NaN while fewer than w bars exist."""
@@ -294,6 +302,11 @@ class FeatureInputs:
     def ret1(self):
         return self.cached("ret1", lambda: lag_log_return(self.mid, 1))
 
+    def flow4(self):
+        """trade_imb_4: (buy - sell volume) / volume over the last 4 bars."""
+        return self.cached("flow4", lambda: _ratio(rolling_sum(self.col("buy_volume") - self.col("sell_volume"), 4),
+                                                   rolling_sum(self.col("volume"), 4)))
+
     def avg_depth(self, m):
         return self.cached(("avg_depth", m), lambda: rolling_mean_finite(self.col("depth_mean")[:, m].copy(), DEPTH_WINDOW))
 
@@ -463,13 +476,21 @@ def _register_families():
         lambda x: np.log(np.maximum(x.col("n_events"), 1.0))
     )
     register("ret_128", True, "log mid return over the last 128 bars")(lambda x: lag_log_return(x.mid, 128))
+    # the memory rule's inputs (extras): how the last k bars' trade flow was followed by the mid, the sign of
+    # a hidden flow -> move regime (the synthetic market's memory modes, docs/DATA.md), and that estimate
+    # times the current flow (the rule's signal); a memoryless agent given them holds what a memory can hold
+    for k in (8, 16):
+        register(f"flow_move_{k}", True, f"sum over the last {k} bars of trade_imb_4(t-1) · ret_1(t): the flow -> "
+                 "move regime")(lambda x, k=k: flow_move(x.flow4(), x.mid, k))
+        register(f"flow_move_sig_{k}", True, f"trade_imb_4 · flow_move_{k}: the memory rule's signal")(
+            lambda x, k=k: x.flow4() * flow_move(x.flow4(), x.mid, k))
 
 
 _register_families()
 
-DEFAULT_FEATURES: tuple[str, ...] = tuple(
-    name for name in REGISTRY if name not in ("theta_norm", "gaps", "log_events", "ret_128")
-)
+EXTRA_FEATURES: tuple[str, ...] = ("theta_norm", "gaps", "log_events", "ret_128", "flow_move_8", "flow_move_sig_8",
+                                    "flow_move_16", "flow_move_sig_16")  # registered, not in the default set
+DEFAULT_FEATURES: tuple[str, ...] = tuple(name for name in REGISTRY if name not in EXTRA_FEATURES)
 assert len(DEFAULT_FEATURES) == 64
 
 

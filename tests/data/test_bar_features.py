@@ -113,7 +113,7 @@ def test_features_shape_bounds_and_hand_values(bars):
 
 
 def test_changing_the_last_bar_changes_no_earlier_feature(bars):
-    names = resolve_features("default,theta_norm,gaps,log_events,ret_128")
+    names = resolve_features("default,theta_norm,gaps,log_events,ret_128,flow_move_8,flow_move_sig_16")
     before = compute_features(bars, names, synth.TICK_SIZE)
     changed = bars.copy()
     for field in ("mid_close", "mid_high", "mid_low", "micro_close", "volume", "spread"):
@@ -122,6 +122,22 @@ def test_changing_the_last_bar_changes_no_earlier_feature(bars):
     after = compute_features(changed, names, synth.TICK_SIZE)
     assert after[:-1].tobytes() == before[:-1].tobytes()
     assert not np.array_equal(after[-1], before[-1])
+
+
+def test_flow_move_features_by_formula(bars):
+    """flow_move_k = Σ_{j<k} trade_imb_4(t-j-1) · ret_1(t-j) (the memory rule's regime estimate, synth_probe's
+    memory_predictor on log returns) and flow_move_sig_k = trade_imb_4 · flow_move_k, before normalization."""
+    inputs = FeatureInputs(bars, synth.TICK_SIZE)
+    flow = REGISTRY["trade_imb_4"].compute(inputs)
+    ret = np.r_[np.nan, np.diff(np.log(bars["mid_close"].astype(np.float64)))]
+    pair = np.r_[np.nan, flow[:-1] * ret[1:]]
+    want = pd.Series(pair).rolling(16, min_periods=1).sum().to_numpy().copy()
+    want[:15] = np.nan
+    got = REGISTRY["flow_move_16"].compute(inputs)
+    np.testing.assert_allclose(got[15:], want[15:], rtol=1e-10, atol=1e-15)
+    assert np.isnan(got[:15]).all()
+    np.testing.assert_allclose(REGISTRY["flow_move_sig_16"].compute(FeatureInputs(bars, synth.TICK_SIZE))[15:],
+                               flow[15:] * want[15:], rtol=1e-10, atol=1e-15)
 
 
 def test_bad_tick_size(bars):
