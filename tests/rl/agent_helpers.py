@@ -49,6 +49,54 @@ def assert_bitwise(a, b):
         assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), f"{k} differs"
 
 
+def tiny_agent(state_dim: int, sizes, n_envs: int, seed: int = 1, **fields):
+    """A simulator-sized C51 agent (trunk 8, 5 atoms, a replay of 10 steps per env, 2-step returns, Polyak
+    targets) with `fields` (batch_size included) on top: the agent tests of the auxiliary components."""
+    from numbarl.config import AgentConfig
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    base = {"trunk": (8,), "n_atoms": 5, "replay_capacity": 10 * n_envs, "n_step": 2, "gamma": 0.9,
+            "target_update": "polyak"}
+    return DQNAgent(AgentConfig(**{**base, **fields}), state_dim, sizes, n_envs, seed=seed)
+
+
+def collect_graph_and_eager_runs(cfg, n_envs, outputs, steps=4, setup=None, **agent_kw):
+    """The collect step of a DQNAgent(cfg) on a DeviceEnv of n_envs (a synthetic market, sizes 0.25/0.5/1.0)
+    run `steps` times eagerly and, in a second agent and env built alike, as a captured graph (after one
+    eager warm-up step each). setup(agent): before the first step; outputs(agent, env) -> {name: host
+    array}; returns [eager, graph] with the replay store and the env arena added (compare with
+    assert_bitwise)."""
+    from numbarl.bench.train import _market
+    from numbarl.cuda import graph as cuda_graph
+    from numbarl.cuda.runtime import stream
+    from numbarl.env.device import DeviceEnv
+    from numbarl.env.params import EnvParams
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    params = EnvParams(sizes=(0.25, 0.5, 1.0), size_step=0.25)
+    host = _market(2000, 8, 1)
+    runs = []
+    for mode in ("eager", "graph"):
+        s = stream()
+        market = host.to_device(params.vol_span, params.vol_horizon_bars)
+        env = DeviceEnv(market, params, n_envs, bar_range=(0, 1500), seed=3)
+        agent = DQNAgent(cfg, env.state_dim, params.branch_sizes, n_envs, seed=3, **agent_kw)
+        if setup is not None:
+            setup(agent)
+        env.reset(3, s)
+        agent.collect_step(env, s)  # warm-up (compiles), then the steps eagerly or replayed
+        graph = cuda_graph.capture(lambda st, a=agent, e=env: a.collect_step(e, st), stream=s, warmup=False) \
+            if mode == "graph" else None
+        for _ in range(steps):
+            graph.replay(s) if graph is not None else agent.collect_step(env, s)
+        s.synchronize()
+        out = {f"replay/{k}": v for k, v in agent.replay.store.to_host().items()}
+        out.update({f"env/{k}": v for k, v in env.arena.to_host().items()})
+        out.update(outputs(agent, env))
+        runs.append(out)
+    return runs
+
+
 def check_trunk_gradient_is_the_sum_of_both_heads(rng, make_aux, d_aux_shape, declare=None, ref=None, setup=None,
                                                   aux_grads=True):
     """The C51 head writes dh (first writer of the step), the auxiliary head `make_aux(H)` adds to it

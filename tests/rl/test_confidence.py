@@ -16,6 +16,7 @@ from agent_helpers import (
     check_scalar_head_forward_backward,
     check_trunk_gradient_is_the_sum_of_both_heads,
     fill_replay,
+    tiny_agent,
 )
 
 from numbarl.cuda.runtime import cuda, stream
@@ -187,12 +188,7 @@ STATE_DIM, N_ENVS = 5, 4
 
 
 def _agent(**kw):
-    from numbarl.config import AgentConfig
-    from numbarl.rl.agents.dqn import DQNAgent
-
-    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=10 * N_ENVS, n_step=2, gamma=0.9,
-                      target_update="polyak", confidence_weight=0.5, **kw)
-    return DQNAgent(cfg, STATE_DIM, AGENT_SIZES, N_ENVS, seed=1)
+    return tiny_agent(STATE_DIM, AGENT_SIZES, N_ENVS, batch_size=4, confidence_weight=0.5, **kw)
 
 
 def test_agent_train_step_with_confidence_trains_the_head_and_the_trunk(rng):

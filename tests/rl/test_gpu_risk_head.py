@@ -18,8 +18,10 @@ from agent_helpers import (
     GPU_SIZES,
     GPU_STATE_DIM,
     agent_snapshot,
+    assert_bitwise,
     check_graph_replay_equals_eager,
     check_two_runs_bitwise_identical,
+    collect_graph_and_eager_runs,
     gpu_agent_config,
 )
 from agent_helpers import fill_replay as _fill
@@ -134,33 +136,14 @@ def test_collect_step_with_the_sizing_graph_equals_eager_bitwise():
     """The collect step with the head on (acting pass, the head, the size rewrite, the outcome labels) as a
     captured graph against eager steps: replay store, labels and env state bit for bit; a base win rate of
     0.5 so that entries the head rates low are resized."""
-    from numbarl.bench.train import _market
-    from numbarl.cuda import graph as cuda_graph
-    from numbarl.env.device import DeviceEnv
-    from numbarl.env.params import EnvParams
-
-    params = EnvParams(sizes=(0.25, 0.5, 1.0), size_step=0.25)
-    host = _market(2000, 8, 1)
-    runs = []
-    for mode in ("eager", "graph"):
-        s = stream()
-        market = host.to_device(params.vol_span, params.vol_horizon_bars)
-        env = DeviceEnv(market, params, N_ENVS, bar_range=(0, 1500), seed=3)
-        agent = DQNAgent(CFG, env.state_dim, params.branch_sizes, N_ENVS, seed=3, epsilon=(1.0, 1.0, 10))
-        agent.risk_loss.arena.load({"base_rate": np.array([0.5, 1.0], np.float32)})
-        env.reset(3, s)
-        agent.collect_step(env, s)  # warm-up (compiles), then twelve more steps eagerly or replayed
-        graph = cuda_graph.capture(lambda st, a=agent, e=env: a.collect_step(e, st), stream=s, warmup=False) \
-            if mode == "graph" else None
-        for _ in range(12):
-            graph.replay(s) if graph is not None else agent.collect_step(env, s)
-        s.synchronize()
-        out = {f"replay/{k}": v for k, v in agent.replay.store.to_host().items()}
-        out.update({f"risk/{k}": v for k, v in agent.risk_labels.arena.to_host().items()})
+    def outputs(agent, env):
+        out = {f"risk/{k}": v for k, v in agent.risk_labels.arena.to_host().items()}
         out.update({f"sizer/{k}": v for k, v in agent.risk_sizer.dev.to_host().items()})
-        out.update({f"env/{k}": v for k, v in env.arena.to_host().items()})
-        runs.append(out)
-    assert runs[0].keys() == runs[1].keys()
-    for k in runs[0]:
-        np.testing.assert_array_equal(runs[0][k], runs[1][k], err_msg=k)
+        return out
+
+    def base_rate(agent):
+        agent.risk_loss.arena.load({"base_rate": np.array([0.5, 1.0], np.float32)})
+
+    runs = collect_graph_and_eager_runs(CFG, N_ENVS, outputs, steps=12, setup=base_rate, epsilon=(1.0, 1.0, 10))
+    assert_bitwise(*runs)
     assert (runs[0]["risk/label"] >= 0).any()  # trades closed and labelled their entry rows

@@ -9,11 +9,15 @@ Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_spectral.py -m gpu -q
 import numpy as np
 import pytest
 from agent_helpers import assert_bitwise as _assert_bitwise
-from agent_helpers import capture_train_step, check_graph_replay_equals_eager, check_two_runs_bitwise_identical
-from agent_helpers import train_steps
+from agent_helpers import (
+    capture_train_step,
+    check_graph_replay_equals_eager,
+    check_two_runs_bitwise_identical,
+    collect_graph_and_eager_runs,
+    train_steps,
+)
 
 from numbarl.config import AgentConfig
-from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda.runtime import Arena, stream
 from numbarl.rl.agents.dqn import DQNAgent
 from numbarl.rl.nets.spectral_norm import (
@@ -101,29 +105,7 @@ def test_two_runs_bitwise_identical(rng):
 def test_collect_with_the_cvar_gate_graph_equals_eager_bitwise():
     from dataclasses import replace
 
-    from numbarl.bench.train import _market
-    from numbarl.env.device import DeviceEnv
-    from numbarl.env.params import EnvParams
-
-    params = EnvParams(sizes=(0.25, 0.5, 1.0), size_step=0.25)
-    host = _market(2000, 8, 1)
-    cfg = replace(CFG, cvar_alpha=0.1, cvar_floor=1.0)
-    runs = []
-    for mode in ("eager", "graph"):
-        s = stream()
-        market = host.to_device(params.vol_span, params.vol_horizon_bars)
-        env = DeviceEnv(market, params, N_ENVS, bar_range=(0, 1500), seed=3)
-        agent = DQNAgent(cfg, env.state_dim, params.branch_sizes, N_ENVS, seed=3)
-        env.reset(3, s)
-        agent.collect_step(env, s)  # warm-up (compiles), then four more steps eagerly or replayed
-        graph = cuda_graph.capture(lambda st, a=agent, e=env: a.collect_step(e, st), stream=s, warmup=False) \
-            if mode == "graph" else None
-        for _ in range(4):
-            graph.replay(s) if graph is not None else agent.collect_step(env, s)
-        s.synchronize()
-        out = {f"replay/{k}": v for k, v in agent.replay.store.to_host().items()}
-        out.update({f"cvar/{k}": v for k, v in agent.cvar_gate.dev.to_host().items()})
-        out.update({f"env/{k}": v for k, v in env.arena.to_host().items()})
-        runs.append(out)
+    runs = collect_graph_and_eager_runs(replace(CFG, cvar_alpha=0.1, cvar_floor=1.0), N_ENVS,
+                                        lambda agent, env: {f"cvar/{k}": v for k, v in agent.cvar_gate.dev.to_host().items()})
     _assert_bitwise(*runs)
     assert np.isfinite(runs[0]["cvar/cvar"]).all()

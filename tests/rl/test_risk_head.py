@@ -15,6 +15,7 @@ from agent_helpers import (
     check_param_gradients_fd,
     check_scalar_head_forward_backward,
     fill_replay,
+    tiny_agent,
 )
 
 from numbarl.cuda.runtime import cuda, stream
@@ -393,12 +394,7 @@ STATE_DIM, N_ENVS = 5, 4
 
 
 def _agent(**kw):
-    from numbarl.config import AgentConfig
-    from numbarl.rl.agents.dqn import DQNAgent
-
-    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=6, replay_capacity=10 * N_ENVS, n_step=2, gamma=0.9,
-                      target_update="polyak", risk_head_weight=0.5, **kw)
-    return DQNAgent(cfg, STATE_DIM, SIZES, N_ENVS, seed=1)
+    return tiny_agent(STATE_DIM, SIZES, N_ENVS, batch_size=6, risk_head_weight=0.5, **kw)
 
 
 def test_agent_train_step_with_the_risk_head_trains_the_head_and_the_trunk(rng):
