@@ -64,9 +64,12 @@ class DataConfig:
     synth_mode: str = "planted"
     """Synthetic market: 'planted' (order flow leads the mid), 'memory' (its sign is a hidden regime: only history
     pays), 'walk' (a null whose mid is a random walk nothing observable leads: the queues do not move the price) or
-    'memory_walk' (the memory market's regime drift moving the walk's coin: no book structure leads the mid either)."""
-    synth_regime_bars: float = 40.0
-    """Memory modes (memory, memory_walk): mean duration of the hidden regime, in bars."""
+    'memory_walk' (the memory market's regime drift moving the walk's coin: no book structure leads the mid either) or
+    'regime_walk' (the walk's coin follows the last imbalance bar's side with a hidden regime's sign: a memory of the
+    last bars finds the regime)."""
+    synth_regime_bars: float = 0.0
+    """Memory modes (memory, memory_walk, regime_walk): mean duration of the hidden regime, in bars; 0 = the
+    mode's own (40 for memory and memory_walk, 200 for regime_walk: numbarl/data/synth.py mode_regime_bars)."""
     symbol: str = ""
     """Instrument to keep when a DBN file holds several ('' = the only one)."""
     features: str = ""
@@ -77,8 +80,9 @@ class DataConfig:
         _check("data", "synth_signal", self.synth_signal, lo=0.0, hi=100.0)
         _check("data", "synth_scale", self.synth_scale, choices=("tiny", "default"))
         _check("data", "synth_bars_per_day", self.synth_bars_per_day, lo=0, hi=1_000_000)
-        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory", "walk", "memory_walk"))
-        _check("data", "synth_regime_bars", self.synth_regime_bars, lo=1.0, hi=1_000_000.0)
+        _check("data", "synth_mode", self.synth_mode, choices=("planted", "memory", "walk", "memory_walk", "regime_walk"))
+        if self.synth_regime_bars != 0:  # 0: the mode's own
+            _check("data", "synth_regime_bars", self.synth_regime_bars, lo=1.0, hi=1_000_000.0)
 
 
 # agent families numbarl trains (the registry numbarl.rl.agents.base.AGENTS; a test keeps them equal)

@@ -92,6 +92,58 @@ and 0.25/0.20/0.22 on the memory null: queue imbalance leads the mid by a fracti
 any book, so that number is the book's, not the planted edge (read on the oracle instead).
 Products of one bar's windowed features (``ret_16`` × ``trade_imb_16``...) estimate r from the
 few bars they span: a memoryless network can get a part of the edge, a memory agent more.
+
+Regime-walk mode (``mode="regime_walk"``, ``data.synth_mode=regime_walk``; its regimes
+last ``REGIME_WALK_REGIME_BARS`` = 200 bars on average unless ``data.synth_regime_bars`` sets it): a market where memory pays most of the oracle. The walk mode's book
+(fair sides, fair-coin trades, queues that never move the price; a walk step with probability
+``REGIME_WALK_MOVE_P`` = 0.1 per event, about 4.5 ticks of sd per bar) and the memory modes' hidden
+regime r ∈ {+1, -1} (flip probability 1/(``regime_bars`` · W) per event). The market reacts to the
+imbalance bars themselves: the signed trade volume θ since the last flow bar closes a flow bar once
+|θ| >= H, H the threshold that cuts the previous session's signed volumes into ``bars_per_day`` bars
+(``bars.calibrate_threshold``: the bar builder's ``target`` rule, so the flow bars *are* the cache's
+bars), and until the next one closes
+
+    s = the side of the last flow bar (±1; 0 before the session's first)
+    P(step up) = 1/2 + κ_r · r · signal/2 · s                   (κ_r = ``REGIME_WALK_COUPLING`` = 1)
+
+so in regime +1 the mid follows the last bar's trade imbalance by 0.2 tick per step (about 2.4
+ticks over a bar) and in regime -1 it reverses it. Oracle: r · signal/2 · s at each record (the
+walk's drift until the next bar closes, known at that record; it changes at the closing record of
+a bar). ``null=True``: fair steps, oracle 0.
+
+Why. In memory_walk the drift follows the flow W events back, which does not align with the
+imbalance bars: with the regime known (frozen), the best single-bar linear predictor reaches only
+0.70 of the oracle's Sharpe there (0.28 vs 0.40 per bar, training scale, seed 7) and the per-bar evidence
+about r is weak, so a memory rule earns 0.3 of the oracle. Here the drift over bar t+1 is exactly
+r · s_t with s_t the sign of bar t's ``trade_imb`` (frozen regime: 0.97 of the oracle for the linear
+predictor, 0.425 vs 0.440), each bar's Δmid · s_{t-1} is a strong sample of r, and regimes long
+next to the K = 16 bars a memory needs make the lag after a flip cheap. Nothing single-bar leads:
+the sides of consecutive imbalance bars of a fair-coin flow are independent (P(same side) 0.501),
+so the drift has no autocorrelation (lag-1 autocorrelation of bar returns 0.001: no momentum for
+``ret_k``, whatever r) and one bar shows s_t but not r. Windowed features (``ret_16`` ×
+``trade_imb_16``) span the 15 bar pairs that carry r, but mixed with the ~240 cross pairs that
+carry noise: fitted single-bar products earn at most 0.3 of the memory rule.
+
+Measured (``python -m numbarl.data.synth_probe --modes regime_walk,regime_walk-null,walk --sessions
+20 --events 120000 --bars-per-day 1000 --seeds 7,8,9 --regime-bars 200``: the training scale;
+after-cost Sharpe per bar of each predictor's sign on the second half of the bars, fits on the
+first; the rule is synth_probe's ``regime_rule``, K = 16: sign(``trade_imb_t``) · sign(Σ_{j=1..15}
+sign(``trade_imb_{t-j}``) · Δmid_{t-j+1}); the products are fitted to the oracle with the pairs
+also times the bar's side, the strongest single-bar fit found):
+
+    market             oracle   memory rule (/oracle)    linear   products   products·side
+    regime_walk  s7    0.443    0.390 (0.88)             -0.073   0.017      0.111
+                 s8    0.462    0.421 (0.91)             -0.098   0.032      0.086
+                 s9    0.439    0.384 (0.87)             -0.078   0.025      0.110
+    null         s7-9  0        -0.14 -0.15 -0.15        single-bar fits to the next move: -0.10 to -0.13
+
+(the null's and the walk's numbers are the costs: the rule correlates 0.012 / 0.006 / 0.011 with the
+next move in the null, 0.43-0.45 in the market.) The memory rule with K = 8: 0.364 (0.82); the
+probe's ``memory_predictor`` (f = ``trade_imb_4``) only 0.05: the drift follows one bar's side, not
+four. Shorter regimes cost the rule the lag after each flip (seed 7, K = 16): ``regime_bars`` 40
+→ 0.64 of the oracle, 100 → 0.80, 200 → 0.88; hence the mode's 200 (the memory modes'
+own is 40). At 10 sessions × 30,000 events, 200 bars per day,
+seeds 1-3: oracle 0.51 / 0.54 / 0.47, rule 0.84 / 0.91 / 0.85 of it, products·side -0.01 / 0.07 / 0.05.
 """
 
 from __future__ import annotations
@@ -144,12 +196,15 @@ NEW_LEVEL_MAX = 24
 LATENCY_NS = 20_000  # ts_recv - ts_event
 PRESSURE_EVENTS = 6000.0
 PASSIVE_COUPLING = 0.5
-MODES = ("planted", "memory", "walk", "memory_walk")
+MODES = ("planted", "memory", "walk", "memory_walk", "regime_walk")
 WALK_MOVE_P = 0.008  # walk mode: chance per event that the book steps one tick (fair coin): ~0.9 tick per bar
 DEFAULT_REGIME_BARS = 40.0  # memory mode: mean regime duration in bars
 MEMORY_FLOW_FRACTION = 0.125  # memory mode: time constant of the flow EWMA / W (short: little momentum)
 MEMORY_WALK_COUPLING = 5.0  # memory_walk: P(the walk steps up) = 1/2 + coupling · r · b (saturates above signal 0.2)
 MEMORY_WALK_MOVE_P = 0.1  # memory_walk: chance per event of a walk step (sd ~4.6 ticks per bar at the default sizes)
+REGIME_WALK_COUPLING = 1.0  # regime_walk: P(the walk steps up) = 1/2 + coupling · r · signal/2 · s (s = ±1: the last bar's side)
+REGIME_WALK_MOVE_P = 0.1  # regime_walk: chance per event of a walk step
+REGIME_WALK_REGIME_BARS = 200.0  # regime_walk: mean regime duration in bars (at 40 the rule reaches 0.64 of the oracle)
 MEMORY_COUPLING = 5.0  # memory mode: P(add on bid) = P(cancel on ask) = 1/2 + coupling · r · b (saturates above signal 0.2)
 WARMUP_SESSIONS = 1  # generated before the first cached session: the target bar mode calibrates on it
 
@@ -218,7 +273,7 @@ def _shift_in(q, c, size):
 
 @njit(cache=True)
 def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, tau, weights, out, oracle,
-                      memory, switch_p, flow_tau, lagbuf, mstate, walk_p):
+                      memory, switch_p, flow_tau, lagbuf, mstate, walk_p, bar_h=0.0):
     """One session of events. Returns (records written, best bid tick at the end, x at the end).
 
     times: int64 [n_events] event timestamps (ts_event); out: MBP10 records with room for
@@ -234,6 +289,13 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
     the book steps one tick up or down (a fair coin: the best ask queue goes and a new bid level
     appears at its price, or the mirror), and a best queue that trades or cancels away is refilled
     at its price instead of moving it; 0: no extra random numbers (the other markets unchanged).
+
+    ``bar_h`` > 0 (the regime_walk mode, module docstring; with walk_p > 0 and memory off): the
+    signed trade volume θ since the session's open or the last flow bar closes a flow bar once
+    |θ| >= bar_h (the imbalance-bar rule of bars.py, reset at the session's open); the walk's coin
+    is P(up) = 1/2 + coupling · r · signal/2 · s, s the side of the last flow bar (0 before the
+    session's first), r the regime (``mstate[0]``, flipping with probability ``switch_p`` per event).
+    0: none of this, no extra random numbers (the other markets unchanged).
     """
     np.random.seed(seed)
     phi = math.exp(-1.0 / tau)
@@ -266,6 +328,9 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
     k = 0
     seq = 1
     walk = walk_p > 0.0
+    regime = bar_h > 0.0  # regime_walk
+    theta = 0.0  # regime_walk: signed trade volume since the last flow bar (or the session's open)
+    side_last = 0.0  # regime_walk: side (±1) of the last flow bar, 0 before the first
     step_up = 0.5  # the walk's coin; memory_walk: 1/2 + coupling · r · b(e - W)
     signal_now = 0.0
     old = 0.0
@@ -291,6 +356,14 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
             signal_now = r * lag_sum / lag
             if walk:
                 step_up = 0.5 + coupling * r * old
+        elif regime:
+            # the drift until the next flow bar closes follows the last flow bar's side with the
+            # regime's sign; the oracle is that tilt: known now. Drawn before the walk's step, so
+            # that every event (steps too) advances the regime.
+            if np.random.random() < switch_p:
+                r = -r
+            signal_now = r * 0.5 * signal * side_last
+            step_up = 0.5 + coupling * signal_now
         if walk and np.random.random() < walk_p:
             # STEP: the mid moves by one tick, whatever the book shows (a fair coin but in memory_walk)
             size = np.random.randint(NEW_LEVEL_MIN, NEW_LEVEL_MAX + 1)
@@ -307,12 +380,15 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
                 _shift_in(aq, ac, size)
                 side, price = SIDE_ASK, ba * tick
             _write(out, k, ts, ACTION_ADD, side, price, size, F_LAST, 0, seq, bb, ba, bq, aq, bc, ac, tick)
-            oracle[k] = signal_now if memory else 0.0
+            oracle[k] = signal_now if (memory or regime) else 0.0
             k += 1
             seq += 1
             continue
         if memory:
             passive_bid = 0.5 if walk else 0.5 + coupling * r * old
+            buy_p = 0.5
+        elif regime:  # the book's sides and the trades are fair coins
+            passive_bid = 0.5
             buy_p = 0.5
         else:
             passive_bid = 0.5 + coupling * delta  # P(add on bid) = P(cancel on ask)
@@ -372,6 +448,12 @@ def _simulate_session(seed, n_events, times, start_tick, x0, signal, coupling, t
                 else:
                     bc[0] = min(bc[0], _orders(bq[0]))
                 rest_side = SIDE_BID
+            if regime:
+                theta += last_v
+                if abs(theta) >= bar_h:  # a flow bar closes: the drift changes from the next event on
+                    side_last = 1.0 if theta > 0.0 else -1.0
+                    theta = 0.0
+                    signal_now = r * 0.5 * signal * side_last  # at this closing record: the new drift
             _write(out, k, ts, ACTION_CANCEL, rest_side, price, size, F_LAST, 0, seq, bb, ba, bq, aq, bc, ac, tick)
             oracle[k] = signal_now
             k += 1
@@ -471,13 +553,20 @@ def iter_sessions(
     mode: str = "planted",
     regime_events: float = DEFAULT_REGIME_BARS * DEFAULT_EVENTS / DEFAULT_BARS_PER_DAY,
     lag_events: int = DEFAULT_EVENTS // DEFAULT_BARS_PER_DAY,
+    bars_per_day: int | None = None,
 ):
     """Yield (records, oracle) per session, carrying the price and the pressure across sessions.
 
     ``mode="memory"``: the regime market of the module docstring; ``regime_events`` is the mean
     regime duration and ``lag_events`` (W) the delay of the drift, both in events, and the
     pressure's time constant is ``MEMORY_FLOW_FRACTION`` · W (``pressure_events`` and
-    ``passive_coupling`` are then ignored: ``MEMORY_COUPLING`` couples the passive side)."""
+    ``passive_coupling`` are then ignored: ``MEMORY_COUPLING`` couples the passive side).
+
+    ``mode="regime_walk"``: the regime flips with probability 1/``regime_events`` per event and the
+    flow bars' threshold for a session is the one that cuts the previous session's signed trade
+    volumes into ``bars_per_day`` bars (bars.calibrate_threshold, as the bar builder's ``target``
+    mode does; None: events_per_session / lag_events); ``lag_events`` (W, one bar of events) only
+    sizes the first session's threshold."""
     if sessions < 1:
         raise DataError(f"synthetic market: sessions must be >= 1, got {sessions}")
     if events_per_session < 100:
@@ -487,15 +576,22 @@ def iter_sessions(
     if mode not in MODES:
         raise DataError(f"synthetic market: mode must be one of {list(MODES)}, got {mode!r}")
     memory = mode in ("memory", "memory_walk")
-    walk_p = {"walk": WALK_MOVE_P, "memory_walk": MEMORY_WALK_MOVE_P}.get(mode, 0.0)
+    regime = mode == "regime_walk"
+    walk_p = {"walk": WALK_MOVE_P, "memory_walk": MEMORY_WALK_MOVE_P, "regime_walk": REGIME_WALK_MOVE_P}.get(mode, 0.0)
     if mode == "walk":  # no planted drift: the null of every mode
         null = True
-    if memory:
+    if memory or regime:
         if not (regime_events >= 1.0):
             raise DataError(f"synthetic market: regime_events must be >= 1, got {regime_events}")
         if isinstance(lag_events, bool) or int(lag_events) != lag_events or lag_events < 1:
             raise DataError(f"synthetic market: lag_events must be an integer >= 1, got {lag_events!r}")
         passive_coupling = MEMORY_WALK_COUPLING if mode == "memory_walk" else MEMORY_COUPLING
+    if regime:
+        if bars_per_day is None:
+            bars_per_day = max(1, round(events_per_session / int(lag_events)))
+        if isinstance(bars_per_day, bool) or int(bars_per_day) != bars_per_day or bars_per_day < 1:
+            raise DataError(f"synthetic market: bars_per_day must be an integer >= 1, got {bars_per_day!r}")
+        passive_coupling = REGIME_WALK_COUPLING
     strength = 0.0 if null else float(signal)
     coupling = 0.0 if null else float(passive_coupling)
     master = np.random.default_rng(seed)
@@ -504,11 +600,17 @@ def iter_sessions(
     lagbuf = np.zeros(int(lag_events) if memory else 1, np.float64)
     mstate = np.zeros(4, np.float64)  # regime, ring position, flow EWMA, last signed trade
     mstate[0] = 1.0
-    if memory:  # drawn after everything the planted market draws first: that market is unchanged
+    if memory or regime:  # drawn after everything the planted market draws first: that market is unchanged
         mstate[0] = 1.0 if master.random() < 0.5 else -1.0
-    switch_p = 1.0 / float(regime_events) if memory else 0.0
+    switch_p = 1.0 / float(regime_events) if (memory or regime) else 0.0
+    # regime_walk: the first session's flow-bar threshold, sqrt(W · variance of the signed volume per
+    # event) (a fair-coin walk reaches ±H in about H² / variance events); later sessions calibrate on
+    # the previous one like the bar builder, so that their flow bars are its bars
+    bar_h = 0.0
+    if regime:
+        bar_h = math.sqrt(int(lag_events) * (1.0 - walk_p) * P_TRADE * (2.0 - TRADE_SIZE_P) / TRADE_SIZE_P**2)
     flow_tau = max(MEMORY_FLOW_FRACTION * int(lag_events), 1.0)
-    for day in trade_dates(sessions, first_date):
+    for n_session, day in enumerate(trade_dates(sessions, first_date)):
         open_ns, _ = calendar.open_close_ns(day)
         times = session_event_times(master, events_per_session, open_ns)
         out = np.zeros(2 * events_per_session, MBP10_DTYPE)
@@ -517,9 +619,31 @@ def iter_sessions(
         k, start_tick, x = _simulate_session(
             sub_seed, events_per_session, times, start_tick, x, strength, coupling,
             float(pressure_events), ADD_LEVEL_WEIGHTS, out, oracle, memory, switch_p, flow_tau, lagbuf, mstate,
-            walk_p,
+            walk_p, bar_h,
         )  # fmt: skip
+        if regime:
+            bar_h = _next_threshold(out[:k], int(bars_per_day), first=n_session == 0) or bar_h  # 0: no trades
         yield out[:k], oracle[:k]
+
+
+def mode_regime_bars(mode: str) -> float:
+    """The mean regime duration (bars) a mode uses when ``data.synth_regime_bars`` is 0, its default."""
+    return REGIME_WALK_REGIME_BARS if mode == "regime_walk" else DEFAULT_REGIME_BARS
+
+
+def _next_threshold(records: np.ndarray, bars_per_day: int, first: bool = False) -> float:
+    """The imbalance-bar threshold that the bar builder's ``target`` mode calibrates on this session
+    (its trades' signed volumes: + for a buy aggressor, side B) for the next one. ``first``: the
+    stream's first session, whose trades before its first book state the builder cannot check
+    against a book and leaves out."""
+    from numbarl.data.bars import calibrate_threshold
+
+    if first:
+        books = np.flatnonzero(records["flags"] & F_LAST)
+        records = records[books[0]:] if len(books) else records[:0]
+    trades = records[records["action"] == ACTION_TRADE]
+    vols = np.where(trades["side"] == SIDE_BID, 1.0, -1.0) * trades["size"].astype(np.float64)
+    return float(calibrate_threshold(vols, len(vols), float(bars_per_day)))
 
 
 def generate(
@@ -581,7 +705,7 @@ def build_synthetic_cache(
             raise DataError(f"--dbn {dbn_out} already exists; choose another name or pass --force to replace it")
     if mode not in MODES:
         raise DataError(f"synthetic market: mode must be one of {list(MODES)}, got {mode!r}")
-    memory = mode in ("memory", "memory_walk")
+    memory = mode in ("memory", "memory_walk", "regime_walk")
     if memory and not (isinstance(regime_bars, (int, float, np.integer, np.floating)) and regime_bars >= 1):
         raise DataError(f"synthetic market: regime_bars must be a number >= 1, got {regime_bars!r}")
     lag_events = max(1, round(events_per_session / max(int(bars_per_day), 1)))  # W: about one bar
@@ -596,7 +720,7 @@ def build_synthetic_cache(
     offset = 0
     for k, (records, oracle) in enumerate(
         iter_sessions(total, seed, signal, null, events_per_session, calendar, mode=mode,
-                      regime_events=regime_events, lag_events=lag_events)
+                      regime_events=regime_events, lag_events=lag_events, bars_per_day=int(bars_per_day))
     ):
         bars = builder.push(records)
         if k < WARMUP_SESSIONS:  # it only calibrates the first cached session's threshold
@@ -635,6 +759,10 @@ def build_synthetic_cache(
     if mode == "memory_walk":  # the regime drift moves the walk's coin; the book's sides are fair
         config.update({"mode": "memory_walk", "walk_move_p": MEMORY_WALK_MOVE_P,
                        "passive_coupling": 0.0, "walk_coupling": 0.0 if null else MEMORY_WALK_COUPLING})
+    if mode == "regime_walk":  # the regime drift follows the last bar's side; no flow EWMA, no lag
+        config.update({"mode": "regime_walk", "walk_move_p": REGIME_WALK_MOVE_P, "passive_coupling": 0.0,
+                       "walk_coupling": 0.0 if null else REGIME_WALK_COUPLING, "flow_events": None,
+                       "lag_events": None})
     if mode == "walk":
         config.update({"mode": "walk", "signal": 0.0, "null": True, "passive_coupling": 0.0,
                        "pressure_events": None, "walk_move_p": WALK_MOVE_P})

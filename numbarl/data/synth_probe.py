@@ -18,9 +18,23 @@ the second):
   products, times the current flow.
 * ``oracle_sharpe``: per-bar Sharpe of ``sign(oracle)`` held from close to close, paying half the
   spread per unit of position change.
+* ``*_sharpe`` (the regime-walk mode's measure: what a predictor *earns*): that Sharpe for the sign
+  of each predictor on the second half of the bars (``oracle_test_sharpe``: the oracle's on the same
+  bars): ``linear_sharpe`` and ``products_sharpe`` (the fits above), ``products_side_sharpe`` (the
+  products fit with the pairs also times the sign of the bar's own ``trade_imb``: the strongest
+  single-bar fit found on the regime-walk market), ``memory_sharpe`` (the memory predictor) and
+  ``rule_sharpe``, the memory rule ``regime_rule``: sign(``trade_imb_t``) times the sign of
+  Σ_{j=1..K-1} sign(``trade_imb_{t-j}``) · Δmid_{t-j+1}, the regime estimated from how the mid
+  followed the last K - 1 bars' sides (uses bars t-K+1..t only). ``linear_next_sharpe`` and
+  ``products_next_sharpe``: the same single-bar fits (products with the side) to the next mid move
+  instead of the oracle (what they earn in a null market, whose oracle is 0); ``rule_next``: the
+  rule's correlation with the next move.
 
-``python -m numbarl.data.synth_probe [--sessions 10] [--seeds 1,2,3]`` builds planted, memory and
-null-memory markets in a temporary folder and prints the table.
+``python -m numbarl.data.synth_probe [--sessions 10] [--seeds 1,2,3] [--modes ...]`` builds planted,
+memory and null-memory markets (or those ``--modes`` names) in a temporary folder and prints the
+table. The regime-walk market at the training scale, as synth.py measured it:
+``python -m numbarl.data.synth_probe --modes regime_walk,regime_walk-null --sessions 20 --events 120000
+--bars-per-day 1000 --seeds 7 --regime-bars 200``.
 """
 
 from __future__ import annotations
@@ -60,6 +74,22 @@ def memory_predictor(flow, mid, session_id, k: int = 16) -> np.ndarray:
     return flow * np.convolve(pair, np.ones(k))[:n]
 
 
+def regime_rule(side, mid, session_id, k: int = 16) -> np.ndarray:
+    """side_t · Σ_{j=1..k-1} side_{t-j} · Δmid_{t-j+1} (side: the sign of the bar's trade imbalance):
+    its sign is the rule's position; causal, bar t's value uses bars t-k+1..t only."""
+    side = np.sign(np.asarray(side, np.float64))
+    n = len(side)
+    same = np.r_[False, session_id[1:] == session_id[:-1]]
+    move = np.where(same, np.r_[0.0, np.diff(mid)], 0.0)
+    pair = np.r_[0.0, side[:-1]] * move  # at bar t: side_{t-1} · Δmid_t
+    return side * np.convolve(pair, np.ones(max(k - 1, 1)))[:n]
+
+
+def _fit_predict(design, target, train, test) -> np.ndarray:
+    w = np.linalg.lstsq(design[train], target[train], rcond=1e-8)[0]
+    return design[test] @ w
+
+
 def edge_report(cache, k: int = 16) -> dict:
     x = np.asarray(cache.features, np.float64)
     names = list(cache.feature_names)
@@ -75,6 +105,26 @@ def edge_report(cache, k: int = 16) -> dict:
     pairs = np.stack([cols[:, i] * cols[:, j] for i in range(cols.shape[1]) for j in range(i, cols.shape[1])], 1)
     flow = x[:, names.index(FLOW)]
     mem = memory_predictor(flow, mid, sid, k)
+    bid, ask = np.asarray(cache.bid, np.float64), np.asarray(cache.ask, np.float64)
+    fit, held = np.arange(half), np.arange(half, n)
+
+    def earns(position):  # after-cost Sharpe of a position held on the second half of the bars
+        return after_cost_sharpe(position, mid[held], bid[held], ask[held], sid[held])
+
+    side = np.sign(x[:, names.index("trade_imb")]) if "trade_imb" in names else np.sign(flow)
+    products = np.c_[lin, pairs, pairs * flow[:, None]]
+    rule = regime_rule(side, mid, sid, k)
+    sharpes = {
+        "rule_next": _corr(rule[test], nxt[test]),
+        "linear_next_sharpe": earns(np.sign(_fit_predict(lin, nxt, train, held))),
+        "products_next_sharpe": earns(np.sign(_fit_predict(np.c_[products, pairs * side[:, None]], nxt, train, held))),
+        "linear_sharpe": earns(np.sign(_fit_predict(lin, oracle, fit, held))),
+        "products_sharpe": earns(np.sign(_fit_predict(products, oracle, fit, held))),
+        "products_side_sharpe": earns(np.sign(_fit_predict(np.c_[products, pairs * side[:, None]], oracle, fit, held))),
+        "memory_sharpe": earns(np.sign(mem[held])),
+        "rule_sharpe": earns(np.sign(rule[held])),
+        "oracle_test_sharpe": earns(np.sign(oracle[held])),
+    }
     return {
         "linear_next": _fit_score(lin, nxt, train, test),
         "linear_oracle": _fit_score(lin, oracle, np.arange(half), np.arange(half, n)),
@@ -84,6 +134,7 @@ def edge_report(cache, k: int = 16) -> dict:
         "oracle_next": _corr(oracle[ok], nxt[ok]),
         "oracle_sharpe": after_cost_sharpe(np.sign(oracle), mid, np.asarray(cache.bid), np.asarray(cache.ask), sid),
         "bars": n,
+        **sharpes,
     }
 
 
@@ -102,18 +153,32 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--modes", default="planted,memory,memory-null",
-                    help="markets to build: planted, memory, memory_walk, walk; '-null' appended: its null twin")
+                    help="markets to build: planted, memory, memory_walk, walk, regime_walk; '-null' appended: its null twin")
+    ap.add_argument("--regime-bars", type=float, default=0.0,
+                    help="mean regime duration in bars (memory, memory_walk, regime_walk; 0: the mode's own)")
     args = ap.parse_args(argv)
     keys = ("linear_next", "linear_oracle", "products_oracle", "memory_next", "memory_oracle", "oracle_next", "oracle_sharpe")
-    print(f"{'market':<14}{'seed':>5}" + "".join(f"{key:>16}" for key in keys))
+    sharpe_keys = ("linear_sharpe", "products_sharpe", "products_side_sharpe", "linear_next_sharpe",
+                   "products_next_sharpe", "memory_sharpe", "rule_sharpe", "oracle_test_sharpe")
+    rows = []
+    print(f"{'market':<16}{'seed':>5}" + "".join(f"{key:>16}" for key in keys))
     with tempfile.TemporaryDirectory() as tmp:
         for seed in (int(s) for s in args.seeds.split(",")):
             for label in args.modes.split(","):
                 mode, null = label.removesuffix("-null"), label.endswith("-null")
                 path = synth.build_synthetic_cache(Path(tmp) / f"{label}-{seed}", args.sessions, seed, null=null, mode=mode,
-                                                   events_per_session=args.events, bars_per_day=args.bars_per_day)
+                                                   events_per_session=args.events, bars_per_day=args.bars_per_day,
+                                                   regime_bars=args.regime_bars or synth.mode_regime_bars(mode))
                 rep = edge_report(load_cache(path), args.k)
-                print(f"{label:<14}{seed:>5}" + "".join(f"{rep[key]:>16.3f}" for key in keys))
+                rows.append((label, seed, rep))
+                print(f"{label:<16}{seed:>5}" + "".join(f"{rep[key]:>16.3f}" for key in keys), flush=True)
+    print("\nafter-cost Sharpe per bar of each predictor's sign, second half of the bars (rule / oracle: the ratio)")
+    print(f"{'market':<16}{'seed':>5}" + "".join(f"{key:>21}" for key in sharpe_keys) + f"{'rule/oracle':>13}"
+          + f"{'rule_next':>11}")
+    for label, seed, rep in rows:
+        ratio = rep["rule_sharpe"] / rep["oracle_test_sharpe"] if rep["oracle_test_sharpe"] > 0 else float("nan")
+        print(f"{label:<16}{seed:>5}" + "".join(f"{rep[key]:>21.3f}" for key in sharpe_keys) + f"{ratio:>13.2f}"
+              + f"{rep['rule_next']:>11.3f}")
     return 0
 
 

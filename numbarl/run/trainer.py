@@ -83,7 +83,7 @@ def _synth_spec(dcfg) -> dict:
     spec["features"] = dcfg.features
     if dcfg.synth_mode != "planted":  # only then: the planted market's caches keep their keys
         spec["mode"] = dcfg.synth_mode
-        spec["regime_bars"] = dcfg.synth_regime_bars
+        spec["regime_bars"] = dcfg.synth_regime_bars or synth.mode_regime_bars(dcfg.synth_mode)
     return spec
 
 

@@ -139,6 +139,10 @@ def test_config_fields_and_cache_keys():
     assert "mode" not in planted and "regime_bars" not in planted  # today's caches keep their keys
     memory = _synth_spec(DataConfig(synth_mode="memory", synth_regime_bars=12.0))
     assert memory == {**planted, "mode": "memory", "regime_bars": 12.0}
+    # 0 (the default): each mode's own duration, so the memory modes' caches keep their keys (40)
+    for mode, bars in (("memory", 40.0), ("memory_walk", 40.0), ("regime_walk", 200.0)):
+        DataConfig(synth_mode=mode).validate()
+        assert _synth_spec(DataConfig(synth_mode=mode))["regime_bars"] == bars
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +206,88 @@ def test_memory_walk_config_and_cache_key():
     assert spec["mode"] == "memory_walk" and spec["regime_bars"] == 40.0
     with pytest.raises(DataError, match="mode must be one of"):
         synth.generate(sessions=1, events_per_session=1_000, mode="memory-walk")
+
+
+# regime_walk: the walk's coin follows the last imbalance bar's side with the regime's sign
+REGIME_SMALL = {**SMALL, "regime_bars": 200.0}
+
+
+@pytest.fixture(scope="module")
+def regime_walk_markets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synth_regime_walk")
+    return {null: edge_report(load_cache(synth.build_synthetic_cache(root / f"null_{null}", seed=1, null=null,
+                                                                     mode="regime_walk", **REGIME_SMALL)))
+            for null in (False, True)}
+
+
+def test_regime_walk_memory_rule_earns_most_of_the_oracle(regime_walk_markets):
+    """The memory rule (the last 16 bars) earns most of the oracle after costs; single-bar fits,
+    windowed features and their products included, earn little of it."""
+    rep = regime_walk_markets[False]
+    assert rep["oracle_test_sharpe"] > 0.4  # measured 0.51
+    assert rep["rule_sharpe"] > 0.7 * rep["oracle_test_sharpe"]  # measured 0.43: 0.84
+    assert abs(rep["linear_oracle"]) < 0.1 and rep["linear_sharpe"] < 0.05  # measured 0.05, -0.01
+    for key in ("products_sharpe", "products_side_sharpe", "linear_next_sharpe", "products_next_sharpe"):
+        assert rep[key] < 0.3 * rep["rule_sharpe"], key  # measured -0.02, -0.01, 0.05, -0.04
+
+
+def test_regime_walk_null_has_no_edge(regime_walk_markets):
+    rep = regime_walk_markets[True]
+    assert rep["oracle_sharpe"] == 0.0 and rep["oracle_test_sharpe"] == 0.0
+    assert abs(rep["rule_next"]) < 0.05 and abs(rep["linear_next"]) < 0.15  # measured 0.01, -0.09
+    for key in ("rule_sharpe", "memory_sharpe", "linear_next_sharpe", "products_next_sharpe"):
+        assert rep[key] < 0.0, key  # measured -0.14, -0.01, -0.13, -0.12: the costs
+
+
+@pytest.mark.parametrize("seed, regime", [(1, -1.0), (2, 1.0)])
+def test_regime_walk_flow_bars_are_the_cache_bars(tmp_path, seed, regime):
+    """The generator's flow bars are the bar builder's bars: with the regime frozen, every bar's
+    oracle (the drift over the next bar) has the sign of r times the bar's trade imbalance, and
+    within a bar the oracle is constant (the drift changes only at a bar's closing record)."""
+    path = synth.build_synthetic_cache(tmp_path / "frozen", seed=seed, mode="regime_walk", regime_bars=1e12,
+                                       sessions=4, events_per_session=12_000, bars_per_day=100)
+    cache = load_cache(path)
+    side = np.sign(np.asarray(cache.features[:, cache.feature_names.index("trade_imb")], np.float64))
+    oracle = np.asarray(cache.oracle, np.float64)
+    assert np.all(np.sign(oracle) == regime * side)
+    assert np.allclose(np.abs(oracle), 0.5 * synth.DEFAULT_SIGNAL)  # float32 in the cache
+    for records, per_record in synth.iter_sessions(2, seed, events_per_session=12_000, mode="regime_walk",
+                                                   bars_per_day=100, lag_events=120, regime_events=1e15):
+        changes = np.flatnonzero(np.diff(per_record) != 0) + 1  # records where the oracle changes in a session
+        assert len(changes) > 20 and per_record[0] == 0.0  # no drift before the session's first bar
+        assert np.all(records["action"][changes] == synth.ACTION_CANCEL)  # the record closing a trade's packet
+        assert np.all(records["action"][changes - 1] == synth.ACTION_TRADE)
+
+
+def test_regime_walk_oracle_uses_nothing_after_its_record():
+    def session(n):
+        times = synth.session_event_times(np.random.default_rng(0), 4_000, 0)[:n]
+        out, oracle = np.zeros(2 * n, MBP10_DTYPE), np.zeros(2 * n, np.float64)
+        k, _, _ = synth._simulate_session(3, n, times, synth.START_PRICE_TICKS, 0.3, 0.2, synth.REGIME_WALK_COUPLING,
+                                          300.0, synth.ADD_LEVEL_WEIGHTS, out, oracle, False, 1 / 400, 5.0,
+                                          np.zeros(1), np.array([1.0, 0.0, 0.0, 0.0]), synth.REGIME_WALK_MOVE_P, 12.0)
+        return out[:k], oracle[:k]
+
+    full, full_oracle = session(4_000)
+    assert np.any(full_oracle > 0) and np.any(full_oracle < 0)
+    for n in (500, 1_777, 3_001):
+        part, part_oracle = session(n)
+        assert part.tobytes() == full[: len(part)].tobytes()
+        assert part_oracle.tobytes() == full_oracle[: len(part)].tobytes()
+
+
+def test_regime_walk_config_cache_key_and_arguments():
+    from numbarl.run.trainer import _synth_spec
+
+    DataConfig(synth_mode="regime_walk", synth_regime_bars=200.0).validate()
+    spec = _synth_spec(DataConfig(synth_mode="regime_walk", synth_regime_bars=200.0))
+    assert spec["mode"] == "regime_walk" and spec["regime_bars"] == 200.0
+    kw = {"sessions": 2, "seed": 4, "events_per_session": 3_000, "bars_per_day": 30, "lag_events": 100}
+    a, oa = synth.generate(mode="regime_walk", **kw)
+    b, ob = synth.generate(mode="regime_walk", **kw)
+    w, _ = synth.generate(mode="memory_walk", **kw)
+    assert a.tobytes() == b.tobytes() and oa.tobytes() == ob.tobytes() and a.tobytes() != w.tobytes()
+    null, null_oracle = synth.generate(mode="regime_walk", null=True, **kw)
+    assert np.all(null_oracle == 0.0) and null.tobytes() != a.tobytes()
+    with pytest.raises(DataError, match="bars_per_day must be an integer"):
+        synth.generate(sessions=1, events_per_session=1_000, mode="regime_walk", bars_per_day=0)
