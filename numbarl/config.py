@@ -333,6 +333,10 @@ class AgentConfig:
     """Temporal input: heads of the scan (each its own decay); must divide the observation width."""
     temporal_lr: float = 1e-4
     """Temporal input: learning rate of the optimizer group 'temporal.mamba' (the origin's Adam 1e-4)."""
+    temporal_conv: int = 0
+    """Temporal input: taps d of Mamba2's causal depthwise convolution + SiLU on the scan's u, B and C before
+    the scan (numbarl/cuda/kernels/conv1d.py; mamba_ssm's d_conv = 4); 0 = none. Without it the scan cannot
+    form a product of two earlier bars' features (e.g. the last bar's flow times this bar's move)."""
     isv: bool = False
     """ISV signals (issue 15, T5; numbarl/rl/isv.py): a device vector of 12 training-health signals (fast/slow EMAs
     of the loss, grad norm and Q-mean, Q slope, clip share, bootstrap gap, stabilities, non-finite share) updated by
@@ -616,6 +620,10 @@ class AgentConfig:
         _check("agent", "temporal_steps", self.temporal_steps, lo=1, hi=32)  # numbarl/cuda/kernels/ssm.py MAX_STEPS
         _check("agent", "temporal_heads", self.temporal_heads, lo=1, hi=1024)
         _check("agent", "temporal_lr", self.temporal_lr, lo=0.0, hi=1.0, lo_open=True)
+        _check("agent", "temporal_conv", self.temporal_conv, lo=0, hi=8)  # numbarl/cuda/kernels/conv1d.py MAX_WIDTH
+        if self.temporal_conv and self.temporal != "mamba":
+            raise ConfigError(f"agent.temporal_conv = {self.temporal_conv} convolves the temporal input's scan inputs: "
+                              f"it needs agent.temporal = 'mamba' (got {self.temporal!r})")
         if self.isv_routing_lr != -1.0:
             _check("agent", "isv_routing_lr", self.isv_routing_lr, lo=0.0, hi=1.0)  # or -1: agent.temporal_lr
         if self.isv_routing and self.temporal != "mamba":  # ISV routing weights the temporal input's scan

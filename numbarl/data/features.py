@@ -83,6 +83,22 @@ def lag_log_return(x, k):
     return out
 
 
+def side_move(flow, mid, k):
+    """Σ_{j=1..k-1} sign(flow_{t-j}) · log(mid_{t-j+1} / mid_{t-j}): how the mid followed the sides of the last
+    k - 1 bars' flow (synth_probe.regime_rule's regime estimate on log returns; causal, bars t-k+1..t); NaN for
+    the first k - 2 bars (bar k - 2 sums the k - 2 products that exist there)."""
+    pair = np.full(flow.shape[0], np.nan)
+    pair[1:] = np.sign(flow[:-1]) * lag_log_return(mid, 1)[1:]
+    return rolling_sum(pair, k - 1)
+
+
+def lag(x, k):
+    """x_{t-k} (NaN for the first k bars)."""
+    out = np.full(x.shape[0], np.nan)
+    out[k:] = x[:-k]
+    return out
+
+
 def flow_move(flow, mid, k):
     """Σ_{j=0..k-1} flow_{t-j-1} · log(mid_{t-j} / mid_{t-j-1}) (causal: bar t's value uses bars ≤ t); NaN
     until k such products exist."""
@@ -302,6 +318,11 @@ class FeatureInputs:
     def ret1(self):
         return self.cached("ret1", lambda: lag_log_return(self.mid, 1))
 
+    def trade_imb(self):
+        """trade_imb: (buy - sell volume) / volume of the bar."""
+        return self.cached("trade_imb", lambda: _ratio(self.col("buy_volume") - self.col("sell_volume"),
+                                                       self.col("volume")))
+
     def flow4(self):
         """trade_imb_4: (buy - sell volume) / volume over the last 4 bars."""
         return self.cached("flow4", lambda: _ratio(rolling_sum(self.col("buy_volume") - self.col("sell_volume"), 4),
@@ -419,9 +440,7 @@ def _register_families():
         lambda x: (x.col("micro_close") - x.mid) / x.tick_size
     )
     register("spread_ticks", True, "bid-ask spread at close, in ticks")(lambda x: x.col("spread") / x.tick_size)
-    register("trade_imb", False, "(buy - sell volume) / volume of the bar")(
-        lambda x: _ratio(x.col("buy_volume") - x.col("sell_volume"), x.col("volume"))
-    )
+    register("trade_imb", False, "(buy - sell volume) / volume of the bar")(lambda x: x.trade_imb())
     for k in (4, 16):
         register(f"trade_imb_{k}", False, f"(buy - sell volume) / volume over the last {k} bars")(
             lambda x, k=k: _ratio(
@@ -484,12 +503,20 @@ def _register_families():
                  "move regime")(lambda x, k=k: flow_move(x.flow4(), x.mid, k))
         register(f"flow_move_sig_{k}", True, f"trade_imb_4 · flow_move_{k}: the memory rule's signal")(
             lambda x, k=k: x.flow4() * flow_move(x.flow4(), x.mid, k))
+    # the regime-walk market's (extras): the last bar's flow (what a bar's move responds to there: with it in
+    # each row a scan can form the flow -> move products itself), and the regime rule's estimate and signal
+    register("trade_imb_prev", False, "trade_imb of the previous bar")(lambda x: lag(x.trade_imb(), 1))
+    register("side_move_16", True, "sum over the last 15 bars of sign(trade_imb(t-1)) · ret_1(t): the side -> "
+             "move regime")(lambda x: side_move(x.trade_imb(), x.mid, 16))
+    register("side_move_sig_16", True, "sign(trade_imb) · side_move_16: the regime rule's signal")(
+        lambda x: np.sign(x.trade_imb()) * side_move(x.trade_imb(), x.mid, 16))
 
 
 _register_families()
 
 EXTRA_FEATURES: tuple[str, ...] = ("theta_norm", "gaps", "log_events", "ret_128", "flow_move_8", "flow_move_sig_8",
-                                    "flow_move_16", "flow_move_sig_16")  # registered, not in the default set
+                                    "flow_move_16", "flow_move_sig_16", "trade_imb_prev", "side_move_16",
+                                    "side_move_sig_16")  # registered, not in the default set
 DEFAULT_FEATURES: tuple[str, ...] = tuple(name for name in REGISTRY if name not in EXTRA_FEATURES)
 assert len(DEFAULT_FEATURES) == 64
 

@@ -179,10 +179,11 @@ COMPONENTS: tuple[Component, ...] = (
     Component(
         "temporal_mamba", "Mamba2 selective scan over the observations of the last K bars before the C51 trunk, "
         "h = x_t + y W_out (windows from the replay's env columns in training and acting, a per-policy ring in the "
-        "backtests), online and target scan parameters, BPTT through all K steps, own optimizer group",
+        "backtests), online and target scan parameters, BPTT through all K steps, own optimizer group; "
+        "agent.temporal_conv = d: Mamba2's causal depthwise convolution + SiLU on the scan's inputs first",
         "agent.temporal=mamba",
-        "Dao & Gu 2024, §3 (SSD: scalar decay per head, one B/C group as Mamba2's default); Kapturowski et al. 2019 "
-        "(sequence replay windows of stored observations)",
+        "Dao & Gu 2024, §3 (SSD: scalar decay per head, one B/C group as Mamba2's default; the short convolution "
+        "of mamba_ssm, d_conv 4); Kapturowski et al. 2019 (sequence replay windows of stored observations)",
         ("tests/rl/test_temporal.py", "tests/rl/test_mamba.py", "tests/rl/test_sequence.py"),
         "grad_norm.temporal.mamba", "> 0"),
     Component(

@@ -2,6 +2,9 @@
 
     h̃_t = x_t + y · W_out,   y = Mamba2 scan over x_{t−K+1} .. x_t        (numbarl/rl/nets/mamba.py)
 
+(agent.temporal_conv = d > 0: Mamba2's causal depthwise convolution of d taps and a SiLU on the scan's
+inputs first, within the window; the acting and backtest passes run the same windows, so they agree.)
+
 instead of the observation x_t, K = agent.temporal_steps. Online and target networks each have their
 own scan parameters (the store's "params" and "target" roles: the optimizer's Polyak / periodic target
 update covers them like every other tensor), optimizer group 'temporal.mamba' with its own learning
@@ -142,7 +145,7 @@ class TemporalInput:
                               f"of {self.dim}")
         routed = bool(cfg.isv_routing)  # ISV routing: the scan without its residual
         self.scan = MambaScan(GROUP, self.dim, n_steps=self.K, n_heads=int(cfg.temporal_heads), input_grad=False,
-                              compute=cfg.compute, residual=not routed)
+                              compute=cfg.compute, residual=not routed, conv=int(cfg.temporal_conv))
         self.route = IsvRoute("temporal.route", self.dim) if routed else None
         self.n_envs, self.eval_batch, self.horizons = int(n_envs), int(eval_batch), tuple(int(h) for h in horizons)
         self.batch_size = int(cfg.batch_size)

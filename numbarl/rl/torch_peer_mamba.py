@@ -4,7 +4,9 @@ numbarl/cuda/kernels/ssm.py).
 What a researcher would write from Dao & Gu 2024 (SSD with a scalar decay per head) without a fused
 kernel: one matmul for the input projection, a Python loop over the K steps carrying the state
 S [B, n_heads, head_dim, N], the last step's read-out, the residual and the output matmul, then
-``loss.backward()`` (autograd does the BPTT). The weights are numbarl's (``[in, out]``; the same
+``loss.backward()`` (autograd does the BPTT). With a ``{name}.conv`` weight [d + 1, H + 2N] among the
+values (MambaScan's conv = d), Mamba2's causal depthwise convolution and SiLU on u | B | C come first,
+written as the tap loop (a tap stops at a masked row, as the scan's state restarts there). The weights are numbarl's (``[in, out]``; the same
 column layout of W_in: u | B | C | Δ̃) and the gradients come back under numbarl's names, so a test
 compares the kernels with autograd on the same weights, windows and mask (tests/rl/test_mamba.py).
 
@@ -39,13 +41,27 @@ def mamba_forward_backward(values: dict, x, dh, n_steps: int, n_heads: int, mask
 
     dev = torch.device(device)
     f32 = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)), device=dev)
-    w = {k: f32(values[f"{name}.{k}"]).requires_grad_(True) for k in ("w_in", "dt_bias", "a_log", "w_out")}
+    keys = ("w_in", "dt_bias", "a_log", "w_out") + (("conv",) if f"{name}.conv" in values else ())
+    w = {k: f32(values[f"{name}.{k}"]).requires_grad_(True) for k in keys}
     K, n_h, N = int(n_steps), int(n_heads), D_STATE
     xt = f32(x).requires_grad_(True)
     H = xt.shape[1]
     Bn, hd = xt.shape[0] // K, H // n_h
     m = torch.ones(Bn, K, device=dev) if mask is None else f32(mask)
     z = (xt @ w["w_in"]).reshape(Bn, K, -1)
+    if "conv" in w:  # v_t = bias + Σ_k w_k · z_{t−k} over the rows since the last masked one, then SiLU
+        d, cols = w["conv"].shape[0] - 1, w["conv"].shape[1]
+        run, runs = torch.zeros(Bn, device=dev), []
+        for t in range(K):
+            run = torch.where(m[:, t] != 0, run + 1, torch.zeros_like(run))
+            runs.append(run)
+        rows = []
+        for t in range(K):
+            v = w["conv"][d].expand(Bn, cols)
+            for k in range(min(d, t + 1)):
+                v = v + (runs[t] > k).float()[:, None] * w["conv"][k] * z[:, t - k, :cols]
+            rows.append(torch.cat([F.silu(v), z[:, t, cols:]], dim=1))
+        z = torch.stack(rows, dim=1)
     u, Bt, Ct, dt_pre = z[..., :H], z[..., H:H + N], z[..., H + N:H + 2 * N], z[..., H + 2 * N:]
     dt = F.softplus(dt_pre + w["dt_bias"])  # [B, K, n_h]
     a = torch.exp(-dt * torch.exp(w["a_log"]))

@@ -113,7 +113,8 @@ def test_features_shape_bounds_and_hand_values(bars):
 
 
 def test_changing_the_last_bar_changes_no_earlier_feature(bars):
-    names = resolve_features("default,theta_norm,gaps,log_events,ret_128,flow_move_8,flow_move_sig_16")
+    names = resolve_features("default,theta_norm,gaps,log_events,ret_128,flow_move_8,flow_move_sig_16,"
+                             "trade_imb_prev,side_move_16,side_move_sig_16")
     before = compute_features(bars, names, synth.TICK_SIZE)
     changed = bars.copy()
     for field in ("mid_close", "mid_high", "mid_low", "micro_close", "volume", "spread"):
@@ -138,6 +139,24 @@ def test_flow_move_features_by_formula(bars):
     assert np.isnan(got[:15]).all()
     np.testing.assert_allclose(REGISTRY["flow_move_sig_16"].compute(FeatureInputs(bars, synth.TICK_SIZE))[15:],
                                flow[15:] * want[15:], rtol=1e-10, atol=1e-15)
+
+
+def test_regime_features_by_formula(bars):
+    """trade_imb_prev = trade_imb(t-1); side_move_16 = Σ_{j=1..15} sign(trade_imb(t-j)) · ret_1(t-j+1)
+    (synth_probe.regime_rule's regime estimate on log returns) and side_move_sig_16 = sign(trade_imb) ·
+    side_move_16, before normalization."""
+    inputs = FeatureInputs(bars, synth.TICK_SIZE)
+    imb = REGISTRY["trade_imb"].compute(inputs)
+    prev = REGISTRY["trade_imb_prev"].compute(inputs)
+    assert np.isnan(prev[0]) and np.array_equal(prev[1:], imb[:-1])
+    ret = np.r_[np.nan, np.diff(np.log(bars["mid_close"].astype(np.float64)))]
+    pair = np.r_[np.nan, np.sign(imb[:-1]) * ret[1:]]
+    want = pd.Series(pair).rolling(15, min_periods=1).sum().to_numpy()  # bar 14: the 14 products there are
+    got = REGISTRY["side_move_16"].compute(inputs)
+    assert np.isnan(got[:14]).all()
+    np.testing.assert_allclose(got[14:], want[14:], rtol=1e-10, atol=1e-12)  # pandas sums online: cancellation
+    np.testing.assert_allclose(REGISTRY["side_move_sig_16"].compute(FeatureInputs(bars, synth.TICK_SIZE))[14:],
+                               np.sign(imb[14:]) * want[14:], rtol=1e-10, atol=1e-12)
 
 
 def test_bad_tick_size(bars):

@@ -55,7 +55,7 @@ RUNS = {
              # the ensemble and its epistemic gate (agent.ensemble_heads): +5 s here, +19 s in the polyak run
              "--set", "agent.ensemble_heads=2", "--set", "agent.epistemic_theta=0.01",
              # the temporal input (agent.temporal): a scan over the last 2 bars before the trunk
-             "--set", "agent.temporal=mamba", "--set", "agent.temporal_steps=2",
+             "--set", "agent.temporal=mamba", "--set", "agent.temporal_steps=2", "--set", "agent.temporal_conv=2",
              "--set", "agent.isv_routing=true"],  # ISV routing on the temporal input (implies agent.isv)
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
     # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)

@@ -2,7 +2,8 @@
 windows of K = 8 rows of the H = 512 trunk width, 8 heads (32,768 rows through cuBLASLt GEMMs):
 forward, dx of every row and every parameter gradient against the float64 reference (dense BPTT),
 with random episode starts masked; graph replay == eager, bitwise; two runs bitwise identical; the
-acting step against the scan; and a timing print of forward + backward (graph replays).
+acting step against the scan; and a timing print of forward + backward (graph replays). The first three
+also with Mamba2's causal convolution (conv = 4 taps: agent.temporal_conv).
 
 Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_mamba.py -m gpu -q -s`
 """
@@ -43,8 +44,8 @@ def _rel(got, ref) -> float:
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
-def _build(seed, act_envs=0):
-    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS)
+def _build(seed, act_envs=0, conv=0):
+    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS, conv=conv)
     store = ParamStore()
     module.declare_params(store)
     store.allocate()
@@ -67,9 +68,10 @@ def _inputs(seed):
     return x, dh, mask, start
 
 
-def test_matches_reference_at_real_size(rng):
+@pytest.mark.parametrize("conv", [0, 4])
+def test_matches_reference_at_real_size(rng, conv):
     seed = int(rng.integers(1 << 31))
-    module, store = _build(seed)
+    module, store = _build(seed, conv=conv)
     x, dh, mask, _ = _inputs(seed + 1)
     params = {n: v.astype(np.float64) for n, v in store.to_host().items()}
     s = stream()
@@ -108,9 +110,10 @@ def _snapshot(module, store, shared):
     return {"out": _host(module.output("online")), "dx": _host(shared), **store.to_host("grads")}
 
 
-def test_graph_replay_equals_eager_bitwise(rng):
+@pytest.mark.parametrize("conv", [0, 4])
+def test_graph_replay_equals_eager_bitwise(rng, conv):
     seed = int(rng.integers(1 << 31))
-    module, store = _build(seed)
+    module, store = _build(seed, conv=conv)
     x, dh, mask, _ = _inputs(seed + 1)
     xd, dhd, md = _dev(x), _dev(dh), _dev(mask)
     shared = _dev(np.zeros_like(x))
@@ -129,12 +132,13 @@ def test_graph_replay_equals_eager_bitwise(rng):
     assert np.isfinite(eager["out"]).all() and np.abs(eager["temporal.mamba.a_log"]).max() > 0
 
 
-def test_two_runs_bitwise_identical(rng):
+@pytest.mark.parametrize("conv", [0, 4])
+def test_two_runs_bitwise_identical(rng, conv):
     seed = int(rng.integers(1 << 31))
     x, dh, mask, _ = _inputs(seed + 1)
     snaps = []
     for _ in range(2):
-        module, store = _build(seed)
+        module, store = _build(seed, conv=conv)
         shared = _dev(np.zeros_like(x))
         s = stream()
         _train_like_step(module, store, _dev(x), _dev(dh), _dev(mask), shared)(s)

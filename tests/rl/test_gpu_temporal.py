@@ -1,7 +1,8 @@
 """GPU checks of the C51 agent's temporal input (agent.temporal = "mamba", numbarl/rl/temporal.py) at a real
 size: graph replay == eager bitwise and two same-seed runs bitwise identical for the train step (windows
-gathered from the replay, the scan on every pass, BPTT into the scan's gradients), and the backtest's
-scores (the per-policy window ring) replayed from a graph bitwise as run eagerly.
+gathered from the replay, the scan on every pass, BPTT into the scan's gradients; also with Mamba2's causal
+convolution, agent.temporal_conv = 4), and the backtest's scores (the per-policy window ring) replayed from a
+graph bitwise as run eagerly.
 
 Run on a CUDA machine: `python -m pytest tests/rl/test_gpu_temporal.py -m gpu -q`
 """
@@ -28,10 +29,11 @@ pytestmark = pytest.mark.gpu
 
 SIZES, STATE_DIM, N_ENVS, P = GPU_SIZES, GPU_STATE_DIM, GPU_N_ENVS, 4
 CFG = gpu_agent_config(temporal="mamba", temporal_steps=8, temporal_heads=8)
+CFG_CONV = gpu_agent_config(temporal="mamba", temporal_steps=8, temporal_heads=8, temporal_conv=4)
 
 
-def _agent(seed=1):
-    return DQNAgent(CFG, STATE_DIM, SIZES, N_ENVS, seed=seed, eval_batch=P)
+def _agent(seed=1, conv=False):
+    return DQNAgent(CFG_CONV if conv else CFG, STATE_DIM, SIZES, N_ENVS, seed=seed, eval_batch=P)
 
 
 def _snapshot(agent, s):
@@ -40,15 +42,18 @@ def _snapshot(agent, s):
                                      "h_online": agent.temporal.scan.output("online")})
 
 
-def test_graph_replay_equals_eager_bitwise(rng):
-    eager, _, _ = check_graph_replay_equals_eager(_agent(), rng, _snapshot, steps=train_steps,
+@pytest.mark.parametrize("conv", [False, True])
+def test_graph_replay_equals_eager_bitwise(rng, conv):
+    eager, _, _ = check_graph_replay_equals_eager(_agent(conv=conv), rng, _snapshot, steps=train_steps,
                                                   capture=capture_train_step)
-    g = eager["grads/temporal.mamba.w_in"]
-    assert np.all(np.isfinite(g)) and np.any(g != 0)
+    for name in ("w_in",) + (("conv",) if conv else ()):
+        g = eager[f"grads/temporal.mamba.{name}"]
+        assert np.all(np.isfinite(g)) and np.any(g != 0), name
 
 
-def test_two_runs_bitwise_identical(rng):
-    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3), _snapshot, steps=train_steps)
+@pytest.mark.parametrize("conv", [False, True])
+def test_two_runs_bitwise_identical(rng, conv):
+    check_two_runs_bitwise_identical(rng, lambda: _agent(seed=3, conv=conv), _snapshot, steps=train_steps)
 
 
 def test_backtest_scores_graph_equals_eager(rng):

@@ -35,8 +35,8 @@ def _dev(x):
     return _cuda.to_device(np.ascontiguousarray(x, np.float32))
 
 
-def _build(rng, n_seq=N_SEQ, n_steps=K, width=H, n_heads=N_HEADS, act_envs=0, residual=True):
-    module = MambaScan("temporal.mamba", width, n_steps=n_steps, n_heads=n_heads, residual=residual)
+def _build(rng, n_seq=N_SEQ, n_steps=K, width=H, n_heads=N_HEADS, act_envs=0, residual=True, conv=0):
+    module = MambaScan("temporal.mamba", width, n_steps=n_steps, n_heads=n_heads, residual=residual, conv=conv)
     store = ParamStore()
     module.declare_params(store)
     store.allocate()
@@ -89,12 +89,12 @@ def test_hand_computed():
     np.testing.assert_allclose(grads["m.a_log"], [-math.log(2.0)], rtol=1e-12)
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_reference_bptt_matches_finite_differences(rng, residual):
+@pytest.mark.parametrize("residual, conv", [(True, 0), (False, 0), (True, 3)])
+def test_reference_bptt_matches_finite_differences(rng, residual, conv):
     """Central differences of L = Σ R ⊙ h̃(x, θ) for every element of x (all K rows of every window:
     the gradient through the whole recurrence) and of every parameter, with the masks; also without
-    the residual (u = y·W_out alone, the ISV routing's input)."""
-    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS, residual=residual)
+    the residual (u = y·W_out alone, the ISV routing's input) and with the causal convolution (3 taps)."""
+    module = MambaScan("temporal.mamba", H, n_steps=K, n_heads=N_HEADS, residual=residual, conv=conv)
     store = ParamStore()
     module.declare_params(store)
     params = {n: 0.5 * rng.standard_normal(s.shape) for n, s in store.specs.items()}
@@ -130,11 +130,13 @@ def test_reference_bptt_matches_finite_differences(rng, residual):
 # ---------------------------------------------------------------------------------------------
 # kernels against the reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("masked, residual", [(False, True), (True, True), (True, False)])
-def test_kernels_match_reference(rng, masked, residual):
+@pytest.mark.parametrize("masked, residual, conv", [(False, True, 0), (True, True, 0), (True, False, 0),
+                                                    (False, True, 2), (True, True, 4)])
+def test_kernels_match_reference(rng, masked, residual, conv):
     """h̃, dx (every row) and every parameter gradient; gradients preset to garbage are overwritten
-    (a backward outside a train step); residual=False: u = y·W_out alone."""
-    module, store, params = _build(rng, residual=residual)
+    (a backward outside a train step); residual=False: u = y·W_out alone; conv: the causal convolution
+    (with 4 taps = K, the oldest row reaches the newest through it)."""
+    module, store, params = _build(rng, residual=residual, conv=conv)
     x, dy = _inputs(rng)
     mask = MASK if masked else None
     ref_out, cache = module.forward_ref(x, params, mask)
@@ -152,9 +154,10 @@ def test_kernels_match_reference(rng, masked, residual):
     assert all(store.specs[n].group == GROUP for n in grads)
 
 
-def test_gradient_rule_two_consumers_accumulate(rng):
+@pytest.mark.parametrize("conv", [0, 2])
+def test_gradient_rule_two_consumers_accumulate(rng, conv):
     """Inside a step two backwards add (parameters and a shared dx); the next step overwrites."""
-    module, store, params = _build(rng, n_seq=2)
+    module, store, params = _build(rng, n_seq=2, conv=conv)
     x, dy = _inputs(rng, n_seq=2)
     dy2 = rng.standard_normal(dy.shape).astype(np.float32)
     mask = MASK[1:]
@@ -176,13 +179,15 @@ def test_gradient_rule_two_consumers_accumulate(rng):
     module.backward(_dev(dy2), s, dx_out=shared)
     store.end_step()
     assert_close(_host(shared), dx2, ATOL, RTOL)
-    assert_close(store.to_host("grads")["temporal.mamba.a_log"], g2["temporal.mamba.a_log"], ATOL, RTOL * 3)
+    for n in ("temporal.mamba.a_log",) + (("temporal.mamba.conv",) if conv else ()):
+        assert_close(store.to_host("grads")[n], g2[n], ATOL, RTOL * 3)
 
 
-def test_mask_semantics(rng):
+@pytest.mark.parametrize("conv", [0, 3])
+def test_mask_semantics(rng, conv):
     """What a masked row holds, and every row before it, does not reach h̃; their dx is 0; a mask of
-    ones is the unmasked scan."""
-    module, _, _ = _build(rng)
+    ones is the unmasked scan. With the convolution too: its taps stop at a masked row."""
+    module, _, _ = _build(rng, conv=conv)
     x, dy = _inputs(rng)
     s = stream()
     base = _host(module.forward(_dev(x), s, mask=_dev(MASK)))
@@ -229,13 +234,15 @@ def test_acting_step_matches_the_scan(rng, residual):
     assert_close(h, scan, 1e-6, 1e-6)
 
 
-def test_pytorch_peer(rng):
+@pytest.mark.parametrize("conv", [0, 3])
+def test_pytorch_peer(rng, conv):
     """Autograd through a Python loop (numbarl/rl/torch_peer_mamba.py) in float32 on the same weights,
-    windows and mask: h̃, dx and every gradient within 1e-5 of the largest element."""
+    windows and mask: h̃, dx and every gradient within 1e-5 of the largest element (with the causal
+    convolution too)."""
     pytest.importorskip("torch")
     from numbarl.rl.torch_peer_mamba import mamba_forward_backward
 
-    module, store, _ = _build(rng)
+    module, store, _ = _build(rng, conv=conv)
     x, dy = _inputs(rng)
     s = stream()
     out = _host(module.forward(_dev(x), s, mask=_dev(MASK)))
@@ -247,6 +254,58 @@ def test_pytorch_peer(rng):
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), label
 
 
+def test_conv_hand_computed():
+    """The convolution alone: one window of K = 3 rows, one convolved column z = [1, 2, 3] and one copied
+    (Δ̃ = [5, 6, 7]); taps w_0 = 1, w_1 = 0.5, bias 0.25: v = [1.25, 2.75, 4.25], out = silu(v); a masked
+    row 1 stops the taps: v = [1.25, 0.25 (masked row: the bias), 3.25]. Backward of dout = 1 on the
+    convolved column: dz_0 = w_0 e_0 + w_1 e_1, with e_t = silu'(v_t) (unmasked)."""
+    from numbarl.cuda.kernels import conv1d
+
+    silu = lambda v: v / (1.0 + math.exp(-v))
+
+    def dsilu(v):
+        s = 1.0 / (1.0 + math.exp(-v))
+        return s * (1.0 + v * (1.0 - s))
+
+    z = np.array([[1.0, 5.0], [2.0, 6.0], [3.0, 7.0]])
+    w = np.array([[1.0], [0.5], [0.25]])
+    out, v = conv1d.causal_conv_ref(z, w, None, 3, 1)
+    np.testing.assert_allclose(v[:, 0], [1.25, 2.75, 4.25], rtol=1e-12)
+    np.testing.assert_allclose(out, [[silu(1.25), 5.0], [silu(2.75), 6.0], [silu(4.25), 7.0]], rtol=1e-12)
+    _, v = conv1d.causal_conv_ref(z, w, np.array([[1.0, 0.0, 1.0]]), 3, 1)
+    np.testing.assert_allclose(v[:, 0], [1.25, 0.25, 3.25], rtol=1e-12)
+    dz, dw = conv1d.causal_conv_backward_ref(np.ones((3, 2)), z, w, None, 3, 1)
+    e = [dsilu(1.25), dsilu(2.75), dsilu(4.25)]
+    np.testing.assert_allclose(dz[:, 0], [e[0] + 0.5 * e[1], e[1] + 0.5 * e[2], e[2]], rtol=1e-12)
+    np.testing.assert_allclose(dz[:, 1], 1.0)  # the copied column passes dout through
+    np.testing.assert_allclose(dw[:, 0], [e[0] + 2 * e[1] + 3 * e[2], e[1] + 2 * e[2], sum(e)], rtol=1e-12)
+
+
+def test_conv_lets_the_scan_read_a_product_of_two_rows():
+    """Why the convolution (numbarl/cuda/kernels/conv1d.py): the scan's state is a sum over rows of one
+    row's products u_t ⊗ B_t, read by the newest row's C, so without the convolution h̃ holds no product
+    of two *earlier* rows (∂²h̃/∂x_0∂x_1 = 0 in a window of 3 when the decay is held constant: Δ̃'s
+    weights 0); with it u_1 mixes rows 0 and 1 and the mixed second difference is not 0."""
+    rng = np.random.default_rng(3)
+    for conv, expect_mixed in ((0, False), (2, True)):
+        m = MambaScan("m", 4, n_steps=3, n_heads=1, conv=conv)
+        store = ParamStore()
+        m.declare_params(store)
+        params = {n: rng.standard_normal(s.shape) for n, s in store.specs.items()}
+        params["m.w_in"][:, -1] = 0.0  # Δ̃ = 0: a constant decay, so rows mix only through u ⊗ B (and the conv)
+        x = rng.standard_normal((3, 4))
+
+        def f(dx0, dx1, x=x, m=m, params=params):
+            xx = x.copy()
+            xx[0, 0] += dx0
+            xx[1, 1] += dx1
+            return m.forward_ref(xx, params)[0]
+
+        eps = 1e-3
+        mixed = (f(eps, eps) - f(eps, -eps) - f(-eps, eps) + f(-eps, -eps)) / (4 * eps * eps)
+        assert (np.abs(mixed).max() > 1e-3) == expect_mixed, (conv, np.abs(mixed).max())
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="multiple of n_heads"):
         MambaScan("m", 10, n_heads=4)
@@ -255,3 +314,7 @@ def test_errors_name_the_problem():
     m = MambaScan("m", 8, n_steps=4, n_heads=2)
     with pytest.raises(ValueError, match="multiple of n_steps"):
         m.buffers(10, True)
+    with pytest.raises(ValueError, match="conv must be in 0..8"):
+        MambaScan("m", 8, n_steps=4, n_heads=2, conv=9)
+    with pytest.raises(ValueError, match="not available with conv = 2"):
+        MambaScan("m", 8, n_steps=4, n_heads=2, conv=2).buffers(3, False, step=True)

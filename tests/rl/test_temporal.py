@@ -36,12 +36,14 @@ def _host(x):
     return x.copy_to_host()
 
 
-def test_train_step_matches_the_float64_reference(rng):
+@pytest.mark.parametrize("conv", [0, 2])
+def test_train_step_matches_the_float64_reference(rng, conv):
     """One train step: the obs / next windows equal the gather's model; the trunk's input on every pass is
     the scan's reference on its window (target parameters on the target pass); the loss is the C51
     reference on those passes; the scan's gradients are its BPTT reference fed the trunk's input gradient
-    of the reference backward (C51 loss → head → trunk): relative error <= 1e-5."""
-    agent = _agent()
+    of the reference backward (C51 loss → head → trunk): relative error <= 1e-5. conv: with Mamba2's
+    causal convolution before the scan (agent.temporal_conv), its weights among the scan's gradients."""
+    agent = _agent(temporal_conv=conv)
     fill_replay(agent, rng, done_rate=0.25, count=13)  # the ring has wrapped: windows cut by age and by dones
     params, target = agent.store.to_host("params"), agent.store.to_host("target")
     params = {k: v.astype(np.float64) for k, v in params.items()}
@@ -83,6 +85,7 @@ def test_train_step_matches_the_float64_reference(rng):
     _, scan_grads = scan.backward_ref(dx, scan_cache, params)
     grads = agent.store.to_host("grads")
     assert set(scan_grads) == {n for n in grads if n.startswith("temporal.mamba.")}
+    assert ("temporal.mamba.conv" in scan_grads) == bool(conv)
     for name, want in scan_grads.items():
         assert np.any(want != 0), name
         assert _rel(grads[name], want) <= 1e-5, (name, _rel(grads[name], want))
@@ -167,25 +170,27 @@ def _scores(agent, obs_seq, s):
     return np.stack(out)
 
 
-def test_checkpoint_round_trip_gives_the_same_scores(rng):
+@pytest.mark.parametrize("conv", [0, 2])
+def test_checkpoint_round_trip_gives_the_same_scores(rng, conv):
     """After a train step: the online and target scan parameters are in the checkpoint arrays; a fresh
     agent of another seed loaded with the policy arrays (policy_prefixes) scores a bar sequence bitwise
-    as the trained one, and load_state restores the target scan too."""
-    agent = _agent()
+    as the trained one, and load_state restores the target scan too (with the convolution's weights)."""
+    agent = _agent(temporal_conv=conv)
     fill_replay(agent, rng, done_rate=0.2, count=13)
     s = stream()
     agent.train_step(s)
     s.synchronize()
     arrays = agent.state_arrays()
     for role in ("params", "target"):
-        assert {f"{role}/temporal.mamba.{p}" for p in ("w_in", "dt_bias", "a_log", "w_out")} <= set(arrays)
+        names = ("w_in", "dt_bias", "a_log", "w_out") + (("conv",) if conv else ())
+        assert {f"{role}/temporal.mamba.{p}" for p in names} <= set(arrays)
     obs_seq = rng.standard_normal((K + 1, P, STATE_DIM)).astype(np.float32)
     want = _scores(agent, obs_seq, s)
-    other = _agent(seed=7)
+    other = _agent(seed=7, temporal_conv=conv)
     assert not np.array_equal(_scores(other, obs_seq, s), want)
     other.load_params({k: v for k, v in arrays.items() if k.startswith(agent.policy_prefixes)})
     np.testing.assert_array_equal(_scores(other, obs_seq, s), want)
-    third = _agent(seed=9)
+    third = _agent(seed=9, temporal_conv=conv)
     third.load_state(arrays)
     assert np.array_equal(third.store.to_host("target")["temporal.mamba.w_out"], arrays["target/temporal.mamba.w_out"])
 
@@ -212,6 +217,10 @@ def test_config_checks():
         replace(CFG, temporal_steps=33).validate()
     with pytest.raises(ConfigError, match="agent.temporal_lr"):
         replace(CFG, temporal_lr=0.0).validate()
+    with pytest.raises(ConfigError, match="agent.temporal_conv"):
+        replace(CFG, temporal_conv=9).validate()
+    with pytest.raises(ConfigError, match="agent.temporal_conv = 4 convolves the temporal input"):
+        replace(CFG, temporal="", temporal_conv=4).validate()
     with pytest.raises(ConfigError, match="agent.temporal"):
         replace(CFG, kind="ppo").validate()
     with pytest.raises(ConfigError, match="agent.temporal_heads = 4 must divide the observation width 6"):

@@ -18,6 +18,14 @@ B_t and C_t are shared by all heads (Mamba2's single B/C group, ngroups = 1): N�
 n_heads·N·2, and the heads differ by their decay (Δ, A_log) and their value channels. The scan math,
 its thread mapping and the BPTT derivation are in numbarl/cuda/kernels/ssm.py.
 
+With conv = d > 0 (Mamba2's short convolution, ``d_conv`` = 4 there; agent.temporal_conv), z's u, B and C
+columns go through a causal depthwise convolution over the window's rows and a SiLU before the scan
+(numbarl/cuda/kernels/conv1d.py, which says why the scan needs it to form products of two bars' features):
+z = conv(x · W_in), with W_conv [d + 1, H + 2N] (d taps and a bias per column). Backward: the scan's dz
+goes back through the convolution (its input gradient and the fixed-order weight-gradient sums) before
+∂W_in. Acting by :meth:`step` is not available with the convolution (it would carry the last d − 1 rows
+of x · W_in beside S); the agent acts on windows, through the scan itself.
+
 With residual=False the pass returns u = y · W_out alone (the ISV routing of numbarl/rl/isv.py adds
 x_{K−1} with its own weights); the default keeps the residual.
 
@@ -43,6 +51,7 @@ Parameters (group ``temporal.mamba`` by default, so the optimizer can give it it
     {name}.dt_bias [n_h]    inverse softplus of Δ₀ ~ log-uniform [1e-3, 1e-1] (Mamba2's dt init)
     {name}.a_log   [n_h]    log U[1, 16] (Mamba2's A init)
     {name}.w_out   [H, H]   U(±1/√H), weight decay
+    {name}.conv    [d + 1, H + 2N]  U(±1/√d) (nn.Conv1d's default for a depthwise kernel of d), conv = d > 0 only
 (reference: ``mamba_ssm/modules/mamba2.py``, Dao & Gu 2024, whose defaults these are).
 """
 
@@ -53,8 +62,8 @@ import math
 import numpy as np
 
 from numbarl.cuda import blas, reduce
-from numbarl.cuda.kernels import elementwise, ssm
-from numbarl.rl.nets.base import kaiming_uniform_init
+from numbarl.cuda.kernels import conv1d, elementwise, ssm
+from numbarl.rl.nets.base import bias_uniform_init, kaiming_uniform_init
 from numbarl.rl.nets.module import Buf, Ctx, Module, Param
 
 GROUP = "temporal.mamba"
@@ -87,7 +96,8 @@ class MambaScan(Module):
     native_dx_accumulate = True  # dx is a GEMM with the ledger's beta, the residual adds onto it
 
     def __init__(self, name: str, width: int, n_steps: int = 8, n_heads: int = 8, group: str | None = GROUP,
-                 decay: bool = True, input_grad: bool = True, compute: str = "fp32", residual: bool = True):
+                 decay: bool = True, input_grad: bool = True, compute: str = "fp32", residual: bool = True,
+                 conv: int = 0):
         super().__init__(name, group)
         self.width, self.n_steps, self.n_heads = int(width), int(n_steps), int(n_heads)
         if self.n_heads < 1 or self.width % self.n_heads:
@@ -102,6 +112,11 @@ class MambaScan(Module):
         self.decay, self.input_grad, self.compute = bool(decay), bool(input_grad), compute
         # residual=False: the pass returns u = y · W_out alone (the ISV routing adds x_t itself: numbarl/rl/isv.py)
         self.residual = bool(residual)
+        # conv = d > 0: Mamba2's causal depthwise convolution (d taps) + SiLU on u | B | C before the scan
+        self.conv = int(conv)
+        if not 0 <= self.conv <= conv1d.MAX_WIDTH:
+            raise ValueError(f"{name}: conv must be in 0..{conv1d.MAX_WIDTH} taps (got {conv})")
+        self.conv_cols = self.width + 2 * self.d_state  # the convolved columns of z: u | B | C
         self._masks: dict[str, object] = {}
 
     @property
@@ -118,11 +133,15 @@ class MambaScan(Module):
         return [Param("w_in", (H, self.proj_width), kaiming_uniform_init, decay=self.decay),
                 Param("dt_bias", (n_h,), dt_bias_init),
                 Param("a_log", (n_h,), a_log_init),
-                Param("w_out", (H, H), kaiming_uniform_init, decay=self.decay)]
+                Param("w_out", (H, H), kaiming_uniform_init, decay=self.decay)] \
+            + ([Param("conv", (self.conv + 1, self.conv_cols), bias_uniform_init(self.conv))] if self.conv else [])
 
     def buffers(self, batch: int, backward: bool, step: bool = False, **opts) -> list[Buf]:
         H, P, n_h = self.width, self.proj_width, self.n_heads
         if step:  # acting: one row per env
+            if self.conv:
+                raise ValueError(f"{self.name}: acting by step() is not available with conv = {self.conv} (it "
+                                 "would carry the last conv − 1 rows of x·W_in beside the state); act on windows")
             if backward:
                 raise ValueError(f"{self.name}: an acting (step=True) pass has no backward")
             return [Buf("z", (batch, P)), Buf("y_ssm", (batch, H)), Buf("y", (batch, H))]
@@ -132,12 +151,18 @@ class MambaScan(Module):
         n_seq = batch // self.n_steps
         bufs = [Buf("z", (batch, P)), Buf("y_ssm", (n_seq, H)), Buf("y", (n_seq, H)),
                 Buf("delta", (batch, n_h)), Buf("decay", (batch, n_h))]
+        if self.conv:  # x·W_in before the convolution, and the convolution's pre-activation
+            bufs += [Buf("z_raw", (batch, P)), Buf("conv_pre", (batch, self.conv_cols))]
         if backward:
             bufs += [Buf("dy_ssm", (n_seq, H)), Buf("d_dt_pre", (batch, n_h)), Buf("coef", (batch, n_h)),
                      Buf("dbw", (batch, n_h)), Buf("d_a_log_part", (n_seq, n_h)),
                      Buf("d_c_part", (n_seq, n_h, self.d_state)), Buf("dz", (batch, P)),
                      Buf("partials_dt", reduce.col_partials_shape(batch, n_h)),
                      Buf("partials_a", reduce.col_partials_shape(n_seq, n_h))]
+            if self.conv:
+                wide = (self.conv + 1) * self.conv_cols
+                bufs += [Buf("dz_raw", (batch, P)), Buf("conv_part", (n_seq, wide)),
+                         Buf("partials_conv", reduce.col_partials_shape(n_seq, wide))]
             if self.input_grad:
                 bufs.append(Buf("dx", (batch, H)))
         return bufs
@@ -159,7 +184,12 @@ class MambaScan(Module):
         if tuple(x.shape) != (rows, self.width):
             raise ValueError(f"{self.name}.forward({c.tag!r}): x has shape {tuple(x.shape)}, expected {(rows, self.width)}")
         z, y_ssm, y = c.buf("z"), c.buf("y_ssm"), c.buf("y")
-        blas.gemm(x, c.p("w_in"), z, compute=self.compute, stream=c.stream)
+        if self.conv:
+            blas.gemm(x, c.p("w_in"), c.buf("z_raw"), compute=self.compute, stream=c.stream)
+            conv1d.conv_forward(c.buf("z_raw"), c.p("conv"), self._masks.get(c.tag), self.n_steps, z,
+                                c.buf("conv_pre"), c.stream)
+        else:
+            blas.gemm(x, c.p("w_in"), z, compute=self.compute, stream=c.stream)
         ssm.ssd_scan_forward(z, c.p("dt_bias"), c.p("a_log"), self._masks.get(c.tag), self.n_steps, self.head_dim,
                              y_ssm, c.buf("delta"), c.buf("decay"), c.stream)
         if self.residual:
@@ -184,6 +214,13 @@ class MambaScan(Module):
                        accumulate=c.beta("dt_bias") == 1.0)
         reduce.col_sum(c.buf("d_a_log_part"), c.g("a_log"), c.buf("partials_a"), c.stream,
                        accumulate=c.beta("a_log") == 1.0)
+        if self.conv:  # back through the convolution: dz of x·W_in, and the convolution's weights
+            conv1d.conv_backward(dz, c.buf("z_raw"), c.p("conv"), c.buf("conv_pre"), self._masks.get(c.tag),
+                                 self.n_steps, c.buf("dz_raw"), c.buf("conv_part"), c.stream)
+            g_conv = c.g("conv")
+            reduce.col_sum(c.buf("conv_part"), g_conv.reshape(g_conv.size), c.buf("partials_conv"), c.stream,
+                           accumulate=c.beta("conv") == 1.0)
+            dz = c.buf("dz_raw")
         # input projection
         blas.gemm(x, dz, c.g("w_in"), trans_a=True, beta=c.beta("w_in"), compute=self.compute, stream=c.stream)
         if dx is None:
@@ -219,27 +256,36 @@ class MambaScan(Module):
         """(h̃ [B, H], cache) in float64 for x [B·K, H] (module docstring)."""
         p = self._p(params)
         x = np.asarray(x, np.float64)
-        z = x @ p["w_in"]
+        z = z_raw = x @ p["w_in"]
+        if self.conv:
+            z, _ = conv1d.causal_conv_ref(z_raw, p["conv"], mask, self.n_steps, self.conv_cols)
         y_ssm, scan = ssm.ssd_scan_ref(z, p["dt_bias"], p["a_log"], mask, self.n_steps, self.n_heads)
         out = y_ssm @ p["w_out"]
         if self.residual:
             out = out + x[self.n_steps - 1::self.n_steps]
-        return out, (x, y_ssm, scan)
+        return out, (x, y_ssm, scan, z_raw, mask)
 
     def backward_ref(self, dy, cache, params):
         """(dx [B·K, H], {store name: gradient}) in float64."""
         p, n = self._p(params), self.param_names
-        x, y_ssm, scan = cache
+        x, y_ssm, scan, z_raw, mask = cache
         dy = np.asarray(dy, np.float64)
         g = dy @ p["w_out"].T
         dz, d_dt_bias, d_a_log = ssm.ssd_scan_backward_ref(g, scan)
+        grads = {}
+        if self.conv:
+            dz, grads[n["conv"]] = conv1d.causal_conv_backward_ref(dz, z_raw, p["conv"], mask, self.n_steps,
+                                                                  self.conv_cols)
         dx = dz @ p["w_in"].T
         if self.residual:
             dx[self.n_steps - 1::self.n_steps] += dy
-        return dx, {n["w_in"]: x.T @ dz, n["dt_bias"]: d_dt_bias, n["a_log"]: d_a_log, n["w_out"]: y_ssm.T @ dy}
+        return dx, {n["w_in"]: x.T @ dz, n["dt_bias"]: d_dt_bias, n["a_log"]: d_a_log, n["w_out"]: y_ssm.T @ dy,
+                    **grads}
 
     def step_ref(self, x, state, reset, params):
         """(h̃ [n_envs, H], new state [n_envs, H, N]) in float64: one acting step."""
+        if self.conv:
+            raise ValueError(f"{self.name}: acting by step() is not available with conv = {self.conv}")
         p = self._p(params)
         x = np.asarray(x, np.float64)
         y_ssm, new_state = ssm.ssd_step_ref(x @ p["w_in"], state, reset, p["dt_bias"], p["a_log"], self.n_heads)

@@ -1,0 +1,226 @@
+"""Causal depthwise convolution over the K rows of each window, then SiLU: Mamba2's short convolution
+before the scan (Dao & Gu 2024, ``d_conv`` = 4 in mamba_ssm; numbarl/rl/nets/mamba.py's ``conv``).
+
+Why the scan needs it. The scan's state accumulates Δ_t u_t ⊗ B_t, products of two projections of the
+*same* row, and its decay a_t is positive, so without mixing rows first it cannot form a product of
+two different bars' features (e.g. the previous bar's flow times this bar's move, the evidence of a
+regime that flips the sign of the flow → move relation). The convolution mixes each column with its
+d − 1 predecessors in the window, so u_t ⊗ B_t then holds such cross-bar products.
+
+Layout: z [B·K, P] as in numbarl/cuda/kernels/ssm.py (window b at rows b·K .. b·K + K − 1, oldest
+first); the first ``n_cols`` columns (u | B | C: H + 2N) are convolved, the rest (Δ̃) are copied. The
+weights w [d + 1, n_cols]: rows 0..d − 1 the taps (tap k reads the row k steps back), row d the bias::
+
+    v_t[j]   = w[d, j] + Σ_{k < min(d, ℓ_t)} w[k, j] · z_{t−k}[j]
+    out_t[j] = silu(v_t[j]) = v_t[j] · σ(v_t[j])                          j < n_cols
+    out_t[j] = z_t[j]                                                     j ≥ n_cols
+
+ℓ_t the number of consecutive valid rows ending at row t (0 when row t is masked; the row mask: 1
+valid, 0 masked, e.g. before the episode start), so a tap never reads across a masked row, as the
+scan's state restarts after one. Backward from dout (e_t = dout_t · silu'(v_t)):
+
+    ∂L/∂z_s[j]  = Σ_{k < d, k < ℓ_{s+k}} w[k, j] · e_{s+k}[j]   (s + k ≤ K − 1; j ≥ n_cols: dout_s[j])
+    ∂L/∂w[k, j] = Σ_{b, t: k < ℓ_t} e_t[j] · z_{t−k}[j],     ∂L/∂w[d, j] = Σ_{b, t} e_t[j]
+
+Thread mapping (one writer per element, sums in a fixed order, no atomics): the forward and the input
+gradient one thread per (row, column); the weight gradient one thread per (window, column) summing
+its K rows into part [B, (d + 1)·n_cols] (tap k at columns k·n_cols + j, the bias at d·n_cols + j),
+which the caller sums over windows with numbarl.cuda.reduce.col_sum (fixed order). The forward keeps
+v in ``pre`` [B·K, n_cols] for the backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import float32
+
+from numbarl.cuda import launch
+from numbarl.cuda.kernels.elementwise import silu_dev, silu_grad_dev
+from numbarl.cuda.runtime import cuda
+
+_cuda = cuda()
+
+BLOCK = launch.shape(gpu=128, sim=32)
+MAX_WIDTH = 8  # d: taps per column
+
+_ZERO = np.float32(0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference (numpy, float64)
+# ---------------------------------------------------------------------------------------------
+def _silu_ref(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _rows(z, mask, n_steps):
+    """(z as [B, K, P] float64, mask [B, K] float64)."""
+    z = np.asarray(z, np.float64)
+    zk = z.reshape(-1, int(n_steps), z.shape[1])
+    m = np.ones(zk.shape[:2]) if mask is None else np.asarray(mask, np.float64)
+    return zk, m
+
+
+def valid_run_ref(mask, n_windows: int, n_steps: int) -> np.ndarray:
+    """ℓ [B, K]: consecutive valid rows ending at each row (0 at a masked row)."""
+    m = np.ones((n_windows, n_steps)) if mask is None else np.asarray(mask, np.float64)
+    run = np.zeros(m.shape, np.int64)
+    for t in range(n_steps):
+        run[:, t] = np.where(m[:, t] != 0, (run[:, t - 1] if t else 0) + 1, 0)
+    return run
+
+
+def causal_conv_ref(z, w, mask, n_steps: int, n_cols: int):
+    """(out [B·K, P], v [B·K, n_cols]) in float64 (module docstring)."""
+    zk, _ = _rows(z, mask, n_steps)
+    w = np.asarray(w, np.float64)
+    d = w.shape[0] - 1
+    Bn, K, _ = zk.shape
+    run = valid_run_ref(mask, Bn, K)
+    v = np.broadcast_to(w[d], (Bn, K, n_cols)).copy()
+    for t in range(K):
+        for k in range(min(d, t + 1)):
+            v[:, t] += (run[:, t, None] > k) * w[k] * zk[:, t - k, :n_cols]
+    out = zk.copy()
+    out[..., :n_cols] = _silu_ref(v)
+    return out.reshape(-1, zk.shape[2]), v.reshape(-1, n_cols)
+
+
+def causal_conv_backward_ref(dout, z, w, mask, n_steps: int, n_cols: int):
+    """(dz [B·K, P], dw [d + 1, n_cols]) in float64 from dout [B·K, P]."""
+    zk, _ = _rows(z, mask, n_steps)
+    w = np.asarray(w, np.float64)
+    d = w.shape[0] - 1
+    Bn, K, P = zk.shape
+    run = valid_run_ref(mask, Bn, K)
+    _, v = causal_conv_ref(z, w, mask, n_steps, n_cols)
+    v = v.reshape(Bn, K, n_cols)
+    s = 1.0 / (1.0 + np.exp(-v))
+    e = np.asarray(dout, np.float64).reshape(Bn, K, P)[..., :n_cols] * s * (1.0 + v * (1.0 - s))
+    dz = np.asarray(dout, np.float64).reshape(Bn, K, P).copy()
+    dz[..., :n_cols] = 0.0
+    dw = np.zeros_like(w)
+    for t in range(K):  # v_t's taps, as in the forward
+        for k in range(min(d, t + 1)):
+            live = (run[:, t, None] > k) * e[:, t]
+            dz[:, t - k, :n_cols] += w[k] * live
+            dw[k] += np.sum(live * zk[:, t - k, :n_cols], axis=0)
+    dw[d] = e.sum(axis=(0, 1))
+    return dz.reshape(Bn * K, P), dw
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@_cuda.jit(device=True, inline=True)
+def _valid(mask, has_mask, b, t):
+    return not (has_mask and mask[b, t] == _ZERO)
+
+
+@_cuda.jit(cache=True)
+def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
+    """One thread per (row, column j of z): out = silu(v) for j < n_cols (v saved in pre), else z."""
+    i = _cuda.grid(1)
+    if i >= out.size:
+        return
+    n_cols = pre.shape[1]
+    row = i // out.shape[1]
+    j = i - row * out.shape[1]
+    if j >= n_cols:
+        out[row, j] = z[row, j]
+        return
+    b = row // n_steps
+    t = row - b * n_steps
+    d = w.shape[0] - 1
+    v = w[d, j]
+    for k in range(d):  # taps back to the first masked row (or the window's start)
+        if t - k < 0 or not _valid(mask, has_mask, b, t - k):
+            break
+        v += w[k, j] * z[row - k, j]
+    pre[row, j] = v
+    out[row, j] = silu_dev(v)
+
+
+@_cuda.jit(cache=True)
+def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
+    """One thread per (row s, column j): dz = Σ_k w[k, j] · e_{s+k}[j] over the taps of rows s + k that reach
+    row s (no masked row in s..s + k) for j < n_cols, else dout."""
+    i = _cuda.grid(1)
+    if i >= dz.size:
+        return
+    n_cols = pre.shape[1]
+    row = i // dz.shape[1]
+    j = i - row * dz.shape[1]
+    if j >= n_cols:
+        dz[row, j] = dout[row, j]
+        return
+    b = row // n_steps
+    t = row - b * n_steps
+    d = w.shape[0] - 1
+    acc = _ZERO
+    for k in range(d):
+        if t + k >= n_steps or not _valid(mask, has_mask, b, t + k):
+            break
+        acc += w[k, j] * (dout[row + k, j] * silu_grad_dev(pre[row + k, j]))
+    dz[row, j] = acc
+
+
+@_cuda.jit(cache=True)
+def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part):
+    """One thread per (window b, column j): its K rows' parts of ∂L/∂w[k, j] (k < d) and of the bias."""
+    i = _cuda.grid(1)
+    n_cols = pre.shape[1]
+    if i >= part.shape[0] * n_cols:
+        return
+    b = i // n_cols
+    j = i - b * n_cols
+    first = b * n_steps
+    acc = _cuda.local.array(MAX_WIDTH + 1, float32)  # taps 0..d − 1, then the bias
+    for k in range(n_taps + 1):
+        acc[k] = _ZERO
+    for t in range(n_steps):  # rows in order; each row's taps as in the forward
+        e = dout[first + t, j] * silu_grad_dev(pre[first + t, j])
+        acc[n_taps] += e
+        for k in range(n_taps):
+            if t - k < 0 or not _valid(mask, has_mask, b, t - k):
+                break
+            acc[k] += e * z[first + t - k, j]
+    for k in range(n_taps + 1):
+        part[b, k * n_cols + j] = acc[k]
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (no allocation, host copy or sync: capturable)
+# ---------------------------------------------------------------------------------------------
+def _check(z, w, mask, n_steps, pre):
+    rows, n_cols = pre.shape
+    if tuple(w.shape) != (w.shape[0], n_cols) or not 2 <= w.shape[0] <= MAX_WIDTH + 1:
+        raise ValueError(f"causal conv: w must be [d + 1, {n_cols}] with 1 <= d <= {MAX_WIDTH}, got {tuple(w.shape)}")
+    if z.shape[0] != rows or z.shape[1] < n_cols or rows % n_steps:
+        raise ValueError(f"causal conv: z {tuple(z.shape)} does not hold {rows} rows (windows of {n_steps}) "
+                         f"of at least {n_cols} columns")
+    if mask is not None and tuple(mask.shape) != (rows // n_steps, n_steps):
+        raise ValueError(f"causal conv: mask must be [{rows // n_steps}, {n_steps}], got {tuple(mask.shape)}")
+
+
+def conv_forward(z, w, mask, n_steps: int, out, pre, stream):
+    """out [B·K, P] = the module docstring's out for z [B·K, P]; pre [B·K, n_cols] = v (kept for the
+    backward); mask float32 [B, K] or None (every row valid)."""
+    _check(z, w, mask, n_steps, pre)
+    conv_forward_kernel[launch.blocks(out.size, BLOCK), BLOCK, stream](
+        z, w, pre if mask is None else mask, mask is not None, np.int32(n_steps), out, pre)
+
+
+def conv_backward(dout, z, w, pre, mask, n_steps: int, dz, part, stream):
+    """dz [B·K, P] from dout; part [B, (d + 1)·n_cols] = each window's weight-gradient parts (sum
+    them over windows with reduce.col_sum into the gradient of w, flattened)."""
+    _check(z, w, mask, n_steps, pre)
+    n_taps = w.shape[0] - 1
+    if tuple(part.shape) != (z.shape[0] // n_steps, (n_taps + 1) * pre.shape[1]):
+        raise ValueError(f"causal conv: part must be [{z.shape[0] // n_steps}, {(n_taps + 1) * pre.shape[1]}], "
+                         f"got {tuple(part.shape)}")
+    m = pre if mask is None else mask
+    conv_input_grad_kernel[launch.blocks(dz.size, BLOCK), BLOCK, stream](
+        dout, w, pre, m, mask is not None, np.int32(n_steps), dz)
+    conv_weight_part_kernel[launch.blocks(part.shape[0] * pre.shape[1], BLOCK), BLOCK, stream](
+        dout, z, pre, m, mask is not None, np.int32(n_steps), np.int32(n_taps), part)
