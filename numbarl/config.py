@@ -234,8 +234,9 @@ class AgentConfig:
     """Regime dropout: the rate at regime signal 0 (the spec's proposal; the origin notes give none)."""
     regime_dropout_hi: float = 0.3
     """Regime dropout: the rate at regime signal 1."""
-    regime_dropout_col: int = 53
-    """Regime dropout: obs column of the regime signal (53 = adx_14, ADX(14)/100, in the default 64-feature set)."""
+    regime_dropout_col: str = "adx_14"
+    """Regime dropout: the regime signal's obs column, a feature name (adx_14 = ADX(14)/100) or an obs column
+    index (a config saved with an int loads as that index); names resolve against the run's data.features."""
     # --- end recursive confidence -------------------------------------------------------------------
     feature_gate: bool = False
     """Sigmoid feature gate on the observation, y = x ⊙ σ(x·W + b) (numbarl/rl/nets/feature_gate.py),
@@ -250,9 +251,9 @@ class AgentConfig:
     agent.temporal those columns of the scan's output h̃, and the gate's gradient then reaches the scan through r),
     W_g = b_g = 0 at init (the gate starts at exactly 1); every head reads its output; its own optimizer group
     'trunk.rgate' (the global agent.lr_warmup_steps, no warm-up of its own: at exactly 1 it starts without a shock)."""
-    regime_gate_cols: str = "53,9,10,11,12"
-    """Regime gate: comma list of the obs columns of r (53, 9, 10, 11, 12 = adx_14, rv_8, rv_32, rv_128, rv_ratio in
-    the default 64-feature set); checked against the observation width when the agent is built."""
+    regime_gate_cols: str = "adx_14,rv_8,rv_32,rv_128,rv_ratio"
+    """Regime gate: comma list of the obs columns of r, feature names or obs column indices (a saved "53,9,10,11,12"
+    is those of the default 64-feature set); resolved against the run's data.features when the agent is built."""
     feature_attention: bool = False
     """Sigmoid-gated feature attention with a LayerNorm residual at the end of the trunk, h <- LN(h + h ⊙ σ(h·W + b))
     (issue 15, T1; numbarl/rl/nets/mlp.py), its own optimizer group 'trunk.attn'; every head reads its output."""
@@ -373,9 +374,9 @@ class AgentConfig:
     """Multi-horizon C51: n-step windows (bars) whose C51 losses are blended per sample, e.g. "1,5,20"; must
     include agent.n_step and name at least two. Each horizon other than n_step costs two extra forward passes
     (online and target net on its next state) per train step. Empty (default): the single n_step loss."""
-    horizon_regime_col: int = 53
-    """Multi-horizon C51: obs column of the trend-strength feature that blends the horizons (53 = adx_14,
-    ADX(14)/100, in the default 64-feature set; with another feature list, its index there)."""
+    horizon_regime_col: str = "adx_14"
+    """Multi-horizon C51: the trend-strength feature that blends the horizons, a feature name (adx_14 = ADX(14)/100)
+    or an obs column index (a config saved with an int loads as that index)."""
     horizon_trend_lo: float = 0.20
     """Multi-horizon C51: feature value of no trend (weight on the shortest horizon); ADX 20."""
     horizon_trend_hi: float = 0.40
@@ -462,18 +463,16 @@ class AgentConfig:
             parse_bottleneck(self.input_bottleneck)
         except ValueError as e:
             raise ConfigError(f"agent.input_bottleneck = {e}") from None
-        try:  # the regime gate's columns (checked against the obs width by the agent)
-            from numbarl.rl.nets.regime_gate import parse_regime_cols
+        # the regime gate's and regime dropout's columns: names or indices (resolved by the agent: obs_columns.py)
+        from numbarl.rl.obs_columns import check_known_names
 
-            parse_regime_cols(self.regime_gate_cols)
-        except ValueError as e:
-            raise ConfigError(f"agent.regime_gate_cols = {e}") from None
+        check_known_names(self.regime_gate_cols, "regime_gate_cols")
+        check_known_names(self.regime_dropout_col, "regime_dropout_col", many=False)
         _check("agent", "regime_dropout_lo", self.regime_dropout_lo, lo=0.0, hi=0.95)  # regime dropout
         _check("agent", "regime_dropout_hi", self.regime_dropout_hi, lo=0.0, hi=0.95)
         if self.regime_dropout_hi < self.regime_dropout_lo:
             raise ConfigError(f"agent.regime_dropout_hi = {self.regime_dropout_hi} must be >= agent.regime_dropout_lo "
                               f"= {self.regime_dropout_lo}")
-        _check("agent", "regime_dropout_col", self.regime_dropout_col, lo=0, hi=1 << 20)
         _check("agent", "confidence_epsilon", self.confidence_epsilon, lo=0.0, hi=1e9)
         _check("agent", "confidence_floor", self.confidence_floor, lo=0.0, hi=1.0)
         _check("agent", "risk_head_weight", self.risk_head_weight, lo=0.0, hi=1e3)  # risk-budget head
@@ -595,7 +594,7 @@ class AgentConfig:
             if len(hs) < 2 or self.n_step not in hs or not all(1 <= h <= 256 for h in hs):
                 raise ConfigError(f"agent.horizons = {self.horizons!r} must name at least two windows in 1..256 bars, "
                                   f"one of them agent.n_step = {self.n_step}")
-            _check("agent", "horizon_regime_col", self.horizon_regime_col, lo=0, hi=1 << 20)
+            check_known_names(self.horizon_regime_col, "horizon_regime_col", many=False)
             _check("agent", "horizon_mix", self.horizon_mix, lo=0.0, hi=1.0)
             if not self.horizon_trend_hi > self.horizon_trend_lo:
                 raise ConfigError(f"agent.horizon_trend_hi = {self.horizon_trend_hi} must be > agent.horizon_trend_lo "

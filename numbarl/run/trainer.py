@@ -228,6 +228,7 @@ class FoldTrainer:
         self.env = DeviceEnv(market, cfg.env, t.n_envs, bar_range=fold.train, seed=self.seed)
         self.agent = make_agent(cfg.agent, self.env.state_dim, cfg.env.branch_sizes, t.n_envs, self.seed,
                               eval_batch=1, epsilon=(t.epsilon_start, t.epsilon_end, t.epsilon_decay_steps),
+                              feature_names=run.meta.get("feature_names"),  # the options naming obs columns
                               **({"branch_lr": True} if t.e4_trade_autopsy else {}))
         self.env.reset(self.seed, self.stream)
         # VALIDATION FEEDBACK (numbarl/rl/feedback): with a switch on, the validation window splits
@@ -943,7 +944,8 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
     state_dim = cfg.env.state_dim(cache.features.shape[1])
     small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
-    agent = make_agent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1)
+    agent = make_agent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1,
+                       feature_names=cache.feature_names)
     rows = []
     loops = {}
     for tag, f in tags:

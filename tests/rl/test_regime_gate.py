@@ -18,7 +18,6 @@ from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_gate import (
     RegimeGate,
-    parse_regime_cols,
     regime_gate_backward_ref,
     regime_gate_forward_ref,
 )
@@ -135,11 +134,7 @@ def test_starts_as_the_ungated_trunk_and_learns(rng):
     assert_close(grads["trunk.rgate.w"], x[:, [7, 3]].T.astype(np.float64) @ (dy * h / 2), ATOL, RTOL)
 
 
-def test_parse_and_module_checks():
-    assert parse_regime_cols("53,9,10,11,12") == (53, 9, 10, 11, 12) and parse_regime_cols(" 4 ") == (4,)
-    for bad in ("", "a,b", "3,-1", "4,4", "1;2"):
-        with pytest.raises(ValueError, match=repr(bad)):
-            parse_regime_cols(bad)
+def test_module_checks():  # the option's syntax: tests/rl/test_obs_columns.py
     with pytest.raises(ValueError, match="distinct columns of the 7 inputs"):
         _gate(True, cols=(2, 7))
 
@@ -160,20 +155,26 @@ def test_config_and_agent_wiring():
     agent = DQNAgent(cfg, 5, (3, 3, 4, 4), 4, seed=1)
     assert "trunk.rgate" in agent.optim.groups and agent.trunk.layers[0].cols == (4, 0)
     assert agent.store.to_host()["trunk.rgate.w"].shape == (2, 8)
-    with pytest.raises(ConfigError, match=r"agent.regime_gate_cols = '53,9,10,11,12': column 53 is not an obs column "
+    with pytest.raises(ConfigError, match=r"agent.regime_gate_cols = 'adx_14,rv_8,rv_32,rv_128,rv_ratio': column 53 "
+                                          r"\('adx_14' in the default feature list .*\) is not an obs column "
                                           r"\(the observation has 5\)"):
         DQNAgent(AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=40, regime_gate=True),
                  5, (3, 3, 4, 4), 4, seed=1)
 
 
 def test_default_columns_name_the_regime_features():
-    """The default columns (and regime dropout's ADX column) are indices into the default feature list:
-    pinned here to the features they are meant to read, so a reordering of that list fails loudly."""
+    """The default columns (regime gate, regime dropout's and multi-horizon's ADX column) are feature names;
+    on the default feature list they resolve to the indices they were before names were accepted (53, 9, 10,
+    11, 12 and 53: the default learner's bits do not move), and name the features they are meant to read."""
     from numbarl.config import AgentConfig
     from numbarl.data.features import resolve_features
+    from numbarl.rl.obs_columns import resolve_obs_columns
 
     names = resolve_features(None)
     cfg = AgentConfig()
-    assert [names[c] for c in parse_regime_cols(cfg.regime_gate_cols)] == ["adx_14", "rv_8", "rv_32", "rv_128",
-                                                                           "rv_ratio"]
-    assert names[cfg.regime_dropout_col] == "adx_14"
+    gate = resolve_obs_columns(cfg.regime_gate_cols, None, "regime_gate_cols", 72)
+    assert gate == (53, 9, 10, 11, 12) == resolve_obs_columns(cfg.regime_gate_cols, names, "regime_gate_cols", 72)
+    assert [names[c] for c in gate] == ["adx_14", "rv_8", "rv_32", "rv_128", "rv_ratio"]
+    for field in ("regime_dropout_col", "horizon_regime_col"):
+        assert resolve_obs_columns(getattr(cfg, field), None, field, 72, many=False) == (53,)
+        assert names[53] == "adx_14"

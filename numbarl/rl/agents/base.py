@@ -3,7 +3,8 @@
 An agent owns everything it learns with and is the ONE place its steps are written: the trainer,
 the benchmarks and the GPU tests take the step functions from it (SPEC §2.0)::
 
-    agent = make_agent(cfg.agent, state_dim, branch_sizes, n_envs, seed, eval_batch=1, epsilon=...)
+    agent = make_agent(cfg.agent, state_dim, branch_sizes, n_envs, seed, eval_batch=1, epsilon=...,
+                       feature_names=cache.feature_names)
     steps = agent.step_functions(env)       # {"collect": fn(stream), "train": fn(stream), "diagnostics": ...}
     graphs = {name: capture(fn) for name, fn in steps.items()}        # each captured once
     for each collect step t:
@@ -51,7 +52,9 @@ def agent_class(kind: str) -> type:
 
 
 def make_agent(cfg, state_dim: int, branch_sizes, n_envs: int, seed: int, **kwargs):
-    """The agent of ``cfg.kind`` (an AgentConfig), built for an env of this shape."""
+    """The agent of ``cfg.kind`` (an AgentConfig), built for an env of this shape. ``feature_names=`` (the
+    cache's market feature names) resolves the options that name obs columns (numbarl/rl/obs_columns.py);
+    without it they resolve against the default feature list."""
     return agent_class(cfg.kind)(cfg, state_dim, branch_sizes, n_envs, seed, **kwargs)
 
 

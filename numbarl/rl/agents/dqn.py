@@ -110,7 +110,7 @@ are those without them):
   (numbarl/rl/losses/multi_horizon.py). The replay returns every horizon's window of the same draw;
   TARGETS adds the online ("next_h<h>") and target ("target_h<h>") passes on each extra horizon's
   next_obs (two forwards per extra horizon); LOSS runs one C51 loss per horizon with per-sample weights
-  from the trend-strength column agent.horizon_regime_col, the n_step horizon (the agent's own loss)
+  from the trend-strength feature agent.horizon_regime_col, the n_step horizon (the agent's own loss)
   first, the others adding into its d_logits. The logged ``loss`` is the blended loss. What rewrites
   the n-step batch's reward (ICM's intrinsic reward, E1's reward offset) reaches the n_step horizon
   only; the other horizons read the replay's raw returns. Stats:
@@ -207,7 +207,7 @@ from numbarl.rl.nets.linear import (
 )
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_dropout import RegimeDropout  # agent.regime_dropout
-from numbarl.rl.nets.regime_gate import parse_regime_cols  # agent.regime_gate
+from numbarl.rl.obs_columns import resolve_obs_columns  # the regime columns
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
     STAT_CLIPPED,
@@ -627,9 +627,12 @@ class DQNAgent(Agent):
     isv = None  # the ISV signals (agent.isv; implied by agent.isv_routing)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
-                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False):
+                 eval_batch: int = 1, epsilon=(1.0, 0.05, 1000), branch_lr: bool = False, feature_names=None):
         self.cfg = cfg
         self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
+        # the observation's market feature names (the cache's): agent.regime_gate_cols, regime_dropout_col and
+        # horizon_regime_col name columns by them; None: the default feature list (numbarl/rl/obs_columns.py)
+        self.feature_names = None if feature_names is None else tuple(feature_names)
         self.branch_sizes = tuple(int(b) for b in branch_sizes)
         self.n_branches = len(self.branch_sizes)
         self.max_actions = max(self.branch_sizes)
@@ -643,10 +646,8 @@ class DQNAgent(Agent):
         if bottleneck and bottleneck[1] > self.state_dim:
             raise ConfigError(f"agent.input_bottleneck = {cfg.input_bottleneck!r}: columns {bottleneck[0]}..{bottleneck[1] - 1} "
                               f"do not fit the observation's {self.state_dim}")
-        regime_cols = parse_regime_cols(cfg.regime_gate_cols) if cfg.regime_gate else None  # the regime gate
-        if regime_cols and max(regime_cols) >= self.state_dim:
-            raise ConfigError(f"agent.regime_gate_cols = {cfg.regime_gate_cols!r}: column {max(regime_cols)} is not an "
-                              f"obs column (the observation has {self.state_dim})")
+        regime_cols = (resolve_obs_columns(cfg.regime_gate_cols, self.feature_names, "regime_gate_cols", self.state_dim)
+                       if cfg.regime_gate else None)  # the regime gate
         self.trunk = Mlp("trunk", self.state_dim, cfg.trunk, activation=cfg.activation, compute=cfg.compute,
                          input_gate=cfg.feature_gate, kan_gate=cfg.kan_gate, input_grad=bool(cfg.temporal),
                          attention=cfg.feature_attention, bottleneck=bottleneck, regime_gate=regime_cols)
@@ -730,10 +731,9 @@ class DQNAgent(Agent):
         # --- end predictive coding -------------------------------------------------------------------------
         # --- regime dropout (agent.regime_dropout): on the online pass's trunk output, rate from an obs column
         if cfg.regime_dropout:
-            if cfg.regime_dropout_col >= self.state_dim:
-                raise ConfigError(f"agent.regime_dropout_col = {cfg.regime_dropout_col} is not an obs column "
-                                  f"(the observation has {self.state_dim})")
-            self.rdrop = RegimeDropout(B, self.trunk.out_dim, cfg.regime_dropout_col, cfg.regime_dropout_lo,
+            (col,) = resolve_obs_columns(cfg.regime_dropout_col, self.feature_names, "regime_dropout_col",
+                                         self.state_dim, many=False)
+            self.rdrop = RegimeDropout(B, self.trunk.out_dim, col, cfg.regime_dropout_lo,
                                        cfg.regime_dropout_hi, self.seed)
         # --- end regime dropout ------------------------------------------------------------------------------
         # --- risk-budget head (agent.risk_head_weight): on the online trunk output (backward) and, for the
@@ -763,11 +763,10 @@ class DQNAgent(Agent):
                                  f"agent.n_step = {cfg.n_step}")
             losses = [self.loss if h == cfg.n_step
                       else C51Loss.for_head(self.head, B, adaptive_support=cfg.adaptive_atoms) for h in self.horizons]
-            if not 0 <= cfg.horizon_regime_col < self.state_dim:
-                raise ValueError(f"agent.horizon_regime_col = {cfg.horizon_regime_col} is outside the observation "
-                                 f"[0, {self.state_dim}); set it to the obs column of the trend-strength feature")
+            (col,) = resolve_obs_columns(cfg.horizon_regime_col, self.feature_names, "horizon_regime_col",
+                                         self.state_dim, many=False)  # the trend-strength feature
             self.mh = MultiHorizonC51Loss(losses, self.horizons, primary=self.horizons.index(cfg.n_step),
-                                          regime_col=cfg.horizon_regime_col, trend_lo=cfg.horizon_trend_lo,
+                                          regime_col=col, trend_lo=cfg.horizon_trend_lo,
                                           trend_hi=cfg.horizon_trend_hi, mix=cfg.horizon_mix)
         target = (TargetConfig.periodic(cfg.target_period) if cfg.target_update == "periodic"
                   else TargetConfig.polyak(cfg.tau))

@@ -328,8 +328,8 @@ class DTAgent(ArenaStateAgent):
     eps_end = 0.0  # the DT never explores (the feedback loop's epsilon reads this)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
-                 eval_batch: int = 1, epsilon=None, branch_lr: bool = False):
-        self.cfg = cfg
+                 eval_batch: int = 1, epsilon=None, branch_lr: bool = False, feature_names=None):
+        self.cfg = cfg  # feature_names: unused (no option of this agent names obs columns)
         self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
         # the state token's features: the obs's first columns (the market's unless agent.dt_portfolio)
         self.token_dim = self.state_dim if cfg.dt_portfolio else self.state_dim - PORTFOLIO_DIM

@@ -197,8 +197,8 @@ class PPOAgent(ArenaStateAgent):
     eps_end = 0.0  # PPO explores by sampling its policy (the feedback loop's epsilon reads this)
 
     def __init__(self, cfg: AgentConfig, state_dim: int, branch_sizes, n_envs: int, seed: int,
-                 eval_batch: int = 1, epsilon=None, branch_lr: bool = False):
-        self.cfg = cfg
+                 eval_batch: int = 1, epsilon=None, branch_lr: bool = False, feature_names=None):
+        self.cfg = cfg  # feature_names: unused (no option of this agent names obs columns)
         self.state_dim, self.n_envs, self.seed = int(state_dim), int(n_envs), int(seed)
         self.branch_sizes = tuple(int(b) for b in branch_sizes)
         self.n_branches = len(self.branch_sizes)

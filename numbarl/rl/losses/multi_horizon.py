@@ -40,11 +40,10 @@ target net on next_obs_i — two extra forward passes per extra horizon, plus on
 triple and a d_logits axpy (B · n_branches · max_actions · Z floats). With "1,5,20" and n_step = 5:
 four extra forwards next to the step's online forward + backward and two "next"/"target" forwards.
 
-The regime column. The default 64-feature set (numbarl/data/features.py, DEFAULT_FEATURES) has
-`adx_14` (ADX(14)/100, bounded, not z-scored) at obs column 53; the observation starts with the
-market features in the cache's order, so with another feature list set agent.horizon_regime_col to
-that list's index of adx_14 (or of another trend-strength feature, with lo/hi in its units). The agent
-sees only the observation width, not the feature names, so the column is configuration.
+The regime column. agent.horizon_regime_col names the trend-strength feature, default `adx_14`
+(ADX(14)/100, bounded, not z-scored; another feature needs lo/hi in its units), or gives an obs column
+index; the agent resolves a name to its column in the run's feature list (numbarl/rl/obs_columns.py;
+obs column 53 in the default 64-feature set, DEFAULT_FEATURES). This loss takes the column index.
 
 Kernels (thread mapping): `horizon_blend_kernel`, one thread per sample (s_b, the H weights);
 `add_scalar_kernel`, one thread (the total loss, horizons summed in ascending order). Everything

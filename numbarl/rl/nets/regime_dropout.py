@@ -1,8 +1,9 @@
 """Regime dropout: inverted dropout on the trunk's output of the online training pass, at a rate set by
 each sample's market regime (issue 15, spec T4; the origin's ``apply_regime_dropout``).
 
-For sample b with regime signal r_b = clip(obs[b, col], 0, 1) (column 53 = adx_14 = ADX(14)/100 in the
-default feature set: a trending market drops more) and trunk output h [B, H]:
+For sample b with regime signal r_b = clip(obs[b, col], 0, 1) (agent.regime_dropout_col, default adx_14 =
+ADX(14)/100, resolved to its obs column by the agent, 53 in the default feature set: a trending market drops
+more) and trunk output h [B, H]:
 
     p_b     = p_lo + (p_hi − p_lo) · r_b
     keep_bj = u_bj ≥ p_b,   u_bj = uniform(seed, lane b·H + j, train step, DROPOUT_SLOT)   (numbarl/cuda/rng.py)

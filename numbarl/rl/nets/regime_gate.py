@@ -1,7 +1,8 @@
 """Regime gate: the trunk's features scaled by a learned gate of the market regime (issue 15, spec T9).
 
 For the trunk's input x [B, D], its regime columns c_1 .. c_R (default ``agent.regime_gate_cols`` =
-53, 9, 10, 11, 12: adx_14, rv_8, rv_32, rv_128, rv_ratio of the default 64-feature set) and the trunk
+adx_14, rv_8, rv_32, rv_128, rv_ratio, feature names the agent resolves to obs columns for the run's
+feature list: 53, 9, 10, 11, 12 in the default 64-feature set; numbarl/rl/obs_columns.py) and the trunk
 body's output h = body(x) [B, H] (the features every head reads):
 
     r = x[:, c]                        [B, R]       the regime signal, data (not trained)
@@ -57,19 +58,6 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 
 _ONE, _TWO = np.float32(1.0), np.float32(2.0)
 
-
-
-def parse_regime_cols(text: str) -> tuple[int, ...]:
-    """'53,9,10' -> (53, 9, 10). Raises ValueError naming the text (not integers, negative, repeated or none)."""
-    try:
-        cols = tuple(int(p) for p in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma list of observation columns (e.g. '53,9,10,11,12')") from None
-    if min(cols) < 0:
-        raise ValueError(f"{text!r}: columns must be >= 0")
-    if len(set(cols)) != len(cols):
-        raise ValueError(f"{text!r}: a column is listed twice")
-    return cols
 
 
 # ---------------------------------------------------------------------------------------------
