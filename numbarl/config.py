@@ -620,6 +620,9 @@ class AgentConfig:
         _check("agent", "temporal_heads", self.temporal_heads, lo=1, hi=1024)
         _check("agent", "temporal_lr", self.temporal_lr, lo=0.0, hi=1.0, lo_open=True)
         _check("agent", "temporal_conv", self.temporal_conv, lo=0, hi=8)  # numbarl/cuda/kernels/conv1d.py MAX_WIDTH
+        if self.temporal_conv > self.temporal_steps:  # a tap beyond the window would never see a row
+            raise ConfigError(f"agent.temporal_conv = {self.temporal_conv} taps exceed the window of agent.temporal_steps "
+                              f"= {self.temporal_steps} bars; use at most {self.temporal_steps}")
         if self.temporal_conv and self.temporal != "mamba":
             raise ConfigError(f"agent.temporal_conv = {self.temporal_conv} convolves the temporal input's scan inputs: "
                               f"it needs agent.temporal = 'mamba' (got {self.temporal!r})")

@@ -677,10 +677,12 @@ def build_synthetic_cache(
     dbn_out=None,
     progress=None,
     mode: str = "planted",
-    regime_bars: float = DEFAULT_REGIME_BARS,
+    regime_bars: float | None = None,
 ) -> Path:
     """Generate a synthetic market and write its fxcache (same bars/features/cache code as real
     data), plus ``oracle.npy`` (δ at each bar's close, causal: ``sign(oracle)`` is a policy).
+    ``regime_bars`` (memory modes): the mean regime duration in bars; None: the mode's own
+    (:func:`mode_regime_bars`).
 
     One extra warm-up session is generated first (the ``target`` bar mode calibrates its
     threshold on it; its own bars, from the ewma rule, are dropped), so the cache holds exactly
@@ -693,6 +695,8 @@ def build_synthetic_cache(
     from numbarl.data.readers import write_dbn
 
     out_dir = check_destination(out_dir, overwrite)
+    if regime_bars is None:
+        regime_bars = mode_regime_bars(mode)
     if isinstance(sessions, bool) or not isinstance(sessions, (int, np.integer)) or sessions < 1:
         raise DataError(f"synthetic market: sessions must be an integer >= 1, got {sessions!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:

@@ -219,6 +219,8 @@ def test_config_checks():
         replace(CFG, temporal_lr=0.0).validate()
     with pytest.raises(ConfigError, match="agent.temporal_conv"):
         replace(CFG, temporal_conv=9).validate()
+    with pytest.raises(ConfigError, match="agent.temporal_conv = 5 taps exceed the window of agent.temporal_steps = 4"):
+        replace(CFG, temporal_conv=5).validate()
     with pytest.raises(ConfigError, match="agent.temporal_conv = 4 convolves the temporal input"):
         replace(CFG, temporal="", temporal_conv=4).validate()
     with pytest.raises(ConfigError, match="agent.temporal"):

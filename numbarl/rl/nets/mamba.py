@@ -51,7 +51,8 @@ Parameters (group ``temporal.mamba`` by default, so the optimizer can give it it
     {name}.dt_bias [n_h]    inverse softplus of Δ₀ ~ log-uniform [1e-3, 1e-1] (Mamba2's dt init)
     {name}.a_log   [n_h]    log U[1, 16] (Mamba2's A init)
     {name}.w_out   [H, H]   U(±1/√H), weight decay
-    {name}.conv    [d + 1, H + 2N]  U(±1/√d) (nn.Conv1d's default for a depthwise kernel of d), conv = d > 0 only
+    {name}.conv    [d + 1, H + 2N]  U(±1/√d) (nn.Conv1d's default for a depthwise kernel of d), conv = d > 0 only;
+                   the taps and the bias in one tensor, without weight decay (a choice of numbarl's)
 (reference: ``mamba_ssm/modules/mamba2.py``, Dao & Gu 2024, whose defaults these are).
 """
 
