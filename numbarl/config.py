@@ -331,7 +331,8 @@ class AgentConfig:
     temporal_steps: int = 8
     """Temporal input: K, the bars of one window (1..32; the replay must hold K slots per env)."""
     temporal_heads: int = 8
-    """Temporal input: heads of the scan (each its own decay); must divide the observation width."""
+    """Temporal input: heads of the scan (each its own decay); the scan's inner width is the observation width
+    rounded up to a multiple of the heads."""
     temporal_lr: float = 1e-4
     """Temporal input: learning rate of the optimizer group 'temporal.mamba' (the origin's Adam 1e-4)."""
     temporal_conv: int = 0
@@ -613,8 +614,7 @@ class AgentConfig:
                               "the fixed or fitted support, not the moved atoms): turn one of them off")
         if self.spectral_norm and not all(t.strip() for t in self.spectral_norm.split(",")):
             raise ConfigError(f"agent.spectral_norm = {self.spectral_norm!r}: an empty layer name in the list")
-        # temporal input (agent.temporal); that agent.temporal_heads divides the observation width is checked
-        # where the width is known (numbarl/rl/temporal.py, when the agent is built)
+        # temporal input (agent.temporal)
         _check("agent", "temporal", self.temporal, choices=("", "mamba"))
         _check("agent", "temporal_steps", self.temporal_steps, lo=1, hi=32)  # numbarl/cuda/kernels/ssm.py MAX_STEPS
         _check("agent", "temporal_heads", self.temporal_heads, lo=1, hi=1024)

@@ -139,10 +139,6 @@ class TemporalInput:
         self.K, self.dim = int(cfg.temporal_steps), int(state_dim)
         if cfg.temporal != "mamba":
             raise ConfigError(f"agent.temporal = {cfg.temporal!r}: the temporal input knows 'mamba'")
-        if self.dim % int(cfg.temporal_heads):
-            raise ConfigError(f"agent.temporal_heads = {cfg.temporal_heads} must divide the observation width "
-                              f"{self.dim} (the scan splits the features into heads of equal width); pick a divisor "
-                              f"of {self.dim}")
         routed = bool(cfg.isv_routing)  # ISV routing: the scan without its residual
         self.scan = MambaScan(GROUP, self.dim, n_steps=self.K, n_heads=int(cfg.temporal_heads), input_grad=False,
                               compute=cfg.compute, residual=not routed, conv=int(cfg.temporal_conv))

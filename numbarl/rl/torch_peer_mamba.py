@@ -45,7 +45,8 @@ def mamba_forward_backward(values: dict, x, dh, n_steps: int, n_heads: int, mask
     w = {k: f32(values[f"{name}.{k}"]).requires_grad_(True) for k in keys}
     K, n_h, N = int(n_steps), int(n_heads), D_STATE
     xt = f32(x).requires_grad_(True)
-    H = xt.shape[1]
+    D = xt.shape[1]
+    H = w["w_in"].shape[1] - 2 * N - n_h  # the scan's inner width (D rounded up to a multiple of the heads)
     Bn, hd = xt.shape[0] // K, H // n_h
     m = torch.ones(Bn, K, device=dev) if mask is None else f32(mask)
     z = (xt @ w["w_in"]).reshape(Bn, K, -1)
@@ -70,7 +71,7 @@ def mamba_forward_backward(values: dict, x, dh, n_steps: int, n_heads: int, mask
         inp = (dt[:, t, :, None] * u[:, t].reshape(Bn, n_h, hd))[..., None] * Bt[:, t, None, None, :]
         S = m[:, t, None, None, None] * (a[:, t, :, None, None] * S + inp)
     y = torch.einsum("bhpn,bn->bhp", S, Ct[:, K - 1]).reshape(Bn, H)
-    out = xt.reshape(Bn, K, H)[:, K - 1] + y @ w["w_out"]
+    out = xt.reshape(Bn, K, D)[:, K - 1] + y @ w["w_out"]
     (out * f32(dh)).sum().backward()
     return {"out": out.detach().cpu().numpy(), "dx": xt.grad.detach().cpu().numpy(),
             "grads": {f"{name}.{k}": v.grad.detach().cpu().numpy() for k, v in w.items()}}

@@ -130,14 +130,16 @@ def test_reference_bptt_matches_finite_differences(rng, residual, conv):
 # ---------------------------------------------------------------------------------------------
 # kernels against the reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("masked, residual, conv", [(False, True, 0), (True, True, 0), (True, False, 0),
-                                                    (False, True, 2), (True, True, 4)])
-def test_kernels_match_reference(rng, masked, residual, conv):
+@pytest.mark.parametrize("masked, residual, conv, width", [(False, True, 0, H), (True, True, 0, H),
+                                                           (True, False, 0, H), (False, True, 2, H), (True, True, 4, H),
+                                                           (True, True, 2, 7)])
+def test_kernels_match_reference(rng, masked, residual, conv, width):
     """h̃, dx (every row) and every parameter gradient; gradients preset to garbage are overwritten
     (a backward outside a train step); residual=False: u = y·W_out alone; conv: the causal convolution
-    (with 4 taps = K, the oldest row reaches the newest through it)."""
-    module, store, params = _build(rng, residual=residual, conv=conv)
-    x, dy = _inputs(rng)
+    (with 4 taps = K, the oldest row reaches the newest through it); width 7: features the 2 heads do not
+    divide (the scan's inner width 8)."""
+    module, store, params = _build(rng, residual=residual, conv=conv, width=width)
+    x, dy = _inputs(rng, width=width)
     mask = MASK if masked else None
     ref_out, cache = module.forward_ref(x, params, mask)
     ref_dx, ref_grads = module.backward_ref(dy, cache, params)
@@ -234,16 +236,16 @@ def test_acting_step_matches_the_scan(rng, residual):
     assert_close(h, scan, 1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("conv", [0, 3])
-def test_pytorch_peer(rng, conv):
+@pytest.mark.parametrize("conv, width", [(0, H), (3, H), (3, 7)])
+def test_pytorch_peer(rng, conv, width):
     """Autograd through a Python loop (numbarl/rl/torch_peer_mamba.py) in float32 on the same weights,
     windows and mask: h̃, dx and every gradient within 1e-5 of the largest element (with the causal
     convolution too)."""
     pytest.importorskip("torch")
     from numbarl.rl.torch_peer_mamba import mamba_forward_backward
 
-    module, store, _ = _build(rng, conv=conv)
-    x, dy = _inputs(rng)
+    module, store, _ = _build(rng, conv=conv, width=width)
+    x, dy = _inputs(rng, width=width)
     s = stream()
     out = _host(module.forward(_dev(x), s, mask=_dev(MASK)))
     dx = _host(module.backward(_dev(dy), s))
@@ -307,8 +309,9 @@ def test_conv_lets_the_scan_read_a_product_of_two_rows():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(ValueError, match="multiple of n_heads"):
-        MambaScan("m", 10, n_heads=4)
+    assert MambaScan("m", 10, n_heads=4).inner == 12 and MambaScan("m", 8, n_heads=4).inner == 8
+    with pytest.raises(ValueError, match="must be positive"):
+        MambaScan("m", 10, n_heads=0)
     with pytest.raises(ValueError, match="n_steps"):
         MambaScan("m", 8, n_steps=33, n_heads=2)
     m = MambaScan("m", 8, n_steps=4, n_heads=2)

@@ -3,16 +3,17 @@ decay per head), with exact backpropagation through all K steps and a one-step r
 acting. The first brick of numbarl's temporal stack: a standalone module on the contract of
 numbarl/rl/nets/module.py (the agent wiring, sequence replay and the acting state come later).
 
-Shapes. A pass over B windows: x [B·K, H], row b·K + t = the trunk features h of window b at step t
-(oldest first; row b·K + K − 1 is the sampled row τ), mask [B, K] float32 (1 valid, 0 masked: rows
-before the episode start or not yet written). H = n_heads · head_dim, N = d_state = 16.
+Shapes. A pass over B windows: x [B·K, D], row b·K + t = the features of window b at step t (oldest
+first; row b·K + K − 1 is the sampled row τ), mask [B, K] float32 (1 valid, 0 masked: rows before the
+episode start or not yet written). The scan's inner width H = n_heads · head_dim is D rounded up to a
+multiple of n_heads (D itself when n_heads divides it), N = d_state = 16.
 
     z   = x · W_in                     [B·K, P], P = H + 2N + n_heads, no bias; column blocks
-                                       W_x (u_t), W_B (B_t), W_C (C_t), W_Δ (Δ̃_t) of W_in [H, P]
+                                       W_x (u_t), W_B (B_t), W_C (C_t), W_Δ (Δ̃_t) of W_in [D, P]
     Δ_t = softplus(Δ̃_t + b_Δ)          per head          a_t = exp(−Δ_t · exp(A_log))   per head
     S_t = m_t (a_t S_{t−1} + Δ_t u_t ⊗ B_t),  S_{−1} = 0  state [n_heads, head_dim, N] per window
     y   = S_{K−1} · C_{K−1}             [B, H]
-    h̃   = x_{K−1} + y · W_out          [B, H]            the newest row's features with its history
+    h̃   = x_{K−1} + y · W_out          [B, D]            the newest row's features with its history
 
 B_t and C_t are shared by all heads (Mamba2's single B/C group, ngroups = 1): N·2 columns instead of
 n_heads·N·2, and the heads differ by their decay (Δ, A_log) and their value channels. The scan math,
@@ -101,15 +102,18 @@ class MambaScan(Module):
                  conv: int = 0):
         super().__init__(name, group)
         self.width, self.n_steps, self.n_heads = int(width), int(n_steps), int(n_heads)
-        if self.n_heads < 1 or self.width % self.n_heads:
-            raise ValueError(f"{name}: width {width} must be a positive multiple of n_heads {n_heads}")
+        if self.n_heads < 1 or self.width < 1:
+            raise ValueError(f"{name}: width {width} and n_heads {n_heads} must be positive")
+        # the scan's inner width H: the input width D rounded up to a multiple of the heads (W_in [D, P] and
+        # W_out [H, D] map between them), so any feature count works with any number of heads
+        self.inner = -(-self.width // self.n_heads) * self.n_heads
         if not 1 <= self.n_steps <= ssm.MAX_STEPS:
             raise ValueError(f"{name}: n_steps must be in 1..{ssm.MAX_STEPS} (got {n_steps})")
         if compute not in blas.COMPUTES:
             raise ValueError(f"{name}: compute must be one of {blas.COMPUTES} (got {compute!r})")
-        self.head_dim = self.width // self.n_heads
+        self.head_dim = self.inner // self.n_heads
         self.d_state = ssm.D_STATE
-        self.proj_width = ssm.z_width(self.width, self.n_heads)  # P
+        self.proj_width = ssm.z_width(self.inner, self.n_heads)  # P
         self.decay, self.input_grad, self.compute = bool(decay), bool(input_grad), compute
         # residual=False: the pass returns u = y · W_out alone (the ISV routing adds x_t itself: numbarl/rl/isv.py)
         self.residual = bool(residual)
@@ -117,7 +121,7 @@ class MambaScan(Module):
         self.conv = int(conv)
         if not 0 <= self.conv <= conv1d.MAX_WIDTH:
             raise ValueError(f"{name}: conv must be in 0..{conv1d.MAX_WIDTH} taps (got {conv})")
-        self.conv_cols = self.width + 2 * self.d_state  # the convolved columns of z: u | B | C
+        self.conv_cols = self.inner + 2 * self.d_state  # the convolved columns of z: u | B | C
         self._masks: dict[str, object] = {}
 
     @property
@@ -125,32 +129,32 @@ class MambaScan(Module):
         return self.width
 
     def state_shape(self, n_envs: int) -> tuple:
-        """Shape of the acting state the caller keeps: [n_envs, H, N] float32."""
-        return (int(n_envs), self.width, self.d_state)
+        """Shape of the acting state the caller keeps: [n_envs, H, N] float32 (H the inner width)."""
+        return (int(n_envs), self.inner, self.d_state)
 
     # -- declarations ---------------------------------------------------------------------------
     def params(self) -> list[Param]:
-        H, n_h = self.width, self.n_heads
-        return [Param("w_in", (H, self.proj_width), kaiming_uniform_init, decay=self.decay),
+        D, H, n_h = self.width, self.inner, self.n_heads
+        return [Param("w_in", (D, self.proj_width), kaiming_uniform_init, decay=self.decay),
                 Param("dt_bias", (n_h,), dt_bias_init),
                 Param("a_log", (n_h,), a_log_init),
-                Param("w_out", (H, H), kaiming_uniform_init, decay=self.decay)] \
+                Param("w_out", (H, D), kaiming_uniform_init, decay=self.decay)] \
             + ([Param("conv", (self.conv + 1, self.conv_cols), bias_uniform_init(self.conv))] if self.conv else [])
 
     def buffers(self, batch: int, backward: bool, step: bool = False, **opts) -> list[Buf]:
-        H, P, n_h = self.width, self.proj_width, self.n_heads
+        D, H, P, n_h = self.width, self.inner, self.proj_width, self.n_heads
         if step:  # acting: one row per env
             if self.conv:
                 raise ValueError(f"{self.name}: acting by step() is not available with conv = {self.conv} (it "
                                  "would carry the last conv − 1 rows of x·W_in beside the state); act on windows")
             if backward:
                 raise ValueError(f"{self.name}: an acting (step=True) pass has no backward")
-            return [Buf("z", (batch, P)), Buf("y_ssm", (batch, H)), Buf("y", (batch, H))]
+            return [Buf("z", (batch, P)), Buf("y_ssm", (batch, H)), Buf("y", (batch, D))]
         if batch % self.n_steps:
             raise ValueError(f"{self.name}: batch is the number of rows B·K; {batch} is not a multiple of "
                              f"n_steps {self.n_steps}")
         n_seq = batch // self.n_steps
-        bufs = [Buf("z", (batch, P)), Buf("y_ssm", (n_seq, H)), Buf("y", (n_seq, H)),
+        bufs = [Buf("z", (batch, P)), Buf("y_ssm", (n_seq, H)), Buf("y", (n_seq, D)),
                 Buf("delta", (batch, n_h)), Buf("decay", (batch, n_h))]
         if self.conv:  # x·W_in before the convolution, and the convolution's pre-activation
             bufs += [Buf("z_raw", (batch, P)), Buf("conv_pre", (batch, self.conv_cols))]
@@ -165,7 +169,7 @@ class MambaScan(Module):
                 bufs += [Buf("dz_raw", (batch, P)), Buf("conv_part", (n_seq, wide)),
                          Buf("partials_conv", reduce.col_partials_shape(n_seq, wide))]
             if self.input_grad:
-                bufs.append(Buf("dx", (batch, H)))
+                bufs.append(Buf("dx", (batch, D)))
         return bufs
 
     def _is_step(self, tag: str) -> bool:

@@ -84,6 +84,8 @@ def _cases() -> dict[str, ModuleCase]:
         # a selective scan over windows of n_steps rows: batch = 3 windows of 3 (numbarl/rl/nets/mamba.py)
         "mamba": ModuleCase(lambda: MambaScan("temporal.mamba", 8, n_steps=3, n_heads=2), 9, 8),
         "mamba-conv": ModuleCase(lambda: MambaScan("temporal.mamba", 8, n_steps=3, n_heads=2, conv=2), 9, 8),
+        # 7 features in 2 heads: the scan's inner width 8 (W_in [7, P], W_out [8, 7])
+        "mamba-uneven": ModuleCase(lambda: MambaScan("temporal.mamba", 7, n_steps=3, n_heads=2), 9, 7),
         "c51-head": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0, v_max=2.0),
                                7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
     }
