@@ -36,6 +36,7 @@ from numba import float32
 
 from numbarl.cuda import launch
 from numbarl.cuda.kernels.elementwise import silu_dev, silu_grad_dev
+from numbarl.cuda.kernels.ssm import cell_dev, row_masked_dev
 from numbarl.cuda.runtime import cuda
 
 _cuda = cuda()
@@ -112,29 +113,21 @@ def causal_conv_backward_ref(dout, z, w, mask, n_steps: int, n_cols: int):
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@_cuda.jit(device=True, inline=True)
-def _valid(mask, has_mask, b, t):
-    return not (has_mask and mask[b, t] == _ZERO)
-
-
 @_cuda.jit(cache=True)
 def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
     """One thread per (row, column j of z): out = silu(v) for j < n_cols (v saved in pre), else z."""
     i = _cuda.grid(1)
     if i >= out.size:
         return
-    n_cols = pre.shape[1]
-    row = i // out.shape[1]
-    j = i - row * out.shape[1]
-    if j >= n_cols:
+    row, j = cell_dev(i, out.shape[1])
+    if j >= pre.shape[1]:
         out[row, j] = z[row, j]
         return
-    b = row // n_steps
-    t = row - b * n_steps
+    b, t = cell_dev(row, n_steps)
     d = w.shape[0] - 1
     v = w[d, j]
     for k in range(d):  # taps back to the first masked row (or the window's start)
-        if t - k < 0 or not _valid(mask, has_mask, b, t - k):
+        if t - k < 0 or row_masked_dev(mask, has_mask, b, t - k):
             break
         v += w[k, j] * z[row - k, j]
     pre[row, j] = v
@@ -148,18 +141,15 @@ def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
     i = _cuda.grid(1)
     if i >= dz.size:
         return
-    n_cols = pre.shape[1]
-    row = i // dz.shape[1]
-    j = i - row * dz.shape[1]
-    if j >= n_cols:
+    row, j = cell_dev(i, dz.shape[1])
+    if j >= pre.shape[1]:
         dz[row, j] = dout[row, j]
         return
-    b = row // n_steps
-    t = row - b * n_steps
+    b, t = cell_dev(row, n_steps)
     d = w.shape[0] - 1
     acc = _ZERO
     for k in range(d):
-        if t + k >= n_steps or not _valid(mask, has_mask, b, t + k):
+        if t + k >= n_steps or row_masked_dev(mask, has_mask, b, t + k):
             break
         acc += w[k, j] * (dout[row + k, j] * silu_grad_dev(pre[row + k, j]))
     dz[row, j] = acc
@@ -172,8 +162,7 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
     n_cols = pre.shape[1]
     if i >= part.shape[0] * n_cols:
         return
-    b = i // n_cols
-    j = i - b * n_cols
+    b, j = cell_dev(i, n_cols)
     first = b * n_steps
     acc = _cuda.local.array(MAX_WIDTH + 1, float32)  # taps 0..d − 1, then the bias
     for k in range(n_taps + 1):
@@ -182,7 +171,7 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
         e = dout[first + t, j] * silu_grad_dev(pre[first + t, j])
         acc[n_taps] += e
         for k in range(n_taps):
-            if t - k < 0 or not _valid(mask, has_mask, b, t - k):
+            if t - k < 0 or row_masked_dev(mask, has_mask, b, t - k):
                 break
             acc[k] += e * z[first + t - k, j]
     for k in range(n_taps + 1):
