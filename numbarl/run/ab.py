@@ -3,7 +3,8 @@
     python -m numbarl ab --out ab/ --preset default --seeds 0,1,2,3,4 --parallel 8 \\
         --arm "base" --arm "e2: --set train.e2_adaptive_epsilon=true" --arm "null: --set data.synth_null=true"
 
-Each arm is a name and the numbarl-train options it adds; every (arm, seed) is a normal run folder
+Each arm is a name and the numbarl-train options it adds (``NAME@2,3,4: ...`` runs that arm on its own seeds
+instead of ``--seeds``, e.g. to add seeds to an arm measured before); every (arm, seed) is a normal run folder
 ``OUT/<arm>-s<seed>`` trained by ``python -m numbarl train`` in its own process, ``--parallel`` of
 them at once (side by side on one GPU). ``{seed}`` in an arm's options is replaced by the run's seed,
 so each seed can also get its own market: ``--arm "null: --set data.synth_null=true --set
@@ -40,13 +41,28 @@ from pathlib import Path
 from numbarl.run.compare import spread
 
 
-def parse_arm(text: str) -> tuple[str, list[str]]:
-    """'name: --set a=b --set c=d' -> ('name', ['--set', 'a=b', '--set', 'c=d']); 'name' alone: no options."""
-    name, _, rest = text.partition(":")
+def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
+    """'name@2,3: --set a=b' -> ('name', ['--set', 'a=b'], [2, 3]); without '@': seeds None (the grid's)."""
+    head, _, rest = text.partition(":")
+    name, at, seeds_text = head.strip().partition("@")
     name = name.strip()
     if not name or any(c in name for c in "/ \\") or name.endswith(tuple(f"-s{i}" for i in range(10))):
         raise ValueError(f"arm {text!r}: a name is a plain word (no '/', spaces, or a '-s<digit>' ending)")
-    return name, rest.split()
+    seeds = None
+    if at:
+        try:
+            seeds = [int(x) for x in seeds_text.split(",") if x.strip()]
+        except ValueError:
+            seeds = []
+        if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+            raise ValueError(f"arm {text!r}: '@' takes distinct seeds >= 0, e.g. 'name@2,3,4: ...'")
+    return name, rest.split(), seeds
+
+
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """'name: --set a=b --set c=d' -> ('name', ['--set', 'a=b', '--set', 'c=d']); 'name' alone: no options."""
+    name, opts, _ = parse_arm_spec(text)
+    return name, opts
 
 
 def seed_options(opts: list[str], seed: int) -> list[str]:
@@ -169,12 +185,12 @@ def main(argv=None) -> int:
     ap.add_argument("--train-arg", action="append", default=[], help="an option added to every run (repeat)")
     a = ap.parse_args(argv)
     try:
-        arms = [parse_arm(x) for x in a.arm]
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        arms = [(n, o, s if s is not None else seeds) for n, o, s in map(parse_arm_spec, a.arm)]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not arms or not seeds or len({n for n, _ in arms}) != len(arms):
+    if not arms or not seeds or len({n for n, _, _ in arms}) != len(arms):
         print("error: give at least one --arm (distinct names) and one seed", file=sys.stderr)
         return 2
     out = Path(a.out)
@@ -182,13 +198,13 @@ def main(argv=None) -> int:
     (out / "ab-config.json").write_text(json.dumps({"preset": a.preset, "seeds": seeds, "arms": a.arm,
                                                     "train_args": a.train_arg}, indent=2))
     if not a.table_only:
-        jobs = [(arm, opts, seed) for arm, opts in arms for seed in seeds]
+        jobs = [(arm, opts, seed) for arm, opts, arm_seeds in arms for seed in arm_seeds]
         with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
             for folder, rc, secs in pool.map(lambda j: _train(out, a.preset, j[0], j[1], j[2], a.train_arg), jobs):
                 print(f"{folder}: rc {rc}, {secs:.0f} s", flush=True)
     rows = []
-    for arm, _ in arms:
-        runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in seeds) if n is not None]
+    for arm, _, arm_seeds in arms:
+        runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in arm_seeds) if n is not None]
         rows.append(arm_row(arm, runs))
     table = format_table(rows)
     (out / "ab.md").write_text(table + "\n")

@@ -24,6 +24,28 @@ def test_arm_parsing():
         raise AssertionError(bad)
 
 
+def test_an_arm_with_its_own_seeds(tmp_path):
+    """'name@2,3: options' runs (and tables) that arm on seeds 2 and 3, the others on --seeds."""
+    assert ab.parse_arm_spec("ptemp@2,3,4: --set a=b") == ("ptemp", ["--set", "a=b"], [2, 3, 4])
+    assert ab.parse_arm_spec("base") == ("base", [], None) and ab.parse_arm("x@1: --set a=b") == ("x", ["--set", "a=b"])
+    for bad in ("x@: --set a=b", "x@a", "x@1,1", "x@-1"):
+        try:
+            ab.parse_arm_spec(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+    out = tmp_path / "grid"
+    for name, sharpe in (("a-s0", 1.0), ("a-s2", 9.0), ("b-s2", 0.5), ("b-s3", 1.5), ("b-s0", 9.0)):
+        (out / name).mkdir(parents=True)
+        summary = {"bars_per_day": 10, "folds": [{"test": {"sharpe": sharpe}, "oracle_test": {"sharpe": 2.0},
+                                                   "window": {"test": [0, 30]}}]}
+        (out / name / "summary.json").write_text(json.dumps(summary))
+    assert ab.main(["--out", str(out), "--table-only", "--seeds", "0", "--arm", "a", "--arm", "b@2,3: --set x=1"]) == 0
+    rows = {r["arm"]: r for r in json.loads((out / "ab.json").read_text())}
+    assert rows["a"]["test_over_oracle_all"] == [0.5]  # seed 0 only: a-s2 is not in this grid
+    assert rows["b"]["test_over_oracle_all"] == [0.25, 0.75]  # seeds 2, 3: b-s0 is not
+
+
 def test_an_interrupted_run_resumes_with_its_saved_config(tmp_path):
     """numbarl-train refuses --set/--seed/--preset beside --resume (the run's config.json rules): the
     grid's continuation of an interrupted run passes --resume alone (it used to pass both: rc 2)."""
