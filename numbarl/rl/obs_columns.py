@@ -107,3 +107,14 @@ def resolve_obs_columns(value, feature_names: Sequence[str] | None, field: str, 
     if len(set(out)) != len(out):
         raise ConfigError(f"{where}: a column is named twice (columns {out})")
     return tuple(out)
+
+
+def check_agent_columns(agent_cfg, feature_names: Sequence[str] | None, state_dim: int) -> None:
+    """Every enabled option of ``agent_cfg`` that names obs columns resolves for this observation (the
+    trainer calls it before a run folder is written; the agent resolves them again when it is built)."""
+    if agent_cfg.regime_gate:
+        resolve_obs_columns(agent_cfg.regime_gate_cols, feature_names, "regime_gate_cols", state_dim)
+    if agent_cfg.regime_dropout:
+        resolve_obs_columns(agent_cfg.regime_dropout_col, feature_names, "regime_dropout_col", state_dim, many=False)
+    if agent_cfg.horizons:
+        resolve_obs_columns(agent_cfg.horizon_regime_col, feature_names, "horizon_regime_col", state_dim, many=False)

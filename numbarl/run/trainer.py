@@ -42,9 +42,10 @@ import numpy as np
 
 from numbarl import __version__
 from numbarl import config as config_mod
-from numbarl.config import Config, ConfigError
+from numbarl.config import Config, ConfigError, parse_horizons
 from numbarl.data.errors import DataError
 from numbarl.rl.feedback.split import feedback_on, split_validation
+from numbarl.rl.obs_columns import check_agent_columns
 from numbarl.run.fold_benchmarks import FoldBenchmarkError, FoldBenchmarks, background_ok
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
@@ -821,6 +822,8 @@ def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=Non
                     raise ConfigError(f"train.feedback_split = {cfg.train.feedback_split}: fold {f.index}: {e}") from None
         if cache.features.shape[1] < 1:
             raise DataError(f"{cache.path}: the cache has no features")
+        # the options naming obs columns by feature: this cache's names, before anything is written
+        check_agent_columns(cfg.agent, cache.feature_names, cfg.env.state_dim(cache.features.shape[1]))
         if not resume_dir:
             run = RunDir.create(out_dir, cfg.to_dict(), {"graph": graph, "simulator": simulator,
                                                         "numbarl_version": __version__,
@@ -913,6 +916,14 @@ def _checkpoints_to_score(run: RunDir, checkpoint: str, folds) -> list[tuple[str
     return [(tag, by_index[k])]
 
 
+def backtest_replay_capacity(agent_cfg) -> int:
+    """Replay slots of the one-env agent that scores a saved policy (it never trains): the smallest replay its
+    checks accept, the longest n-step window (agent.horizons too) plus one slot, or plus the temporal input's K
+    rows of history (numbarl/rl/temporal.py check_replay)."""
+    window = max((int(agent_cfg.n_step), *parse_horizons(agent_cfg.horizons)))
+    return window + (int(agent_cfg.temporal_steps) if agent_cfg.temporal else 1)
+
+
 def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None, as_json=False):
     """numbarl-backtest: re-score a saved agent on a split of its folds.
 
@@ -943,7 +954,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
     host_market = MarketData.from_cache(cache)
     market = host_market.to_device(cfg.env.vol_span, cfg.env.vol_horizon_bars)
     state_dim = cfg.env.state_dim(cache.features.shape[1])
-    small = replace(cfg.agent, batch_size=1, replay_capacity=cfg.agent.n_step + 1)
+    small = replace(cfg.agent, batch_size=1, replay_capacity=backtest_replay_capacity(cfg.agent))
     agent = make_agent(small, state_dim, cfg.env.branch_sizes, 1, cfg.train.seed, eval_batch=1,
                        feature_names=cache.feature_names)
     rows = []

@@ -292,6 +292,28 @@ def test_nonfinite_loss_stops_run_and_keeps_last_good_checkpoint(run_cli, tmp_pa
     assert all(np.all(np.isfinite(v)) for k, v in arrays.items() if k.startswith("params/"))
 
 
+def test_the_backtest_agent_holds_the_temporal_and_multi_horizon_windows():
+    """numbarl-backtest scores with a one-env agent whose replay must pass the agent's own checks: the longest
+    n-step window (agent.horizons) plus one slot, or plus the temporal input's K rows (it used to be n_step + 1,
+    which refused every temporal or longer-horizon run)."""
+    from dataclasses import replace
+
+    from numbarl.config import AgentConfig, ConfigError
+    from numbarl.rl.agents.dqn import DQNAgent
+    from numbarl.run.trainer import backtest_replay_capacity
+
+    mh = {"horizons": "1,3,5", "horizon_regime_col": "0"}  # a 6-column observation: the blend reads column 0
+    for kw, want in (({}, 4), (mh, 6), ({"temporal": "mamba", "temporal_steps": 4}, 7),
+                     ({**mh, "temporal": "mamba", "temporal_steps": 4, "temporal_heads": 2}, 9)):
+        cfg = AgentConfig(trunk=(8,), n_atoms=5, n_step=3, batch_size=1, **kw)
+        cap = backtest_replay_capacity(cfg)
+        assert cap == want, (kw, cap)
+        if kw:
+            DQNAgent(replace(cfg, replay_capacity=cap), 6, (3, 3, 4, 4), 1, seed=0, eval_batch=1)
+            with pytest.raises((ConfigError, ValueError), match="replay|window"):
+                DQNAgent(replace(cfg, replay_capacity=cap - 1), 6, (3, 3, 4, 4), 1, seed=0, eval_batch=1)
+
+
 def _schema_file(tmp_path):
     import databento_dbn as dbn
 
@@ -302,7 +324,7 @@ def _schema_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("case", ["missing", "schema", "config", "sessions", "resume"])
+@pytest.mark.parametrize("case", ["missing", "schema", "config", "sessions", "resume", "columns"])
 def test_bad_input_one_clear_error_nothing_written(run_cli, tmp_path, case):
     out = tmp_path / "run"
     args = {
@@ -311,6 +333,10 @@ def test_bad_input_one_clear_error_nothing_written(run_cli, tmp_path, case):
         "config": (["--set", "agent.lr=-1"], "agent.lr = -1.0 is out of range"),
         "sessions": (["--set", "train.train_sessions=50"], "needs 52 sessions; the data has 6"),
         "resume": (None, "not a numbarl run"),
+        # the regime gate's default columns name rv_ratio, which this feature list lacks: refused before the
+        # run folder is written (numbarl/rl/obs_columns.py check_agent_columns)
+        "columns": (["--set", "data.features=rv_8,rv_32,adx_14,rv_128", "--set", "agent.regime_gate=true"],
+                    "'rv_ratio' is not a column of the observation"),
     }[case]
     if case == "resume":
         (tmp_path / "notarun").mkdir()

@@ -30,7 +30,7 @@ of x · W_in beside S); the agent acts on windows, through the scan itself.
 With residual=False the pass returns u = y · W_out alone (the ISV routing of numbarl/rl/isv.py adds
 x_{K−1} with its own weights); the default keeps the residual.
 
-Backward from dh̃ [B, H] (the gradient rule of module.py: c.beta per parameter, c.dx_beta for dx):
+Backward from dh̃ [B, D] (the gradient rule of module.py: c.beta per parameter, c.dx_beta for dx):
     ∂W_out = yᵀ dh̃ (GEMM)       g = dh̃ W_outᵀ (GEMM)       dz = scan backward (ssm.py kernels)
     ∂b_Δ, ∂A_log: fixed-order column sums (numbarl.cuda.reduce.col_sum) of per-(row, head) and
     per-(window, head) parts        ∂W_in = xᵀ dz (GEMM)       dx = dz W_inᵀ (GEMM), + dh̃ on the
@@ -48,10 +48,10 @@ burns in (R2D2: a prefix of the window run without gradient to warm the state up
 mismatch where the heads forget within the window (a^K ≪ 1).
 
 Parameters (group ``temporal.mamba`` by default, so the optimizer can give it its own learning rate):
-    {name}.w_in    [H, P]   U(±1/√H) (nn.Linear's default), weight decay
+    {name}.w_in    [D, P]   U(±1/√D) (nn.Linear's default), weight decay
     {name}.dt_bias [n_h]    inverse softplus of Δ₀ ~ log-uniform [1e-3, 1e-1] (Mamba2's dt init)
     {name}.a_log   [n_h]    log U[1, 16] (Mamba2's A init)
-    {name}.w_out   [H, H]   U(±1/√H), weight decay
+    {name}.w_out   [H, D]   U(±1/√H), weight decay
     {name}.conv    [d + 1, H + 2N]  U(±1/√d) (nn.Conv1d's default for a depthwise kernel of d), conv = d > 0 only;
                    the taps and the bias in one tensor, without weight decay (a choice of numbarl's)
 (reference: ``mamba_ssm/modules/mamba2.py``, Dao & Gu 2024, whose defaults these are).
@@ -86,12 +86,12 @@ def a_log_init(rng: np.random.Generator, shape: tuple) -> np.ndarray:
 class MambaScan(Module):
     """h̃ = x_{K−1} + SSD-scan(x_0..x_{K−1}) · W_out over windows of K rows (module docstring).
 
-    scan = MambaScan("temporal.mamba", H, n_steps=8, n_heads=8)
+    scan = MambaScan("temporal.mamba", D, n_steps=8, n_heads=8)    # inner width H = D rounded up to 8·k
     scan.declare_params(store)
     scan.declare_acts(acts, B * K, "online")                   # batch = rows = B·K
     scan.declare_acts(acts, n_envs, "act", backward=False, step=True)
-    h = scan.forward(x, stream, mask=mask)                      # x [B·K, H], mask [B, K] or None
-    scan.backward(dh, stream)                                   # dh [B, H]; dx [B·K, H]
+    h = scan.forward(x, stream, mask=mask)                      # x [B·K, D], mask [B, K] or None
+    scan.backward(dh, stream)                                   # dh [B, D]; dx [B·K, D]
     h = scan.step(x_now, state, reset, stream)                  # acting: state [n_envs, H, N]
     """
 
@@ -177,7 +177,7 @@ class MambaScan(Module):
 
     # -- scan pass ------------------------------------------------------------------------------
     def forward(self, x, stream, tag: str = "online", role: str = "params", mask=None):
-        """h̃ [B, H] for x [B·K, H]; mask float32 [B, K] (1 valid, 0 masked) or None (all valid).
+        """h̃ [B, D] for x [B·K, D]; mask float32 [B, K] (1 valid, 0 masked) or None (all valid).
         The mask's buffer is frozen into a captured graph: pass the same one every step."""
         self._masks[tag] = mask
         return super().forward(x, stream, tag=tag, role=role)
@@ -237,7 +237,7 @@ class MambaScan(Module):
 
     # -- acting ---------------------------------------------------------------------------------
     def step(self, x, state, reset, stream, tag: str = "act", role: str = "params"):
-        """One bar for every env: h̃ [n_envs, H] for x [n_envs, H]; state [n_envs, H, N] updated in
+        """One bar for every env: h̃ [n_envs, D] for x [n_envs, D]; state [n_envs, H, N] updated in
         place; reset float32 [n_envs] (nonzero: the env's episode starts at this bar). Capturable."""
         if not self._is_step(tag):
             raise RuntimeError(f"{self.name}: tag {tag!r} was not declared with step=True")
@@ -258,7 +258,7 @@ class MambaScan(Module):
         return {k: np.asarray(params[v], np.float64) for k, v in n.items()}
 
     def forward_ref(self, x, params, mask=None):
-        """(h̃ [B, H], cache) in float64 for x [B·K, H] (module docstring)."""
+        """(h̃ [B, D], cache) in float64 for x [B·K, D] (module docstring)."""
         p = self._p(params)
         x = np.asarray(x, np.float64)
         z = z_raw = x @ p["w_in"]
@@ -271,7 +271,7 @@ class MambaScan(Module):
         return out, (x, y_ssm, scan, z_raw, mask)
 
     def backward_ref(self, dy, cache, params):
-        """(dx [B·K, H], {store name: gradient}) in float64."""
+        """(dx [B·K, D], {store name: gradient}) in float64."""
         p, n = self._p(params), self.param_names
         x, y_ssm, scan, z_raw, mask = cache
         dy = np.asarray(dy, np.float64)
