@@ -111,9 +111,37 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+# fields whose saved spelling changed while their meaning did not: compared by what they resolve to
+COLUMN_FIELDS = (("agent.regime_gate_cols", True), ("agent.regime_dropout_col", False),
+                 ("agent.horizon_regime_col", False))
+
+
+def effective_config(run: RunDir) -> dict:
+    """The run's flat config with the fields saved in two spellings resolved: data.synth_regime_bars 0 (the
+    mode's own) as that mode's duration, and the options naming obs columns (feature names, or the indices
+    runs saved before names were accepted) as the columns of the run's observation."""
+    from numbarl.config import ConfigError
+    from numbarl.data.synth import mode_regime_bars
+    from numbarl.rl.obs_columns import resolve_obs_columns
+
+    flat = flatten_record(run.config)
+    if flat.get("data.synth_regime_bars") == 0:
+        flat["data.synth_regime_bars"] = mode_regime_bars(flat.get("data.synth_mode", "planted"))
+    names = (getattr(run, "meta", None) or {}).get("feature_names")
+    for key, many in COLUMN_FIELDS:
+        if key in flat:
+            try:
+                cols = resolve_obs_columns(flat[key], names, key.split(".", 1)[1], many=many)
+            except ConfigError:
+                continue  # shown as saved
+            flat[key] = ",".join(map(str, cols))
+    return flat
+
+
 def config_differences(runs: list[RunDir], ignore=("train.seed",)) -> dict:
-    """{field: [value per run]} for the config fields that differ between the runs (seed excluded)."""
-    flats = [flatten_record(run.config) for run in runs]
+    """{field: [value per run]} for the config fields that differ between the runs (seed excluded), each
+    run's fields as :func:`effective_config` resolves them."""
+    flats = [effective_config(run) for run in runs]
     keys = sorted(set().union(*flats)) if flats else []
     diff = {}
     for k in keys:

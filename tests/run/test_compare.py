@@ -57,6 +57,22 @@ def test_config_differences_and_missing_oracle(tmp_path):
     assert out["spread"]["test_over_oracle"]["n"] == 1
 
 
+def test_fields_saved_in_two_spellings_compare_by_meaning(tmp_path):
+    """A run saved before feature names (regime columns as indices, synth_regime_bars 40) and one after (names,
+    0 = the mode's own) of the same market and options do not differ; another regime length does."""
+    old = RunDir.create(tmp_path / "old", {"agent": {"regime_gate_cols": "53,9,10,11,12", "regime_dropout_col": 53},
+                                           "data": {"synth_mode": "memory", "synth_regime_bars": 40.0}})
+    new = RunDir.create(tmp_path / "new", {"agent": {"regime_gate_cols": "adx_14,rv_8,rv_32,rv_128,rv_ratio",
+                                                     "regime_dropout_col": "adx_14"},
+                                           "data": {"synth_mode": "memory", "synth_regime_bars": 0.0}})
+    assert compare.config_differences([old, new]) == {}
+    walk = RunDir.create(tmp_path / "walk", {"agent": {"regime_gate_cols": "adx_14,rv_8,rv_32,rv_128,rv_ratio",
+                                                       "regime_dropout_col": "adx_14"},
+                                             "data": {"synth_mode": "regime_walk", "synth_regime_bars": 0.0}})
+    assert compare.config_differences([new, walk]) == {"data.synth_mode": ["memory", "regime_walk"],
+                                                       "data.synth_regime_bars": [40.0, 200.0]}
+
+
 def test_unfinished_run_and_non_run_are_clear_errors(tmp_path):
     unfinished = RunDir.create(tmp_path / "u", {"train": {"seed": 0}})
     with pytest.raises(RunError, match="has no summary.json"):
