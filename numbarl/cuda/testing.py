@@ -2,6 +2,7 @@
 
     d = to_device(x, s); kernel[grid, block, s](d, ...); got = to_host(d, s)
     assert_close(got, ref, atol=1e-6, rtol=1e-5)     # |got - ref| <= atol + rtol·|ref|, NaN/inf exact
+    assert_fd_gradient(loss, arr, grad, picks, atol, rtol)  # a float64 reference's gradient by central differences
 """
 
 from __future__ import annotations
@@ -35,3 +36,20 @@ def assert_close(got, ref, atol, rtol):
     err = np.abs(got[ok] - ref[ok])
     bound = atol + rtol * np.abs(ref[ok])
     assert np.all(err <= bound), f"max error {err.max() if err.size else 0:.3g} (atol {atol}, rtol {rtol})"
+
+
+def assert_fd_gradient(loss, arr, grad, picks, atol, rtol, eps=1e-6, label=""):
+    """grad = ∂loss/∂arr at the flat indices ``picks``, against central differences: each entry of arr is
+    moved by ±eps in place (loss() reads arr), then restored; |grad − numeric| ≤ atol + rtol·|numeric|."""
+    flat = arr.reshape(-1)
+    assert np.shares_memory(flat, arr), "arr must be contiguous: the loss reads it in place"
+    g = np.asarray(grad).reshape(-1)
+    for i in picks:
+        old = flat[i]
+        flat[i] = old + eps
+        up = loss()
+        flat[i] = old - eps
+        down = loss()
+        flat[i] = old
+        numeric = (up - down) / (2 * eps)
+        assert abs(g[i] - numeric) <= atol + rtol * abs(numeric), f"{label}[{i}]: {g[i]} vs {numeric}"

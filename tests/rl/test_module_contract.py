@@ -13,7 +13,7 @@ import pytest
 
 from numbarl.cuda import blas
 from numbarl.cuda.runtime import Arena, cuda, stream
-from numbarl.cuda.testing import assert_close
+from numbarl.cuda.testing import assert_close, assert_fd_gradient
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.mlp import Mlp
@@ -90,21 +90,10 @@ def test_reference_gradients_match_finite_differences(name, rng):
         return float(np.sum(np.where(mask, y, 0.0) * R))
 
     dx, grads = module.backward_ref(R, cache, params)
-    eps = 1e-6
     checks = [("x", x, dx)] + [(n, params[n], grads[n]) for n in params]
     for label, arr, analytic in checks:
-        flat = arr.reshape(-1)
-        picks = rng.choice(flat.size, size=min(flat.size, 12), replace=False)
-        for i in picks:
-            old = flat[i]
-            flat[i] = old + eps
-            up = loss()
-            flat[i] = old - eps
-            down = loss()
-            flat[i] = old
-            numeric = (up - down) / (2 * eps)
-            got = np.asarray(analytic).reshape(-1)[i]
-            assert abs(got - numeric) <= 1e-5 + 1e-4 * abs(numeric), f"{name} d{label}[{i}]: {got} vs {numeric}"
+        picks = rng.choice(arr.size, size=min(arr.size, 12), replace=False)
+        assert_fd_gradient(loss, arr, analytic, picks, 1e-5, 1e-4, label=f"{name} d{label}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from agent_helpers import build_module
 
 from numbarl.cuda.runtime import cuda, stream
-from numbarl.cuda.testing import assert_close
+from numbarl.cuda.testing import assert_close, assert_fd_gradient
 from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_gate import (
@@ -52,18 +52,8 @@ def test_reference_matches_finite_differences(rng):
 
     _, cache = regime_gate_forward_ref(arrays["h"], arrays["r"], arrays["w"], arrays["b"])
     dh, dr, dw, db = regime_gate_backward_ref(weights, cache, arrays["w"])
-    eps = 1e-6
     for name, grad in (("h", dh), ("r", dr), ("w", dw), ("b", db)):
-        flat, g = arrays[name].reshape(-1), grad.reshape(-1)
-        for i in range(flat.size):
-            old = flat[i]
-            flat[i] = old + eps
-            up = loss()
-            flat[i] = old - eps
-            down = loss()
-            flat[i] = old
-            numeric = (up - down) / (2 * eps)
-            assert abs(g[i] - numeric) <= 1e-8 + 1e-6 * abs(numeric), f"d{name}[{i}]: {g[i]} vs {numeric}"
+        assert_fd_gradient(loss, arrays[name], grad, range(arrays[name].size), 1e-8, 1e-6, label=f"d{name}")
 
 
 def _gate(input_grad: bool, cols=(5, 0, 3)):
