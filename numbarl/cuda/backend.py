@@ -75,6 +75,10 @@ def _tune_simulator() -> None:
     global _tuned
     if not _tuned:
         _lock_simulator_shared_arrays()
+        if os.environ.get("NUMBARL_RECORD_LAUNCHES"):  # numbarl.cuda.ptxcheck: kernels the GPU must compile
+            from numbarl.cuda.ptxcheck import install_recorder
+
+            install_recorder(os.environ["NUMBARL_RECORD_LAUNCHES"])
         sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
         _tuned = True
 

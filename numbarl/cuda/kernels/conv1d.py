@@ -43,6 +43,7 @@ _cuda = cuda()
 
 BLOCK = launch.shape(gpu=128, sim=32)
 MAX_WIDTH = 8  # d: taps per column
+_PARTS = MAX_WIDTH + 1  # a weight-gradient part per tap, then the bias (a module constant: numba sizes local arrays only from those)
 
 _ZERO = np.float32(0.0)
 
@@ -164,7 +165,7 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
         return
     b, j = cell_dev(i, n_cols)
     first = b * n_steps
-    acc = _cuda.local.array(MAX_WIDTH + 1, float32)  # taps 0..d − 1, then the bias
+    acc = _cuda.local.array(_PARTS, float32)  # taps 0..d − 1, then the bias
     for k in range(n_taps + 1):
         acc[k] = _ZERO
     for t in range(n_steps):  # rows in order; each row's taps as in the forward
