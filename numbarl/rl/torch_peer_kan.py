@@ -26,7 +26,9 @@ def bspline_bases(torch, x):
     """[..., GRID + K] cubic B-spline bases at x (clamped to the grid) by Cox–de Boor."""
     h = (X_HI - X_LO) / GRID
     knots = X_LO + h * torch.arange(-K, GRID + K + 1, dtype=x.dtype, device=x.device)  # GRID + 2K + 1 knots
-    xc = torch.clamp(x, X_LO, X_HI)[..., None]
+    # the clamp written out: at exactly ±5 the gradient passes (the end cell's one-sided derivative, as the
+    # kernels); torch.clamp's own derivative at its bounds has changed between torch versions
+    xc = torch.where(x < X_LO, torch.full_like(x, X_LO), torch.where(x > X_HI, torch.full_like(x, X_HI), x))[..., None]
     # order 0: half-open cells; the last real cell takes x = X_HI (closed on the right)
     b = ((xc >= knots[:-1]) & (xc < knots[1:])).to(x.dtype)
     at_end = torch.zeros_like(b)
