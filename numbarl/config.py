@@ -226,6 +226,11 @@ class AgentConfig:
     the normalized L2 between a linear predictor (optimizer group 'head.pc') of the online trunk features of obs
     and the target network's trunk features of the n-step next_obs (masked at episode ends); an auxiliary loss
     (every agent.aux_frequency train steps) whose gradient reaches the trunk. 0 = off (nothing of it is built)."""
+    obs_noise: float = 0.0
+    """Observation noise (numbarl/rl/obs_noise.py): std σ of Gaussian noise added, in every train step, to the market
+    features (z-scored, so σ is in feature standard deviations) of each observation the learner reads: obs,
+    next_obs, the extra horizons' next_obs and the temporal windows; the portfolio features, acting, the backtests
+    and the replay stay exact. A regularizer against memorizing the training sessions. 0 = off."""
     regime_dropout: bool = False
     """Regime dropout (issue 15, T4; numbarl/rl/nets/regime_dropout.py): inverted dropout on the trunk output of the
     online training pass at rate p_lo + (p_hi - p_lo) * clip(obs[agent.regime_dropout_col], 0, 1), drawn from the
@@ -469,6 +474,7 @@ class AgentConfig:
 
         check_known_names(self.regime_gate_cols, "regime_gate_cols")
         check_known_names(self.regime_dropout_col, "regime_dropout_col", many=False)
+        _check("agent", "obs_noise", self.obs_noise, lo=0.0, hi=10.0)
         _check("agent", "regime_dropout_lo", self.regime_dropout_lo, lo=0.0, hi=0.95)  # regime dropout
         _check("agent", "regime_dropout_hi", self.regime_dropout_hi, lo=0.0, hi=0.95)
         if self.regime_dropout_hi < self.regime_dropout_lo:

@@ -212,6 +212,15 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_predictive.py",),
         "predictive_loss", "> 0"),
     Component(
+        "obs_noise", "Gaussian noise on the market features of every observation the learner reads in a train step "
+        "(obs, next_obs, the horizons' next_obs, the temporal windows), counter RNG keyed by the train step; the replay, "
+        "acting and the backtests see clean observations",
+        "agent.obs_noise=0.1",
+        "Bishop 1995 (training with noise is Tikhonov regularization); Laskin et al. 2020 (RAD), Kostrikov et al. 2021 "
+        "(DrQ): augmenting the observations of sampled transitions",
+        ("tests/rl/test_obs_noise.py",),
+        "obs_noise_var", "> 0"),
+    Component(
         "regime_dropout", "inverted dropout on the online pass's trunk output at a rate set by the sample's regime "
         "column (ADX), counter RNG keyed by the train step; not on target passes, acting or backtests",
         "agent.regime_dropout=true",

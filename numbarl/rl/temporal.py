@@ -232,7 +232,10 @@ class TemporalInput:
     # -- the scan ---------------------------------------------------------------------------------
     def inputs(self, tag: str):
         """(x [rows·K, D], mask [rows, K]) of the window the pass `tag` reads."""
-        name = self.window(tag)
+        return self.window_rows(self.window(tag))
+
+    def window_rows(self, name: str):
+        """(x [rows·K, D], mask [rows, K]) of the window buffer `name` (obs, next, act, eval, h<horizon>)."""
         x = self.state[f"{name}.x"]
         return x.reshape(x.shape[0] * self.K, self.dim), self.state[f"{name}.mask"]
 

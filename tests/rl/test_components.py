@@ -56,7 +56,8 @@ RUNS = {
              "--set", "agent.ensemble_heads=2", "--set", "agent.epistemic_theta=0.01",
              # the temporal input (agent.temporal): a scan over the last 2 bars before the trunk
              "--set", "agent.temporal=mamba", "--set", "agent.temporal_steps=2", "--set", "agent.temporal_conv=2",
-             "--set", "agent.isv_routing=true"],  # ISV routing on the temporal input (implies agent.isv)
+             "--set", "agent.isv_routing=true",  # ISV routing on the temporal input (implies agent.isv)
+             "--set", "agent.obs_noise=0.1"],  # observation noise, on the batch and the temporal windows
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
     # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)
     "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5",
@@ -99,7 +100,8 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
-          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "isv_routing": "cvar", "multi_horizon_c51": "mh", "kelly_sizing": "mh",
+          "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "isv_routing": "cvar", "obs_noise": "cvar",
+          "multi_horizon_c51": "mh", "kelly_sizing": "mh",
           "adaptive_atoms": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})

@@ -208,6 +208,7 @@ from numbarl.rl.nets.linear import (
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_dropout import RegimeDropout  # agent.regime_dropout
 from numbarl.rl.obs_columns import resolve_obs_columns  # the regime columns
+from numbarl.rl.obs_noise import ObsNoise  # agent.obs_noise
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
     STAT_CLIPPED,
@@ -609,6 +610,7 @@ class DQNAgent(Agent):
     iql_head = None  # the IQL expectile value head (agent.iql)
     pc_head = None  # the predictive-coding predictor (agent.predictive_weight)
     rdrop = None  # regime dropout on the online pass's trunk output (agent.regime_dropout)
+    obs_noise = None  # Gaussian noise on the training batch's market features (agent.obs_noise)
     conf_head = None  # the recursive-confidence head (agent.confidence_weight)
     conf_gate = None  # its selectivity gate on new entries (agent.confidence_floor)
     risk_head = None  # the risk-budget head (agent.risk_head_weight)
@@ -736,6 +738,11 @@ class DQNAgent(Agent):
             self.rdrop = RegimeDropout(B, self.trunk.out_dim, col, cfg.regime_dropout_lo,
                                        cfg.regime_dropout_hi, self.seed)
         # --- end regime dropout ------------------------------------------------------------------------------
+        if cfg.obs_noise > 0:  # observation noise (agent.obs_noise): the market columns come first, then the portfolio's
+            from numbarl.env.params import PORTFOLIO_FEATURES
+
+            k = cfg.temporal_steps if cfg.temporal else 1
+            self.obs_noise = ObsNoise(B, self.state_dim - len(PORTFOLIO_FEATURES), cfg.obs_noise, self.seed, B * k)
         # --- risk-budget head (agent.risk_head_weight): on the online trunk output (backward) and, for the
         # sizing, on the acting and evaluation passes; declared last: the other parameters keep their init --
         if cfg.risk_head_weight > 0:
@@ -859,6 +866,9 @@ class DQNAgent(Agent):
         if self.rdrop is not None:  # regime dropout (agent.regime_dropout): the dropped share's stat
             self._slot_rdrop = self.stats_layout.slot("regime_dropout_frac")
             self._rdrop_reducer = Reducer(self.cfg.batch_size * self.trunk.out_dim)
+        if self.obs_noise is not None:  # observation noise (agent.obs_noise): the mean noise² added to obs
+            self._slot_obs_noise = self.stats_layout.slot("obs_noise_var")
+            self._obs_noise_reducer = Reducer(self.obs_noise.sq.size)
         if self.pc_head is not None:  # predictive coding (agent.predictive_weight): loss, stats slot
             self.pc_loss = PredictiveLoss(self.cfg.batch_size, self.trunk.out_dim)
             self._slot_pc_loss = self.stats_layout.slot("predictive_loss")
@@ -1511,8 +1521,24 @@ class DQNAgent(Agent):
         self.replay.sample(self.optim.step_counter, stream, factor=factor)
         if self.temporal is not None:  # temporal input: the K-row windows of obs, next_obs (and the horizons')
             self.temporal.gather_batch(self.replay, stream)
+        if self.obs_noise is not None:  # observation noise: on every copy of an observation the learner reads
+            self._perturb_batch(stream)
         if self.feedback is not None:  # E1: the sampled returns less the reward offset
             self.feedback.on_sample(self.replay.batch, stream)
+
+    def _perturb_batch(self, stream):
+        """agent.obs_noise (numbarl/rl/obs_noise.py): noise on the sampled batch's market features, in place
+        (the replay keeps the clean rows); each tensor its own lane range."""
+        batch, noise, counter = self.replay.batch, self.obs_noise, self.optim.step_counter
+        noise.apply(batch.obs, 0, counter, stream)
+        noise.apply(batch.next_obs, 1, counter, stream)
+        for i, hb in enumerate(batch.horizons):
+            noise.apply(hb.next_obs, 2 + 2 * i, counter, stream)
+        if self.temporal is not None:  # the windows the scan reads (their masked rows stay zero)
+            names = ["obs", "next"] + [f"h{hb.horizon}" for hb in batch.horizons]
+            for i, name in enumerate(names):
+                x, mask = self.temporal.window_rows(name)
+                noise.apply(x, 100 + i, counter, stream, row_mask=mask)
 
     # TARGETS (double DQN: online argmax on next_obs, target-network probabilities)
     def _targets(self, stream):
@@ -1658,6 +1684,8 @@ class DQNAgent(Agent):
             self._ens_stats(stream)
         if self.rdrop is not None:  # regime dropout: the share of the online trunk features dropped this step
             self._rdrop_reducer.mean(self.rdrop.dropped, self.stats.device, stream, at=self._slot_rdrop)
+        if self.obs_noise is not None:  # observation noise: the mean noise² on this step's obs
+            self._obs_noise_reducer.mean(self.obs_noise.sq, self.stats.device, stream, at=self._slot_obs_noise)
         if self.pc_head is not None and self._aux:  # predictive coding: its loss
             stat_copy_kernel[1, 1, stream](self.pc_loss.loss, self.stats.device, np.int64(self._slot_pc_loss))
         if self.risk_head is not None and self._aux:  # risk-budget head: loss, mean ρ, labelled rows
