@@ -18,8 +18,9 @@ row per arm with, over its seeds:
   selection score survives out of sample): mean, sample std;
 * last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay):
   mean, min;
-* |t| max: the largest |t| of the test window, t = daily Sharpe x sqrt(test days / 252) (the null
-  market's check: no seed above 2); ``ab.json`` also lists each run's t and the t of buying and
+* t, largest |t|: the t of the seed with the largest |t| of the test window, with its sign, t = daily
+  Sharpe x sqrt(test days / 252) (the null market's check: no seed above 2; a negative one is a losing
+  seed, not a false edge); ``ab.json`` also lists each run's t and the t of buying and
   holding over the same window (``hold_t``: what a long-biased policy earns from the window's drift);
 * trade t per seed: per-trade Sharpe x sqrt(trades) of the test window (its trades as the sample:
   three test days give the daily t two degrees of freedom, ~100 trades give this one power);
@@ -147,8 +148,9 @@ def arm_row(name: str, runs: list[dict]) -> dict:
         s = spread(xs) or {}
         r[f"{key}_mean"], r[f"{key}_std"], r[f"{key}_min"] = s.get("mean"), s.get("std"), s.get("min")
         r[f"{key}_all"] = xs
-    t = spread(abs(x["t"]) for x in runs if x["t"] is not None)
-    r["abs_t_max"] = t["max"] if t else None
+    ts = [x["t"] for x in runs if x["t"] is not None]
+    r["abs_t_max"] = max(abs(v) for v in ts) if ts else None
+    r["t_at_abs_max"] = max(ts, key=abs) if ts else None  # with its sign: a losing seed is not a false edge
     r["t_all"], r["hold_t_all"] = [x["t"] for x in runs], [x.get("hold_t") for x in runs]
     r["trade_t_all"] = [x.get("trade_t") for x in runs]
     return r
@@ -160,14 +162,14 @@ def _c(x, spec=".2f"):
 
 def format_table(rows: list[dict]) -> str:
     head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
-            "| last/best val mean | min | abs t max | trade t per seed | atoms |")
+            "| last/best val mean | min | t, largest \|t\| | trade t per seed | atoms |")
     lines = [head, "|" + "|".join(["---"] * 13) + "|"]
     for r in rows:
         per = ", ".join(_c(x) for x in r["test_over_oracle_all"])
         lines.append(f"| {r['arm']} | {r['runs']} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
-                     f"{_c(r['last_over_best_val_min'])} | {_c(r['abs_t_max'])} | "
+                     f"{_c(r['last_over_best_val_min'])} | {_c(r['t_at_abs_max'], '+.2f')} | "
                      f"{', '.join(_c(x, '.1f') for x in r['trade_t_all'])} | {_c(r['atom_utilization_mean'])} |")
     return "\n".join(lines)
 

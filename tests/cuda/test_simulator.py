@@ -86,6 +86,11 @@ def _neighbour_kernel(out):
     out[_cuda.blockIdx.x, t] = sh[(t + 1) % 8]
 
 
+# they call Python (_note_thread): the simulator runs them, a GPU cannot (numbarl.cuda.ptxcheck skips them)
+_stride_kernel.py_func.__numbarl_simulator_only__ = True
+_neighbour_kernel.py_func.__numbarl_simulator_only__ = True
+
+
 @_cuda.jit
 def _index_error_kernel(out):
     out[_cuda.threadIdx.x + 5] = 1.0
