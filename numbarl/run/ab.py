@@ -162,7 +162,7 @@ def _c(x, spec=".2f"):
 
 def format_table(rows: list[dict]) -> str:
     head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
-            "| last/best val mean | min | t, largest \|t\| | trade t per seed | atoms |")
+            "| last/best val mean | min | t, largest \\|t\\| | trade t per seed | atoms |")
     lines = [head, "|" + "|".join(["---"] * 13) + "|"]
     for r in rows:
         per = ", ".join(_c(x) for x in r["test_over_oracle_all"])
