@@ -240,7 +240,28 @@ def main(argv=None) -> int:
         p.error(f"--cc must look like 9.0, got {a.cc!r}")
     if not Path(a.folder).is_dir():
         p.error(f"no such folder: {a.folder}")
+    missing = compiler_missing(cc)
+    if missing:
+        print(f"ptxcheck: numba-cuda cannot compile PTX on this machine ({missing}); it needs a CUDA toolkit's "
+              "NVVM, libdevice and NVRTC (a /usr/local/cuda install, or NVIDIA's pip wheels: "
+              "nvidia-cuda-nvcc, nvidia-cuda-nvrtc)", file=sys.stderr)
+        return 2
     return 1 if check(a.folder, cc, a.jobs) else 0
+
+
+def compiler_missing(cc=(9, 0)) -> str:
+    """'' when a one-line kernel compiles to PTX for cc in this process, else numba's last error line."""
+    _prepare_compiler(cc)
+    from numba import cuda, types
+
+    def probe(x):
+        x[0] = 1.0
+
+    try:
+        cuda.compile_ptx(probe, (types.float32[::1],), cc=cc)
+    except Exception as exc:  # noqa: BLE001 - a missing library shows up as any of several errors
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+    return ""
 
 
 if __name__ == "__main__":

@@ -16,13 +16,16 @@ from numbarl.cuda import ptxcheck
 from numbarl.cuda.runtime import simulator
 
 
-def _nvvm_available() -> bool:
-    code = "from numba.cuda.cudadrv import nvvm; import sys; sys.exit(0 if nvvm.is_available() else 1)"
+def _compiler_missing() -> str:
+    """'' when numba-cuda can compile PTX here (NVVM, libdevice and NVRTC found), else the reason."""
+    code = "from numbarl.cuda import ptxcheck; print(ptxcheck.compiler_missing((9, 0)))"
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=False).returncode == 0
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    return r.stdout.strip() if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1][:300]
 
 
-pytestmark = pytest.mark.skipif(not _nvvm_available(), reason="NVVM (libnvvm) not installed: nothing can compile PTX")
+_MISSING = _compiler_missing()
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"no CUDA compiler libraries to compile PTX with: {_MISSING}")
 
 
 def _check(folder, extra_path=None):
