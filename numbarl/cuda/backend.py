@@ -158,6 +158,10 @@ def _may_wait_for_other_threads(fn, seen=None) -> bool:
         return True
     reachable = [fn.__globals__.get(n) for n in names]
     reachable += [cell.cell_contents for cell in (fn.__closure__ or ()) if _cell_filled(cell)]
+    # module.function(...) inside the kernel: the module is a global (or a closure cell), the function one of
+    # the code's attribute names
+    modules = [g for g in reachable if isinstance(g, types.ModuleType)]
+    reachable += [getattr(m, n, None) for m in modules for n in names]
     return any(_may_wait_for_other_threads(g, seen) for g in reachable if callable(g))
 
 
