@@ -136,8 +136,9 @@ def test_the_detector_sees_barriers_in_called_functions_and_closures():
 
     assert backend._may_wait_for_other_threads(make())
 
-    from numbarl.cuda import reduce as red  # its block_reduce device function reaches syncthreads
+    from numbarl.cuda import reduce as red
 
+    # red.block_reduce reaches syncthreads
     def through_a_module():  # module.device_function(...), the name only an attribute of a module global
         red.block_reduce(None, None, 0, 0)
 
