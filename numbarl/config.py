@@ -228,7 +228,7 @@ class AgentConfig:
     (every agent.aux_frequency train steps) whose gradient reaches the trunk. 0 = off (nothing of it is built)."""
     obs_noise: float = 0.0
     """Observation noise (numbarl/rl/obs_noise.py): std σ of Gaussian noise added, in every train step, to the market
-    features (z-scored, so σ is in feature standard deviations) of each observation the learner reads: obs,
+    features (most are z-scored, so σ is in feature standard deviations) of each observation the learner reads: obs,
     next_obs, the extra horizons' next_obs and the temporal windows; the portfolio features, acting, the backtests
     and the replay stay exact. A regularizer against memorizing the training sessions. 0 = off."""
     regime_dropout: bool = False

@@ -144,11 +144,10 @@ def _may_wait_for_other_threads(fn, seen=None) -> bool:
     fn = getattr(fn, "fn", fn)  # a simulator device function (FakeCUDAKernel) wraps its Python function
     if not isinstance(fn, types.FunctionType):  # njit functions run compiled for the CPU: no barrier there
         return False
-    code = fn.__code__
-    if code in seen:
+    if id(fn) in seen:  # by function, not code: factory-made kernels share code and differ in their closure
         return False
-    seen.add(code)
-    codes, names = [code], set()
+    seen.add(id(fn))
+    codes, names = [fn.__code__], set()
     while codes:  # nested functions and comprehensions
         c = codes.pop()
         names.update(c.co_names)
@@ -160,9 +159,18 @@ def _may_wait_for_other_threads(fn, seen=None) -> bool:
     reachable += [cell.cell_contents for cell in (fn.__closure__ or ()) if _cell_filled(cell)]
     # module.function(...) inside the kernel: the module is a global (or a closure cell), the function one of
     # the code's attribute names
-    modules = [g for g in reachable if isinstance(g, types.ModuleType)]
+    modules = [g for g in reachable if isinstance(g, types.ModuleType)
+               and g.__name__.split(".")[0] not in ("numpy", "numba", "math", "cmath")]  # no device functions there
     reachable += [getattr(m, n, None) for m in modules for n in names]
+    # device functions held in a tuple, list or dict (OPS[i](...))
+    reachable += [v for g in reachable if isinstance(g, (tuple, list, dict))
+                  for v in (g.values() if isinstance(g, dict) else g)]
     return any(_may_wait_for_other_threads(g, seen) for g in reachable if callable(g))
+
+
+def _missed_barrier(*_):
+    raise RuntimeError("a kernel reached syncthreads while numbarl ran its block in one thread (the barrier scan "
+                       "in numbarl/cuda/backend.py missed it): run with NUMBARL_SIM_THREADS=1 and report the kernel")
 
 
 def _cell_filled(cell) -> bool:
@@ -193,16 +201,16 @@ def _run_barrier_free_blocks_in_one_thread() -> None:
 
     def run(self, grid_point, *args):
         f = self._f
-        key = getattr(f, "__code__", None)
-        waits = verdicts.get(key)
+        waits = verdicts.get(f)  # keyed by the function object (a factory's kernels share their code)
         if waits is None:
-            waits = verdicts[key] = _may_wait_for_other_threads(f)
+            waits = verdicts[f] = _may_wait_for_other_threads(f)
         if waits or self._debug:
             return original(self, grid_point, *args)
         cur = threading.current_thread()
-        saved = {k: cur.__dict__[k] for k in ("threadIdx", "blockIdx", "thread_id") if k in cur.__dict__}
+        saved = {k: cur.__dict__[k] for k in ("threadIdx", "blockIdx", "thread_id", "syncthreads") if k in cur.__dict__}
         block_dim = sim_kernel.Dim3(*self._block_dim)
         cur.blockIdx = sim_kernel.Dim3(*grid_point)
+        cur.syncthreads = _missed_barrier  # the scan missed a barrier: say so rather than run it wrongly
         try:
             for block_point in np.ndindex(*self._block_dim):
                 cur.threadIdx = sim_kernel.Dim3(*block_point)
@@ -213,9 +221,14 @@ def _run_barrier_free_blocks_in_one_thread() -> None:
                     f(*args)
                 except Exception as e:  # noqa: BLE001 - re-raised naming the thread and block, as the simulator's threads do
                     msg = f"tid={list(cur.threadIdx)} ctaid={list(cur.blockIdx)}"
-                    raise type(e)(f"{msg}: {e}" if str(e) else msg).with_traceback(e.__traceback__) from None
+                    msg = f"{msg}: {e}" if str(e) else msg
+                    try:
+                        wrapped = type(e)(msg)
+                    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+                        raise RuntimeError(msg) from e
+                    raise wrapped.with_traceback(e.__traceback__) from None
         finally:
-            for k in ("threadIdx", "blockIdx", "thread_id"):
+            for k in ("threadIdx", "blockIdx", "thread_id", "syncthreads"):
                 cur.__dict__.pop(k, None)
             cur.__dict__.update(saved)
 

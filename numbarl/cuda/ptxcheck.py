@@ -59,12 +59,14 @@ def _cheap_key(arg):
     """What decides an argument's numba type, without numba: dtype, rank, layout and writability of arrays
     (recursively in tuples), the Python type of scalars. typeof runs only for launches with a new key."""
     ary = getattr(arg, "_ary", arg)
-    if hasattr(ary, "dtype") and hasattr(ary, "flags") and getattr(ary, "ndim", 0) > 0:
+    if hasattr(ary, "dtype") and hasattr(ary, "flags"):
         f = ary.flags
-        return (ary.dtype.str, ary.ndim, f.c_contiguous, f.f_contiguous, f.writeable)
+        return (ary.dtype, ary.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
     if isinstance(arg, tuple):
-        return (type(arg).__name__, *(_cheap_key(a) for a in arg))
-    return (type(arg).__name__, str(getattr(arg, "dtype", "")))
+        return (type(arg), *(_cheap_key(a) for a in arg))
+    if isinstance(arg, int) and not isinstance(arg, bool):  # typeof: int64, or uint64 from 2**63 on
+        return (int, arg >= 2**63, arg < -(2**63))
+    return (type(arg), getattr(arg, "dtype", None))
 
 
 def _signature(args):
@@ -159,15 +161,19 @@ def _import(rec):
     """The kernel's module: by name, else from its file (test modules that pytest imported by file)."""
     try:
         return importlib.import_module(rec["module"])
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as exc:
         path = Path(rec.get("file", ""))
-        if not path.is_file():
+        if exc.name != rec["module"] or not path.is_file():  # a dependency is missing: that is the finding
             raise
         sys.path.insert(0, str(path.parent))  # the test module's own imports (its helpers beside it)
         spec = importlib.util.spec_from_file_location(rec["module"], path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[rec["module"]] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(rec["module"], None)  # no half-executed module for the next record
+            raise
         return module
 
 
@@ -208,11 +214,12 @@ def check(folder, cc=(9, 0), jobs: int = 1, out=sys.stdout) -> int:
     if not records:
         print(f"ptxcheck: no launches recorded under {folder} (was {ENV} set before the run?)", file=out)
         return 1
-    if jobs > 1:
+    if jobs > 1:  # a worker that dies (NVVM crashing) raises BrokenProcessPool instead of hanging
         import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
 
-        with mp.get_context("spawn").Pool(jobs) as pool:
-            results = pool.map(_worker, [(r, cc) for r in todo], chunksize=4)
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+            results = list(pool.map(_worker, [(r, cc) for r in todo], chunksize=4))
     else:
         results = [_worker((r, cc)) for r in todo]
     sim_only = sum(1 for _, err in results if err == SKIPPED)

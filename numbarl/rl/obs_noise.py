@@ -17,9 +17,15 @@ For the sampled batch in the SAMPLE phase of every train step (counter = the tra
 for the market columns c < n_cols (the features come first in an observation, then the portfolio features,
 which stay exact: they are the agent's own position and P&L), on obs, next_obs, each extra horizon's next_obs
 and, with the temporal input, each row of the windows whose mask is set (masked rows stay zero). Each tensor
-has its own lane range (lane0), so obs and next_obs of one transition get independent noise. The features are
-z-scored (numbarl/data/features.py), so σ is in units of each feature's standard deviation. Acting, the
+has its own lane range (lane0), so obs and next_obs of one transition get independent noise. Most features
+are z-scored (numbarl/data/features.py), so σ is in units of their standard deviation; the few registered
+without normalization (the time-of-session sine and cosine, on [−1, 1]) get the same absolute σ. Acting, the
 backtests and the replay see the clean observations.
+
+Every consumer in the train step reads the perturbed rows, the controls included: regime dropout's rate
+column and the multi-horizon blend's regime column come from the noised obs (with the temporal input, the
+trunk reads the windows, whose rows draw their own noise, while those columns come from obs: the same bar
+then carries two independent draws). The learner never sees a clean training observation.
 
 Stat (liveness key): ``obs_noise_var`` = the mean of the squared noise added to obs this step (≈ σ²).
 """

@@ -143,3 +143,45 @@ def test_the_detector_sees_barriers_in_called_functions_and_closures():
         red.block_reduce(None, None, 0, 0)
 
     assert backend._may_wait_for_other_threads(through_a_module)
+
+
+def _kernel_calling(op):
+    @_cuda.jit
+    def k(out):
+        op(out)
+    return k
+
+
+@_cuda.jit(device=True)
+def _plain_op(out):
+    out[_cuda.threadIdx.x] = _cuda.threadIdx.x
+
+
+@_cuda.jit(device=True)
+def _neighbour_op(out):
+    sh = _cuda.shared.array(4, np.float32)
+    t = _cuda.threadIdx.x
+    sh[t] = t
+    _cuda.syncthreads()
+    out[t] = sh[(t + 1) % 4]
+
+
+_OPS = (_neighbour_op,)
+
+
+@_cuda.jit
+def _tuple_kernel(out):
+    _OPS[0](out)
+
+
+def test_factory_kernels_sharing_code_and_device_functions_in_a_tuple_get_their_own_verdict():
+    """A factory's kernels share one code object: the one whose op has a barrier keeps its threads even when
+    the barrier-free one ran first; so does a kernel that calls a device function held in a tuple."""
+    out = np.zeros(4, np.float32)
+    _kernel_calling(_plain_op)[1, 4](out)
+    np.testing.assert_array_equal(out, [0, 1, 2, 3])
+    _kernel_calling(_neighbour_op)[1, 4](out)
+    np.testing.assert_array_equal(out, [1, 2, 3, 0])
+    out[:] = 0
+    _tuple_kernel[1, 4](out)
+    np.testing.assert_array_equal(out, [1, 2, 3, 0])
