@@ -7,6 +7,7 @@ import pytest
 
 from numbarl.cuda import blas
 from numbarl.cuda.runtime import Arena, cuda, stream
+from numbarl.cuda.testing import assert_fd_gradient
 from numbarl.rl.nets.activations import Activation, activation_backward_ref, activation_ref
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.layernorm import LayerNorm, layernorm_backward_ref, layernorm_forward_ref
@@ -36,28 +37,13 @@ def host_gemm():
 # ---------------------------------------------------------------------------------------------
 # finite differences of the float64 references
 # ---------------------------------------------------------------------------------------------
-def _numeric_grad(loss, x, eps=1e-6):
-    g = np.zeros_like(x)
-    it = np.nditer(x, flags=["multi_index"])
-    for _ in it:
-        i = it.multi_index
-        old = x[i]
-        x[i] = old + eps
-        up = loss()
-        x[i] = old - eps
-        down = loss()
-        x[i] = old
-        g[i] = (up - down) / (2 * eps)
-    return g
-
-
 def _fd_check(forward, backward, inputs: dict, rng, out_shape, rtol=1e-6, atol=1e-8):
     """L = Σ forward(**inputs) · R for a fixed random R; backward(R) must give dL/d(each input)."""
     R = rng.standard_normal(out_shape)
     analytic = backward(R)
     for name, x in inputs.items():
-        numeric = _numeric_grad(lambda: float(np.sum(forward() * R)), x)
-        _close(analytic[name], numeric, rtol=rtol, atol=atol, what=f"d{name}")
+        assert_fd_gradient(lambda: float(np.sum(forward() * R)), x, analytic[name], range(x.size), atol, rtol,
+                           label=f"d{name}")
 
 
 @pytest.mark.parametrize("act", [None, "relu", "silu"])
