@@ -207,16 +207,15 @@ def _run_barrier_free_blocks_in_one_thread() -> None:
         if waits or self._debug:
             return original(self, grid_point, *args)
         cur = threading.current_thread()
-        saved = {k: cur.__dict__[k] for k in ("threadIdx", "blockIdx", "thread_id", "syncthreads") if k in cur.__dict__}
-        block_dim = sim_kernel.Dim3(*self._block_dim)
+        attrs = ("threadIdx", "blockIdx", "thread_id", "syncthreads")  # what kernelapi reads from the thread
+        saved = {k: cur.__dict__[k] for k in attrs if k in cur.__dict__}
+        bx, by, _ = self._block_dim  # normalized to three dimensions by the launch
         cur.blockIdx = sim_kernel.Dim3(*grid_point)
         cur.syncthreads = _missed_barrier  # the scan missed a barrier: say so rather than run it wrongly
         try:
-            for block_point in np.ndindex(*self._block_dim):
-                cur.threadIdx = sim_kernel.Dim3(*block_point)
-                cur.thread_id = block_point[0] + block_dim.x * (
-                    (block_point[1] if len(block_point) > 1 else 0)
-                    + block_dim.y * (block_point[2] if len(block_point) > 2 else 0))
+            for tx, ty, tz in np.ndindex(*self._block_dim):
+                cur.threadIdx = sim_kernel.Dim3(tx, ty, tz)
+                cur.thread_id = tx + bx * (ty + by * tz)
                 try:
                     f(*args)
                 except Exception as e:  # noqa: BLE001 - re-raised naming the thread and block, as the simulator's threads do
@@ -228,7 +227,7 @@ def _run_barrier_free_blocks_in_one_thread() -> None:
                         raise RuntimeError(msg) from e
                     raise wrapped.with_traceback(e.__traceback__) from None
         finally:
-            for k in ("threadIdx", "blockIdx", "thread_id", "syncthreads"):
+            for k in attrs:
                 cur.__dict__.pop(k, None)
             cur.__dict__.update(saved)
 
