@@ -24,9 +24,16 @@ row per arm with, over its seeds:
   holding over the same window (``hold_t``: what a long-biased policy earns from the window's drift);
 * trade t per seed: per-trade Sharpe x sqrt(trades) of the test window (its trades as the sample:
   three test days give the daily t two degrees of freedom, ~100 trades give this one power);
-* atoms: the atom utilization of the last train record (share of atoms the projected targets use).
+* atoms: the atom utilization of the last train record (share of atoms the projected targets use);
+* train-path last/best: the training envs' per-bar Sharpe at the last epoch over its best epoch's (mean):
+  beside last/best val it tells overfitting (the training path holds while validation falls) from a
+  policy that gets worse on its own training data too (both fall);
+* val trades last/best: the last epoch's validation trade count over the best validation epoch's (mean):
+  above 1 the policy churns more as it decays.
 
-``--table-only`` rebuilds the table from the run folders without training.
+A run without summary.json (killed before its end) that logged a validation epoch is counted as
+unfinished: it has no test numbers, and its decay columns run to its last logged epoch (the runs column
+then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the run folders without training.
 """
 
 from __future__ import annotations
@@ -104,20 +111,69 @@ def _f(x):
     return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
 
 
+def _ratio_to_best(xs):
+    """xs[-1] / max(xs) over the finite values (None unless the best is > 0)."""
+    xs = [x for x in (_f(v) for v in xs) if x is not None]
+    return xs[-1] / max(xs) if xs and max(xs) > 0 else None
+
+
+def metrics_trajectory(folder: Path) -> dict:
+    """Per-epoch numbers of fold 0 from metrics.jsonl: validation Sharpe and trade count, the training
+    path's Sharpe, the last atom utilization and the last epoch logged (absent file: empty lists)."""
+    val_sharpe, val_trades, train_path, atoms, epoch = [], [], [], None, 0
+    path = folder / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a run killed while writing its last line
+                continue
+            if rec.get("fold", 0) != 0:
+                continue
+            kind = rec.get("kind")
+            if kind == "val":
+                val_sharpe.append(rec.get("sharpe"))
+                val_trades.append(rec.get("n_trades"))
+                epoch = max(epoch, int(rec.get("epoch") or 0))
+            elif kind == "train_path":
+                train_path.append(rec.get("train_path.sharpe"))
+            elif kind == "train" and rec.get("atom_utilization") is not None:
+                atoms = rec["atom_utilization"]
+    return {"val_sharpe": val_sharpe, "val_trades": val_trades, "train_path_sharpe": train_path,
+            "atom_utilization": _f(atoms), "epochs": epoch}
+
+
+def _trades_drift(sharpe, trades):
+    """The last validation epoch's trade count over the best validation epoch's (None without both)."""
+    pairs = [(_f(s), _f(n)) for s, n in zip(sharpe, trades)]
+    scored = [(s, i) for i, (s, _) in enumerate(pairs) if s is not None]
+    if not scored or not pairs or pairs[-1][1] is None:
+        return None
+    best = pairs[max(scored)[1]][1]
+    return pairs[-1][1] / best if best else None
+
+
 def run_numbers(folder: Path) -> dict | None:
-    """The A/B numbers of one finished run (None while it has no summary)."""
+    """The A/B numbers of one run: a finished one (summary.json), or an unfinished one with at least one
+    validation epoch logged (decay columns only, ``finished`` False); None otherwise."""
+    traj = metrics_trajectory(folder)
+    common = {"run": folder.name, "atom_utilization": traj["atom_utilization"], "epochs": traj["epochs"],
+              "train_path_last_over_best": _ratio_to_best(traj["train_path_sharpe"]),
+              "val_trades_last_over_best": _trades_drift(traj["val_sharpe"], traj["val_trades"])}
     path = folder / "summary.json"
     if not path.is_file():
-        return None
+        if not traj["val_sharpe"]:
+            return None
+        return {**common, "finished": False, "test_over_oracle": None, "test_sharpe": None, "val_test_gap": None,
+                "last_over_best_val": _ratio_to_best(traj["val_sharpe"]), "t": None, "hold_t": None,
+                "trade_t": None}
     s = json.loads(path.read_text())
     f = s["folds"][0]
     test, oracle = f.get("test") or {}, f.get("oracle_test") or {}
     ratio = None
     if _f(test.get("sharpe")) is not None and _f(oracle.get("sharpe")):
         ratio = test["sharpe"] / oracle["sharpe"]
-    hist = [_f(x) for x in f.get("val_sharpe_per_epoch") or []]
-    hist = [x for x in hist if x is not None]
-    decay = hist[-1] / max(hist) if hist and max(hist) > 0 else None
+    decay = _ratio_to_best(f.get("val_sharpe_per_epoch") or [])
     days = (f["window"]["test"][1] - f["window"]["test"][0]) / float(s.get("bars_per_day") or 1.0)
 
     def t_of(metrics):
@@ -129,30 +185,27 @@ def run_numbers(folder: Path) -> dict | None:
     # freedom; a window of ~100 trades gives t = per-trade Sharpe x sqrt(trades) far more power
     ts, n = _f(test.get("trade_sharpe")), _f(test.get("n_trades"))
     trade_t = ts * math.sqrt(n) if ts is not None and n else None
-    atoms = None
-    metrics = folder / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("kind") == "train" and rec.get("atom_utilization") is not None:
-                atoms = rec["atom_utilization"]
-    return {"run": folder.name, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
+    return {**common, "finished": True, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
             "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
-            "t": t, "hold_t": hold_t, "trade_t": trade_t, "atom_utilization": _f(atoms)}
+            "t": t, "hold_t": hold_t, "trade_t": trade_t}
 
 
 def arm_row(name: str, runs: list[dict]) -> dict:
-    r = {"arm": name, "runs": len(runs)}
-    for key in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization"):
+    done = [x for x in runs if x.get("finished", True)]
+    r = {"arm": name, "runs": len(done), "unfinished": len(runs) - len(done),
+         "unfinished_epochs": [x.get("epochs") for x in runs if not x.get("finished", True)]}
+    for key in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization",
+                "train_path_last_over_best", "val_trades_last_over_best"):
         xs = [x[key] for x in runs]
         s = spread(xs) or {}
         r[f"{key}_mean"], r[f"{key}_std"], r[f"{key}_min"] = s.get("mean"), s.get("std"), s.get("min")
         r[f"{key}_all"] = xs
-    ts = [x["t"] for x in runs if x["t"] is not None]
+    ts = [x["t"] for x in done if x["t"] is not None]
     r["abs_t_max"] = max(abs(v) for v in ts) if ts else None
     r["t_at_abs_max"] = max(ts, key=abs) if ts else None  # with its sign: a losing seed is not a false edge
-    r["t_all"], r["hold_t_all"] = [x["t"] for x in runs], [x.get("hold_t") for x in runs]
-    r["trade_t_all"] = [x.get("trade_t") for x in runs]
+    r["t_all"], r["hold_t_all"] = [x["t"] for x in done], [x.get("hold_t") for x in done]
+    r["trade_t_all"] = [x.get("trade_t") for x in done]
+    r["test_over_oracle_all"] = [x["test_over_oracle"] for x in done]
     return r
 
 
@@ -162,15 +215,18 @@ def _c(x, spec=".2f"):
 
 def format_table(rows: list[dict]) -> str:
     head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
-            "| last/best val mean | min | t, largest \\|t\\| | trade t per seed | atoms |")
-    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
+            "| last/best val mean | min | t, largest \\|t\\| | trade t per seed | atoms | train-path last/best "
+            "| val trades last/best |")
+    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for r in rows:
         per = ", ".join(_c(x) for x in r["test_over_oracle_all"])
-        lines.append(f"| {r['arm']} | {r['runs']} | {per} | {_c(r['test_over_oracle_mean'])} | "
+        runs = str(r["runs"]) + (f" (+{r['unfinished']} unfinished)" if r.get("unfinished") else "")
+        lines.append(f"| {r['arm']} | {runs} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
                      f"{_c(r['last_over_best_val_min'])} | {_c(r['t_at_abs_max'], '+.2f')} | "
-                     f"{', '.join(_c(x, '.1f') for x in r['trade_t_all'])} | {_c(r['atom_utilization_mean'])} |")
+                     f"{', '.join(_c(x, '.1f') for x in r['trade_t_all'])} | {_c(r['atom_utilization_mean'])} | "
+                     f"{_c(r['train_path_last_over_best_mean'])} | {_c(r['val_trades_last_over_best_mean'])} |")
     return "\n".join(lines)
 
 

@@ -90,3 +90,33 @@ def test_grid_writes_one_table_and_continues(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "numbarl", "ab", "--out", str(out), "--arm", "a/b"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+def _write_metrics(folder, records):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "va')
+
+
+def test_decay_columns_and_an_unfinished_run(tmp_path):
+    # hand-computed: val Sharpe 10, 20, 15 (best epoch 2 with 40 trades, last 60 trades: 1.5; last/best 0.75),
+    # training path 5, 8, 6 (0.75), a killed run's torn last line skipped, fold 1's records ignored
+    recs = []
+    for e, (v, n, tp) in enumerate([(10.0, 30, 5.0), (20.0, 40, 8.0), (15.0, 60, 6.0)], start=1):
+        recs += [{"kind": "train", "fold": 0, "epoch": e, "atom_utilization": 0.9 - 0.1 * e},
+                 {"kind": "train_path", "fold": 0, "epoch": e, "train_path.sharpe": tp},
+                 {"kind": "val", "fold": 0, "epoch": e, "sharpe": v, "n_trades": n}]
+    recs.append({"kind": "val", "fold": 1, "epoch": 4, "sharpe": 99.0, "n_trades": 1})
+    _write_metrics(tmp_path / "a-s0", recs)
+    n = ab.run_numbers(tmp_path / "a-s0")
+    assert n["finished"] is False and n["epochs"] == 3 and n["test_over_oracle"] is None
+    assert n["last_over_best_val"] == 0.75 and n["train_path_last_over_best"] == 0.75
+    assert n["val_trades_last_over_best"] == 1.5 and abs(n["atom_utilization"] - 0.6) < 1e-12
+    _write_metrics(tmp_path / "a-s1", [{"kind": "train", "fold": 0, "epoch": 1, "atom_utilization": 0.5}])
+    assert ab.run_numbers(tmp_path / "a-s1") is None  # no validation epoch yet: nothing to count
+    row = ab.arm_row("a", [n])
+    assert row["runs"] == 0 and row["unfinished"] == 1 and row["unfinished_epochs"] == [3]
+    assert row["test_over_oracle_all"] == [] and row["t_all"] == [] and row["last_over_best_val_mean"] == 0.75
+    assert "| a | 0 (+1 unfinished) |" in ab.format_table([row])
+    # a validation epoch without trades (Sharpe undefined) is skipped for the best epoch, not for the last
+    assert ab._trades_drift([None, 5.0, None], [0, 10, 20]) == 2.0
+    assert ab._trades_drift([5.0, None], [10, None]) is None
