@@ -679,6 +679,11 @@ class TrainConfig:
     """Model selection: the test window scores the epoch whose validation Sharpe averaged over it
     and the select_window - 1 epochs before it is highest (1 = the best single epoch; a larger
     window does not reward one lucky validation epoch)."""
+    early_stop_patience: int = 0
+    """Early stopping: a fold ends once this many epochs in a row have not beaten the best selection
+    score (the test window then scores the best epoch, as after a full run); 0 = off, every epoch runs.
+    Runs are deterministic, so a stopped run is the first epochs of the full one: it selects the same
+    checkpoint unless a later epoch would have beaten the best."""
     # the validation feedback loop (numbarl/rl/feedback): with any switch on, the validation window
     # splits into a feedback part the switches read and a selection part the model is chosen on
     feedback_split: float = 0.5
@@ -734,6 +739,7 @@ class TrainConfig:
         _check("train", "test_sessions", self.test_sessions, lo=1, hi=100000)
         _check("train", "embargo_bars", self.embargo_bars, lo=0, hi=10**9)
         _check("train", "select_window", self.select_window, lo=1, hi=self.epochs)
+        _check("train", "early_stop_patience", self.early_stop_patience, lo=0, hi=10**6)
         _check("train", "feedback_split", self.feedback_split, lo=0.0, hi=1.0, lo_open=True)
         _check("train", "e1_q_reality", self.e1_q_reality, lo=0.0, hi=10.0)
         _check("train", "e9_min_trades", self.e9_min_trades, lo=1, hi=10**9)

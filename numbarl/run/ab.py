@@ -31,6 +31,10 @@ row per arm with, over its seeds:
 * val trades last/best: the last epoch's validation trade count over the best validation epoch's (mean):
   above 1 the policy churns more as it decays.
 
+With ``--train-arg=--set=train.early_stop_patience=P`` every run stops P epochs after its best one: the
+test/oracle columns are those of the full schedule's runs wherever no later epoch would have beaten the best
+(deterministic runs: a stopped run is the full run's first epochs), at about half the device time on the
+planted market (best epoch 1–3); the decay columns then end at the stopped epoch and say little.
 A run without summary.json (killed before its end) that logged a validation epoch is counted as
 unfinished: it has no test numbers, and its decay columns run to its last logged epoch (the runs column
 then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the run folders without training.

@@ -9,7 +9,7 @@ Read top to bottom it is the algorithm::
     for fold in folds:
         env    = DeviceEnv(market, cfg.env, n_envs, bar_range=fold.train)   training bars only
         agent  = make_agent(cfg.agent, ...)                 fresh weights per fold (agent.kind registry)
-        for epoch:
+        for epoch:                                          until train.early_stop_patience epochs pass the best
             for step:   collect.replay(); train.replay()    captured CUDA graphs
                         every log_interval: read mapped stats (the only host syncs)
             val    = backtest(fold.val, greedy agent)       full metrics, logged
@@ -269,6 +269,10 @@ class FoldTrainer:
     # -- checkpoints ----------------------------------------------------------------------------
     def tag(self, epoch: int) -> str:
         return f"fold{self.fold.index}-epoch{epoch:04d}"
+
+    def epochs_since_best(self) -> int:
+        """Epochs run after the best one so far (its tag names it, so this survives a resume); 0 before any."""
+        return 0 if self.best_tag is None else self.epoch - int(self.best_tag.rsplit("epoch", 1)[1])
 
     def save(self):
         from numbarl.cuda.runtime import pinned_snapshots
@@ -647,7 +651,14 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                 progress.log(f"resumed fold {fold.index} after epoch {ft.epoch} (step {ft.collect_steps})")
             elif resuming:  # the fold starts over: whatever it logged before the kill goes
                 run.truncate_log(-1, fold=fold.index)
+            stopped_after, patience = None, cfg.train.early_stop_patience
             while ft.epoch < cfg.train.epochs:
+                # EARLY STOP (checked before each epoch, so a resumed run stops where the full one did)
+                if patience and ft.epochs_since_best() >= patience:
+                    stopped_after = ft.epoch
+                    progress.log(f"fold {fold.index}: early stop after epoch {ft.epoch} of {cfg.train.epochs}: {patience} "
+                                 f"epochs without a better validation score than {ft.best_tag} (train.early_stop_patience)")
+                    break
                 ft.run_epoch()
                 begun = progress.part_begin()
                 ft.after_epoch()
@@ -695,7 +706,8 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                      **({"validation_split": {"feedback": list(ft.feedback_window), "selection": list(ft.val_window)}}
                         if ft.loop is not None else {}),
                      "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
-                     "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history}
+                     "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history,
+                     "early_stop_after_epoch": stopped_after}
             # the oracle and buy-and-hold results (computed beside the training, or now): the wait
             # for them is a part of `other` of its own
             waited = progress.part_begin()

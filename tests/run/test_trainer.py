@@ -538,3 +538,61 @@ def test_resume_with_the_feedback_loop_equals_uninterrupted(run_cli, cache_dir, 
     strip = lambda recs: [{k: v for k, v in rec.items() if k not in TIMING} for rec in recs]  # noqa: E731
     assert strip(RunDir.open(full).read_metrics()) == strip(RunDir.open(killed).read_metrics())
     assert any(rec["kind"] == "feedback" for rec in RunDir.open(full).read_metrics())
+
+
+def test_early_stop_ends_the_fold_and_scores_the_best_epoch(run_cli, tmp_path, monkeypatch):
+    """Scripted validation scores 1, 3, 2, 2.5, 9 over five epochs with train.early_stop_patience = 2: epochs 3
+    and 4 do not beat epoch 2, so the fold stops after epoch 4 (epoch 5's 9 is never seen), the test window
+    scores epoch 2's checkpoint, and the summary says where it stopped. Patience 0 (the default) runs all five."""
+    original = trainer.FoldTrainer.validate
+
+    def scripted(values):
+        scores = iter(values)
+
+        def validate(self):
+            result, m, _ = original(self)
+            return result, m, next(scores)
+        return validate
+
+    monkeypatch.setattr(trainer.FoldTrainer, "validate", scripted([1.0, 3.0, 2.0, 2.5, 9.0]))
+    out = tmp_path / "stop"
+    r = run_cli(*FAST, "--epochs", "5", "--set", "train.early_stop_patience=2", "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    fold = json.loads((out / "summary.json").read_text())["folds"][0]
+    assert fold["best_checkpoint"] == "fold0-epoch0002" and fold["early_stop_after_epoch"] == 4
+    assert len(fold["val_sharpe_per_epoch"]) == 4
+    assert "early stop after epoch 4 of 5" in (out / "train.log").read_text()
+    monkeypatch.setattr(trainer.FoldTrainer, "validate", scripted([1.0, 3.0, 2.0, 2.5, 9.0]))
+    full = tmp_path / "full"
+    r = run_cli(*FAST, "--epochs", "5", "--out", str(full))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    fold = json.loads((full / "summary.json").read_text())["folds"][0]
+    assert fold["best_checkpoint"] == "fold0-epoch0005" and fold["early_stop_after_epoch"] is None
+
+
+def test_early_stop_after_a_resume_counts_from_the_restored_best(run_cli, tmp_path, monkeypatch):
+    """Killed in epoch 4 and resumed from epoch 3's checkpoint, the run stops after epoch 4 as the uninterrupted
+    one does: the best epoch (2) comes back with the checkpoint."""
+    scores = iter([1.0, 3.0, 2.0, 2.5, 9.0])
+    original_validate, original_collect = trainer.FoldTrainer.validate, trainer.FoldTrainer.collect_once
+
+    def validate(self):
+        result, m, _ = original_validate(self)
+        return result, m, next(scores)
+
+    def dying(self):
+        if self.epoch == 3 and self.collect_steps == 14:
+            raise KeyboardInterrupt("killed")
+        original_collect(self)
+
+    monkeypatch.setattr(trainer.FoldTrainer, "validate", validate)
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", dying)
+    out = tmp_path / "killed"
+    r = run_cli(*FAST, "--epochs", "5", "--set", "train.early_stop_patience=2", "--out", str(out))
+    assert r.exit_code == 130, r.output + repr(r.exception)
+    monkeypatch.setattr(trainer.FoldTrainer, "collect_once", original_collect)
+    r = run_cli("--resume", str(out), "--quiet")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    fold = json.loads((out / "summary.json").read_text())["folds"][0]
+    assert fold["best_checkpoint"] == "fold0-epoch0002" and fold["early_stop_after_epoch"] == 4
+    assert next(scores) == 9.0  # epoch 5 was never validated
