@@ -681,7 +681,8 @@ class TrainConfig:
     window does not reward one lucky validation epoch)."""
     early_stop_patience: int = 0
     """Early stopping: a fold ends once this many epochs in a row have not beaten the best selection
-    score (the test window then scores the best epoch, as after a full run); 0 = off, every epoch runs.
+    score (the test window then scores the best epoch, as after a full run); 0 = off, every epoch runs. It
+    counts from the first defined score (none before select_window epochs, or while validation has no trades).
     Runs are deterministic, so a stopped run is the first epochs of the full one: it selects the same
     checkpoint unless a later epoch would have beaten the best."""
     # the validation feedback loop (numbarl/rl/feedback): with any switch on, the validation window

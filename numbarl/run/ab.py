@@ -8,7 +8,7 @@ instead of ``--seeds``, e.g. to add seeds to an arm measured before); every (arm
 ``OUT/<arm>-s<seed>`` trained by ``python -m numbarl train`` in its own process, ``--parallel`` of
 them at once (side by side on one GPU). ``{seed}`` in an arm's options is replaced by the run's seed,
 so each seed can also get its own market: ``--arm "null: --set data.synth_null=true --set
-data.synth_seed=10{seed}"`` trains seed 3 on null market 103. A finished run (summary.json present) is not run again, so
+data.synth_seed=10{seed}"`` trains seed 3 on null market 103. A finished run (its summary.json lists every fold) is not run again, so
 an interrupted grid is continued by the same command. Then ``OUT/ab.md`` (and ``ab.json``) holds one
 row per arm with, over its seeds:
 
@@ -16,8 +16,8 @@ row per arm with, over its seeds:
   mean, sample std, min;
 * val - test: the selected checkpoint's validation Sharpe minus its test Sharpe (how much of the
   selection score survives out of sample): mean, sample std;
-* last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay):
-  mean, min;
+* last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay; n/a when the
+  last epoch made no trades): mean, min;
 * t, largest |t|: the t of the seed with the largest |t| of the test window, with its sign, t = daily
   Sharpe x sqrt(test days / 252) (the null market's check: no seed above 2; a negative one is a losing
   seed, not a false edge); ``ab.json`` also lists each run's t and the t of buying and
@@ -35,8 +35,8 @@ With ``--train-arg=--set=train.early_stop_patience=P`` every run stops P epochs 
 test/oracle columns are those of the full schedule's runs wherever no later epoch would have beaten the best
 (deterministic runs: a stopped run is the full run's first epochs), at about half the device time on the
 planted market (best epoch 1–3); the decay columns then end at the stopped epoch and say little.
-A run without summary.json (killed before its end) that logged a validation epoch is counted as
-unfinished: it has no test numbers, and its decay columns run to its last logged epoch (the runs column
+A run whose summary.json does not list every fold (killed before its end) that logged a validation epoch
+is counted as unfinished: it has no test numbers, and its decay columns run to its last logged epoch (the runs column
 then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the run folders without training.
 """
 
@@ -98,7 +98,7 @@ def train_command(folder: Path, preset: str, opts: list[str], seed: int, extra: 
 
 def _train(out: Path, preset: str, arm: str, opts: list[str], seed: int, extra: list[str]) -> tuple[str, int, float]:
     folder = run_folder(out, arm, seed)
-    if (folder / "summary.json").is_file():
+    if _finished(folder):
         return str(folder), 0, 0.0
     if folder.exists() and not (folder / "checkpoints").exists():
         import shutil
@@ -116,9 +116,11 @@ def _f(x):
 
 
 def _ratio_to_best(xs):
-    """xs[-1] / max(xs) over the finite values (None unless the best is > 0)."""
-    xs = [x for x in (_f(v) for v in xs) if x is not None]
-    return xs[-1] / max(xs) if xs and max(xs) > 0 else None
+    """The last value over the largest (None when the last is undefined, e.g. an epoch without trades, or
+    the best is not > 0)."""
+    xs = [_f(v) for v in xs]
+    defined = [x for x in xs if x is not None]
+    return xs[-1] / max(defined) if defined and xs[-1] is not None and max(defined) > 0 else None
 
 
 def metrics_trajectory(folder: Path) -> dict:
@@ -153,19 +155,33 @@ def _trades_drift(sharpe, trades):
     scored = [(s, i) for i, (s, _) in enumerate(pairs) if s is not None]
     if not scored or not pairs or pairs[-1][1] is None:
         return None
-    best = pairs[max(scored)[1]][1]
+    best = pairs[max(scored, key=lambda p: (p[0], -p[1]))[1]][1]  # the first best epoch, as the selection
     return pairs[-1][1] / best if best else None
 
 
+def _finished(folder: Path) -> bool:
+    """summary.json lists every fold the run's config asks for (summary.json is rewritten after each fold);
+    without a readable config.json (a folder copied without it), summary.json alone."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        folds = int(json.loads((folder / "config.json").read_text())["train"]["folds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        folds = 1
+    return len(summary.get("folds") or []) >= folds
+
+
 def run_numbers(folder: Path) -> dict | None:
-    """The A/B numbers of one run: a finished one (summary.json), or an unfinished one with at least one
+    """The A/B numbers of one run: a finished one (fold 0 of its summary.json), or an unfinished one with at least one
     validation epoch logged (decay columns only, ``finished`` False); None otherwise."""
     traj = metrics_trajectory(folder)
     common = {"run": folder.name, "atom_utilization": traj["atom_utilization"], "epochs": traj["epochs"],
               "train_path_last_over_best": _ratio_to_best(traj["train_path_sharpe"]),
               "val_trades_last_over_best": _trades_drift(traj["val_sharpe"], traj["val_trades"])}
     path = folder / "summary.json"
-    if not path.is_file():
+    if not _finished(folder):
         if not traj["val_sharpe"]:
             return None
         return {**common, "finished": False, "test_over_oracle": None, "test_sharpe": None, "val_test_gap": None,
@@ -204,12 +220,13 @@ def arm_row(name: str, runs: list[dict]) -> dict:
         s = spread(xs) or {}
         r[f"{key}_mean"], r[f"{key}_std"], r[f"{key}_min"] = s.get("mean"), s.get("std"), s.get("min")
         r[f"{key}_all"] = xs
-    ts = [x["t"] for x in done if x["t"] is not None]
+    ts = [x["t"] for x in runs if x["t"] is not None]
     r["abs_t_max"] = max(abs(v) for v in ts) if ts else None
     r["t_at_abs_max"] = max(ts, key=abs) if ts else None  # with its sign: a losing seed is not a false edge
-    r["t_all"], r["hold_t_all"] = [x["t"] for x in done], [x.get("hold_t") for x in done]
-    r["trade_t_all"] = [x.get("trade_t") for x in done]
-    r["test_over_oracle_all"] = [x["test_over_oracle"] for x in done]
+    r["t_all"], r["hold_t_all"] = [x["t"] for x in runs], [x.get("hold_t") for x in runs]
+    r["trade_t_all"] = [x.get("trade_t") for x in runs]
+    # every *_all list is over the same runs, in this order (an unfinished run: None where it has no number)
+    r["run_all"], r["finished_all"] = [x["run"] for x in runs], [x.get("finished", True) for x in runs]
     return r
 
 
@@ -223,13 +240,14 @@ def format_table(rows: list[dict]) -> str:
             "| val trades last/best |")
     lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for r in rows:
-        per = ", ".join(_c(x) for x in r["test_over_oracle_all"])
+        per = ", ".join(_c(x) for x, done in zip(r["test_over_oracle_all"], r["finished_all"]) if done)
+        trade_t = ", ".join(_c(x, ".1f") for x, done in zip(r["trade_t_all"], r["finished_all"]) if done)
         runs = str(r["runs"]) + (f" (+{r['unfinished']} unfinished)" if r.get("unfinished") else "")
         lines.append(f"| {r['arm']} | {runs} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
                      f"{_c(r['last_over_best_val_min'])} | {_c(r['t_at_abs_max'], '+.2f')} | "
-                     f"{', '.join(_c(x, '.1f') for x in r['trade_t_all'])} | {_c(r['atom_utilization_mean'])} | "
+                     f"{trade_t} | {_c(r['atom_utilization_mean'])} | "
                      f"{_c(r['train_path_last_over_best_mean'])} | {_c(r['val_trades_last_over_best_mean'])} |")
     return "\n".join(lines)
 

@@ -77,6 +77,10 @@ class Progress:
         self.spent[phase][0] += int(units)
         self.spent[phase][1] += float(seconds)
 
+    def skip(self, phase: str, units: int):
+        """`units` of `phase` the run will not do after all (an early-stopped fold's epochs)."""
+        self.left[phase] = max(self.left[phase] - int(units), 0)
+
     def remaining(self) -> tuple[float, bool]:
         """(seconds left, exact): exact is False while a phase with work left is still untimed."""
         total, exact = 0.0, True

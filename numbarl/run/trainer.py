@@ -653,9 +653,13 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                 run.truncate_log(-1, fold=fold.index)
             stopped_after, patience = None, cfg.train.early_stop_patience
             while ft.epoch < cfg.train.epochs:
-                # EARLY STOP (checked before each epoch, so a resumed run stops where the full one did)
-                if patience and ft.epochs_since_best() >= patience:
-                    stopped_after = ft.epoch
+                # EARLY STOP (checked before each epoch, so a resumed run stops where the full one did), counted
+                # from a defined best: not while every score is -inf (select_window's first epochs, no trades)
+                if patience and math.isfinite(ft.best_sharpe) and ft.epochs_since_best() >= patience:
+                    stopped_after, skipped = ft.epoch, cfg.train.epochs - ft.epoch
+                    progress.skip("step", skipped * cfg.train.collect_steps_per_epoch)
+                    progress.skip("backtest", skipped * (fold.val[1] - fold.val[0]))
+                    progress.skip("checkpoint", skipped)
                     progress.log(f"fold {fold.index}: early stop after epoch {ft.epoch} of {cfg.train.epochs}: {patience} "
                                  f"epochs without a better validation score than {ft.best_tag} (train.early_stop_patience)")
                     break
@@ -707,7 +711,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                         if ft.loop is not None else {}),
                      "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
                      "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history,
-                     "early_stop_after_epoch": stopped_after}
+                     **({"early_stop_after_epoch": stopped_after} if stopped_after is not None else {})}
             # the oracle and buy-and-hold results (computed beside the training, or now): the wait
             # for them is a part of `other` of its own
             waited = progress.part_begin()

@@ -115,8 +115,15 @@ def test_decay_columns_and_an_unfinished_run(tmp_path):
     assert ab.run_numbers(tmp_path / "a-s1") is None  # no validation epoch yet: nothing to count
     row = ab.arm_row("a", [n])
     assert row["runs"] == 0 and row["unfinished"] == 1 and row["unfinished_epochs"] == [3]
-    assert row["test_over_oracle_all"] == [] and row["t_all"] == [] and row["last_over_best_val_mean"] == 0.75
+    assert row["test_over_oracle_all"] == [None] and row["t_all"] == [None] and row["last_over_best_val_mean"] == 0.75
+    assert row["run_all"] == ["a-s0"] and row["finished_all"] == [False]
     assert "| a | 0 (+1 unfinished) |" in ab.format_table([row])
     # a validation epoch without trades (Sharpe undefined) is skipped for the best epoch, not for the last
     assert ab._trades_drift([None, 5.0, None], [0, 10, 20]) == 2.0
     assert ab._trades_drift([5.0, None], [10, None]) is None
+    assert ab._trades_drift([5.0, 7.0, 7.0], [10, 20, 40]) == 2.0  # a tie: the first best epoch, as the selection
+    assert ab._ratio_to_best([5.0, 10.0, None]) is None  # a last epoch without trades has no ratio
+    # a summary that lists fewer folds than the config asks for (a multi-fold run killed in fold 1) is unfinished
+    (tmp_path / "a-s0" / "config.json").write_text(json.dumps({"train": {"folds": 2}}))
+    (tmp_path / "a-s0" / "summary.json").write_text(json.dumps({"folds": [{}]}))
+    assert ab.run_numbers(tmp_path / "a-s0")["finished"] is False

@@ -3,6 +3,7 @@ and resumed run ends exactly like an uninterrupted one, a non-finite loss stops 
 message naming the step and tensor, and bad input gives one clear error and writes nothing."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -567,7 +568,15 @@ def test_early_stop_ends_the_fold_and_scores_the_best_epoch(run_cli, tmp_path, m
     r = run_cli(*FAST, "--epochs", "5", "--out", str(full))
     assert r.exit_code == 0, r.output + repr(r.exception)
     fold = json.loads((full / "summary.json").read_text())["folds"][0]
-    assert fold["best_checkpoint"] == "fold0-epoch0005" and fold["early_stop_after_epoch"] is None
+    assert fold["best_checkpoint"] == "fold0-epoch0005" and "early_stop_after_epoch" not in fold
+    # no defined score yet (select_window's first epochs, or no trades: -inf) counts as no best: patience 1
+    # waits for epoch 3's 1.0, then stops after epoch 4's 0.5
+    monkeypatch.setattr(trainer.FoldTrainer, "validate", scripted([-math.inf, -math.inf, 1.0, 0.5, 2.0]))
+    late = tmp_path / "late"
+    r = run_cli(*FAST, "--epochs", "5", "--set", "train.early_stop_patience=1", "--out", str(late))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    fold = json.loads((late / "summary.json").read_text())["folds"][0]
+    assert fold["best_checkpoint"] == "fold0-epoch0003" and fold["early_stop_after_epoch"] == 4
 
 
 def test_early_stop_after_a_resume_counts_from_the_restored_best(run_cli, tmp_path, monkeypatch):

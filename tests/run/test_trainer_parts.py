@@ -20,6 +20,9 @@ def test_eta_covers_every_phase():
     p.done("checkpoint", 1, 3.0)  # 3 s each, 1 left
     assert p.remaining() == (12.0 + 75.0 + 3.0, True)
     assert p.eta() == "1m30s"
+    p.skip("step", 2)  # an early stop: work the run will not do leaves the estimate (2 steps of 2 s)
+    assert p.remaining() == (8.0 + 75.0 + 3.0, True)
+    p.left["step"] += 2
     now[0] += 30.0  # 30 s spent, 90 s left: a quarter of the way
     assert p.bar(width=8) == "[##------]  25%"
     p.plan(steps=4000)
