@@ -24,7 +24,7 @@ Timing of one step (env at cursor c, the close of bar c; n = c + 1):
                is closed at bar n's close quote and pending orders are dropped.
  5. MARK       unrealized = (mid_n - entry price) * position * multiplier; bar P&L = change in
                realized + unrealized (fees are realized when paid).
- 6. REWARD     (trade P&L + micro - holding - churn - opportunity + DSR) * conviction, each term
+ 6. REWARD     (trade P&L + micro [+ net P&L] - holding - churn - opportunity + DSR) * conviction, each term
                its own function below; the terms are also returned in StepOut (r_*, conviction)
                for the training-path telemetry (numbarl/env/telemetry.py).
  7. DONE       position-gated: ep_len >= episode_length and flat with nothing pending; or forced.
@@ -228,6 +228,13 @@ def micro_reward(position_held, mid_c, mid_n, k):
     if mid_c <= _F0:
         return _F0
     return k.micro_scale * position_held * (mid_n / mid_c - _F1)
+
+
+@njit(cache=True)
+def pnl_reward(bar_pnl, k):
+    """Mark-to-market net P&L of the step (realized + unrealized change: fees and the spread paid at fills
+    included) in ticks x contracts x scale: over a trade it sums to the trade's net P&L x scale / tick value."""
+    return k.pnl_scale * bar_pnl / k.tick_value
 
 
 @njit(cache=True)
@@ -508,8 +515,12 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, risk
     r_churn = churn_penalty(entered, since_entry, k)
     r_opportunity = opportunity_cost(position_held, preference, k)
     r_dsr = dsr_term(d_sum, rho, k)
+    r_pnl = pnl_reward(bar_pnl, k)
     conviction = conviction_factor(plan_size, k)
-    reward = (r_trade + r_micro - r_holding - r_churn - r_opportunity + r_dsr) * conviction
+    gross = r_trade + r_micro
+    if k.pnl_scale != _F0:  # off: the sum, and its bits, as without the term
+        gross = gross + r_pnl
+    reward = (gross - r_holding - r_churn - r_opportunity + r_dsr) * conviction
 
     # 7. DONE --------------------------------------------------------------------------------
     done = forced != EXIT_NONE or episode_done(ep_len, pos, p_due, k)
@@ -534,6 +545,7 @@ def step_core(s, direction, size, target_mult, stop_mult, bars, preference, risk
         np.float64(r_dsr),
         np.float64(conviction),
         np.float64(kelly_ratio),
+        np.float64(r_pnl),
     )
     return s_new, out, t1, t2
 

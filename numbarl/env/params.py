@@ -79,6 +79,7 @@ class StepConsts(NamedTuple):
     tick_value: np.float64  # tick_size * multiplier: currency of one tick on one contract
     trade_scale: np.float64
     micro_scale: np.float64
+    pnl_scale: np.float64  # mark-to-market net P&L reward (0: off, the reward's sum as without the term)
     hold_rate: np.float64
     churn_bars: np.float64
     churn_scale: np.float64
@@ -159,6 +160,11 @@ class EnvParams:
     """Reward per tick-contract of net trade P&L, paid when the trade closes."""
     micro_reward_scale: float = 100.0
     """Micro-reward: scale * position * next-bar simple return of the mid."""
+    pnl_reward_scale: float = 0.0
+    """Mark-to-market reward: scale * the step's net P&L (realized + unrealized change, fees and the spread paid
+    at fills included) per tick-contract; over a trade it sums to the trade's net P&L x scale / tick value.
+    0 = off. With the trade and micro terms off it is a dense reward that prices costs as net P&L does (the
+    default pair pays the mid's move twice, once without costs: bin/reward-align)."""
     holding_cost_rate: float = 1e-4
     """Holding cost per contract held per bar."""
     churn_threshold_bars: int = 20
@@ -222,6 +228,7 @@ class EnvParams:
             "slippage_ticks",
             "trade_reward_scale",
             "micro_reward_scale",
+            "pnl_reward_scale",
             "holding_cost_rate",
             "churn_penalty_scale",
             "opportunity_cost_scale",
@@ -330,6 +337,7 @@ class EnvParams:
             tick_value=np.float64(tick * self.contract_multiplier),
             trade_scale=np.float64(self.trade_reward_scale),
             micro_scale=np.float64(self.micro_reward_scale),
+            pnl_scale=np.float64(self.pnl_reward_scale),
             hold_rate=np.float64(self.holding_cost_rate),
             churn_bars=np.float64(self.churn_threshold_bars),
             churn_scale=np.float64(self.churn_penalty_scale),

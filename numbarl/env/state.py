@@ -182,7 +182,7 @@ class StepOut(NamedTuple):
     trade_pnl: np.float64
     exit_reason: np.int64
     position_held: np.float64  # position held over bar c -> n (after the execution at c)
-    # the reward's terms exactly as step_core adds them (reward = (r_trade + r_micro - r_holding
+    # the reward's terms exactly as step_core adds them (reward = (r_trade + r_micro [+ r_pnl] - r_holding
     # - r_churn - r_opportunity + r_dsr) * conviction): exposed for the training-path telemetry
     # (numbarl/env/telemetry.py); costs are positive here and subtracted by the reward
     r_trade: np.float64  # trade-level P&L attribution of the trades closed in the step
@@ -195,6 +195,7 @@ class StepOut(NamedTuple):
     # Kelly size cap (EnvParams.kelly_lambda > 0): capped / asked size of the opening order queued
     # this step (1: the cap did not bind); 0 when no such order was queued or the cap is off
     kelly_ratio: np.float64
+    r_pnl: np.float64  # pnl_scale x the step's net P&L per tick-contract (added to the reward only when pnl_scale != 0)
 
 
 # Row functions and the CPU loops over them only index arrays they are given (they never

@@ -25,9 +25,9 @@ P&L, trade P&L net of fees on both sides; core.py). A step can close two trades 
 bar c, then a stop/target/forced exit at bar n): each is counted.
 
 The contribution of a reward term is what it adds to the reward: core.step_core computes
-reward = (trade + micro - holding - churn - opportunity + dsr) * conviction, so the contribution
+reward = (trade + micro [+ pnl] - holding - churn - opportunity + dsr) * conviction, so the contribution
 of `holding` is -holding * conviction, of `micro` micro * conviction, and so on (costs come out
-negative); the six contributions sum to the reward (in float64, before its float32 store). The
+negative; pnl's is 0 while env.pnl_reward_scale is 0); the seven contributions sum to the reward (in float64, before its float32 store). The
 terms come from the step's StepOut (r_trade ... r_dsr, conviction), the same values the reward
 is summed from.
 
@@ -85,7 +85,7 @@ from numbarl.env.state import row_jit
 
 _cuda = cuda()
 
-TERMS = ("trade", "micro", "holding", "churn", "opportunity", "dsr")  # the reward's terms (core.py)
+TERMS = ("trade", "micro", "holding", "churn", "opportunity", "dsr", "pnl")  # the reward's terms (core.py)
 
 # accumulator rows: acc [N_TEL, N] float64, env i in column i
 T_BAR_N, T_BAR_SUM, T_BAR_SUMSQ = 0, 1, 2
@@ -124,8 +124,8 @@ def term_sumsq(j: int) -> int:
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True)
 def reward_contributions(o):
-    """The six reward terms of a StepOut as signed contributions to the reward, TERMS order:
-    reward = (sum of these) in float64 before its float32 store."""
+    """The seven reward terms of a StepOut as signed contributions to the reward, TERMS order:
+    reward = (sum of these) in float64 before its float32 store (pnl: 0 while its scale is 0)."""
     c = o.conviction
     return (
         o.r_trade * c,
@@ -134,6 +134,7 @@ def reward_contributions(o):
         -o.r_churn * c,
         -o.r_opportunity * c,
         o.r_dsr * c,
+        o.r_pnl * c,
     )
 
 
@@ -169,13 +170,14 @@ def accumulate_row(acc, i, o, t1, t2):
     _add(acc, T_BAR_SUM, i, o.bar_pnl)
     _add_trade(acc, i, t1)
     _add_trade(acc, i, t2)
-    tr, mi, ho, ch, op, ds = reward_contributions(o)
+    tr, mi, ho, ch, op, ds, pn = reward_contributions(o)
     _add(acc, T_TERM0, i, tr)
     _add(acc, T_TERM0 + 2, i, mi)
     _add(acc, T_TERM0 + 4, i, ho)
     _add(acc, T_TERM0 + 6, i, ch)
     _add(acc, T_TERM0 + 8, i, op)
     _add(acc, T_TERM0 + 10, i, ds)
+    _add(acc, T_TERM0 + 12, i, pn)
     _add_kelly(acc, i, o.kelly_ratio)
 
 
@@ -200,13 +202,14 @@ def record_row(rec, i, o, t1, t2):
     rec[R_T1_PNL, i] = t1.pnl
     rec[R_T2_CLOSED, i] = _F1 if t2.reason != EXIT_NONE else _F0
     rec[R_T2_PNL, i] = t2.pnl
-    tr, mi, ho, ch, op, ds = reward_contributions(o)
+    tr, mi, ho, ch, op, ds, pn = reward_contributions(o)
     rec[R_TERM0, i] = tr
     rec[R_TERM0 + 1, i] = mi
     rec[R_TERM0 + 2, i] = ho
     rec[R_TERM0 + 3, i] = ch
     rec[R_TERM0 + 4, i] = op
     rec[R_TERM0 + 5, i] = ds
+    rec[R_TERM0 + 6, i] = pn
     rec[R_KELLY_RATIO, i] = o.kelly_ratio
 
 

@@ -386,6 +386,17 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/env/test_core.py", "tests/env/test_telemetry.py"),
         "train_path.kelly_capped_frac", "> 0", agent_kinds=("c51", "ppo", "dt")),
     # --- end the env's fractional-Kelly size cap --------------------------------------------------------
+    # --- the env's mark-to-market reward term (env.pnl_reward_scale; numbarl/env/core.py:pnl_reward) ----------
+    Component(
+        "pnl_reward", "mark-to-market net P&L reward term in the shared step: scale x the step's change of realized + "
+        "unrealized P&L (fees and the spread paid at fills included) per tick-contract; over a trade it sums to the "
+        "trade's net P&L, so it prices costs as net P&L does (the trade + micro pair pays the mid's move twice, "
+        "once without costs: bin/reward-align)",
+        "env.pnl_reward_scale=0.01",
+        "r = s * (equity_n - equity_c) / tick_value; sum over a trade = s * net P&L / tick_value",
+        ("tests/env/test_core.py", "tests/env/test_telemetry.py", "tests/rl/test_feedback.py"),
+        "reward.pnl.std", "> 0", agent_kinds=("c51", "ppo", "dt")),
+    # --- end the env's mark-to-market reward term -----------------------------------------------------------
     # --- PPO (agent.kind = "ppo"; numbarl/rl/agents/ppo.py) ------------------------------------------------
     Component(
         "ppo", "PPO: clipped surrogate + value loss + entropy bonus on a branched masked-categorical policy and a "

@@ -140,6 +140,32 @@ def test_entry_accounting_and_micro_reward():
     assert core.micro_reward(1.0, 0.0, 1.0, k) == 0.0
 
 
+def test_pnl_reward_is_the_step_net_pnl_and_sums_to_the_trade_pnl():
+    """env.pnl_reward_scale: the step's net P&L (realized + unrealized change) per tick-contract x scale; over
+    a trade opened, held and closed it sums to the trade's net P&L x scale / tick value (fees and spread
+    included). Off (0): the reward is bit for bit the reward without the term."""
+    k = consts(pnl_reward_scale=0.01)
+    tv = 0.25 * 2.0  # tick 0.25, multiplier 2
+    s = core.initial_portfolio(10)
+    s1, o1, _, _ = step(s, DIR_LONG, size=2.0, k=k)  # buy 2 at 100.125 (fee 1.0), marked at 100.5
+    assert o1.bar_pnl == pytest.approx(0.5) and o1.reward == pytest.approx(0.01 * 0.5 / tv)
+    assert o1.r_pnl == o1.reward
+    b2 = bars(mid_c=100.5, mid_n=101.0, high_n=101.25, low_n=100.5)
+    s2, o2, _, _ = step(s1, DIR_LONG, k=k, b=b2)  # held: marked at 101.0
+    b3 = bars(mid_c=101.0, mid_n=100.75, high_n=101.0, low_n=100.5)
+    s3, o3, t1, _ = step(s2, DIR_FLAT, k=k, b=b3)  # sold at bid 100.875 (fee 1.0)
+    assert t1.reason == EXIT_CLOSE and s3.position == 0.0
+    total = float(o1.reward) + float(o2.reward) + float(o3.reward)
+    assert total == pytest.approx(0.01 * t1.pnl / tv, rel=1e-12)
+    assert t1.pnl == pytest.approx((100.875 - 100.125) * 2 * 2 - 2 * 1.0)
+    # off (0): with every other term on, the reward is bit for bit the sum without the term, in its order
+    k0 = consts(trade_reward_scale=0.01, micro_reward_scale=100.0, holding_cost_rate=1e-4, churn_penalty_scale=0.01)
+    for state, d, b in ((s, DIR_LONG, None), (s1, DIR_LONG, b2), (s2, DIR_FLAT, b3)):
+        _, c, _, _ = step(state, d, size=2.0, k=k0, b=b)
+        want = (c.r_trade + c.r_micro - c.r_holding - c.r_churn - c.r_opportunity + c.r_dsr) * c.conviction
+        assert np.float64(c.reward).tobytes() == np.float64(want).tobytes() and c.r_pnl == 0.0 and c.reward != 0.0
+
+
 def test_holding_cost():
     k = consts(holding_cost_rate=0.01)
     assert core.holding_cost(-2.0, k) == pytest.approx(0.02)

@@ -61,6 +61,7 @@ RUNS = {
     # multi-horizon C51 (agent.horizons): its own run, since the longest window delays the first train step
     # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)
     "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5",
+           "--set", "env.pnl_reward_scale=0.01",  # the mark-to-market reward term beside the trade and micro terms
            "--set", "agent.adaptive_atoms=true", "--set", "agent.adaptive_atoms_warmup=0",
            "--set", "agent.aux_frequency=1"],  # the atoms step on aux steps; the run has few train steps
     # PPO (agent.kind = "ppo"): an update after every second collect step
@@ -101,7 +102,7 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
           "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "isv_routing": "cvar", "obs_noise": "cvar",
-          "multi_horizon_c51": "mh", "kelly_sizing": "mh",
+          "multi_horizon_c51": "mh", "kelly_sizing": "mh", "pnl_reward": "mh",
           "adaptive_atoms": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
@@ -126,8 +127,8 @@ def live_runs(tmp_path_factory):
 
 def _records(live_runs, run, key):
     """The run's records that carry `key`: the per-epoch "train_path" records for the env's
-    telemetry keys (numbarl/env/telemetry.py), the train records for the rest."""
-    return live_runs[run + (":train_path" if key.startswith("train_path.") else "")]
+    telemetry keys (train_path.*, reward.<term>.*: numbarl/env/telemetry.py), the train records for the rest."""
+    return live_runs[run + (":train_path" if key.startswith(("train_path.", "reward.")) else "")]
 
 
 @pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS])

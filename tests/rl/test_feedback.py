@@ -75,6 +75,12 @@ def test_e1_trade_return_and_bias_hand_computed():
     want = conv * (r0 + g * r1)
     got = loop.trade_returns(t, mid, k, g)
     assert got[0] == pytest.approx(want, rel=1e-12)
+    # the mark-to-market term (env.pnl_reward_scale): each bar's mid-to-mid P&L, the costs at the last bar
+    kp = EnvParams(pnl_reward_scale=0.01).step_consts(0.25)
+    m1, m2 = p * 1.0 * kp.multiplier, p * -2.0 * kp.multiplier  # $ of the two bars' moves
+    s_tv = kp.pnl_scale / kp.tick_value
+    want_p = conv * ((r0 + s_tv * m1) + g * (r1 + s_tv * m2 + s_tv * (50.0 - m1 - m2)))
+    assert loop.trade_returns(t, mid, kp, g)[0] == pytest.approx(want_p, rel=1e-12)
     q_record = np.full((1, 4, 3), np.nan, np.float32)
     q_record[0, 0, DIR_LONG] = 2.5
     q_hat = loop.entry_q(t, q_record, start=0)

@@ -12,6 +12,10 @@ E1 Q reality check (``train.e1_q_reality`` = eta, 0 = off). For each feedback tr
                                                  - hold_rate * |pos|)
            + gamma^(x-1-e) * conv * trade_scale * pnl / tick_value
 
+   and with env.pnl_reward_scale = s > 0 also s * pos * (mid_{j+1} - mid_j) * multiplier / tick_value per
+   bar and the trade's costs, s * (pnl - those moves) / tick_value, at its last bar (the env pays the
+   costs at the fills; the placement is this estimate's)
+
    (the env's micro, holding and trade terms on the trade's path, numbarl/env/core.py; conv the
    plan-conviction factor of its size). b = median(Q^ - G) is the epoch's Q bias; the reward
    offset integrates it, offset <- offset + eta * b, and the train step subtracts it from the
@@ -90,13 +94,21 @@ def trade_returns(trades, mid: np.ndarray, k, gamma: float) -> np.ndarray:
         size = abs(p)
         conv = 1.0 + float(k.conviction_weight) * (size / float(k.max_size) - 1.0) if size > 0 else 1.0
         g, disc = 0.0, 1.0
+        pnl_scale = float(k.pnl_scale)
+        marked = 0.0  # the mark-to-market term's moves so far (pnl_scale > 0)
         for j in range(e, x):
             r = 0.0
             if mid[j] > 0:
                 r += float(k.micro_scale) * p * (mid[j + 1] / mid[j] - 1.0)
             r -= float(k.hold_rate) * size
+            if pnl_scale:  # the bar's mid-to-mid P&L; the trade's costs (net P&L minus those moves) at its exit
+                move = p * (mid[j + 1] - mid[j]) * float(k.multiplier)
+                marked += move
+                r += pnl_scale * move / float(k.tick_value)
             if j == x - 1:
                 r += float(k.trade_scale) * pnl[i] / float(k.tick_value)
+                if pnl_scale:
+                    r += pnl_scale * (pnl[i] - marked) / float(k.tick_value)
             g += disc * conv * r
             disc *= gamma
         out[i] = g
