@@ -31,6 +31,9 @@ row per arm with, over its seeds:
 * val trades last/best: the last epoch's validation trade count over the best validation epoch's (mean):
   above 1 the policy churns more as it decays.
 
+``ab.json`` also lists per run (``run_all`` order) the selected epoch (``best_epoch_all``: how early the runs peak,
+what ``train.early_stop_patience`` saves).
+
 With ``--train-arg=--set=train.early_stop_patience=P`` every run stops P epochs after its best one: the
 test/oracle columns are those of the full schedule's runs wherever no later epoch would have beaten the best
 (deterministic runs: a stopped run is the full run's first epochs), at about half the device time on the
@@ -205,6 +208,8 @@ def run_numbers(folder: Path) -> dict | None:
     # freedom; a window of ~100 trades gives t = per-trade Sharpe x sqrt(trades) far more power
     ts, n = _f(test.get("trade_sharpe")), _f(test.get("n_trades"))
     trade_t = ts * math.sqrt(n) if ts is not None and n else None
+    tag = f.get("best_checkpoint") or ""
+    common["best_epoch"] = int(tag.rsplit("epoch", 1)[1]) if "epoch" in tag else None  # the selected checkpoint's
     return {**common, "finished": True, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
             "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
             "t": t, "hold_t": hold_t, "trade_t": trade_t}
@@ -227,6 +232,7 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     r["trade_t_all"] = [x.get("trade_t") for x in runs]
     # every *_all list is over the same runs, in this order (an unfinished run: None where it has no number)
     r["run_all"], r["finished_all"] = [x["run"] for x in runs], [x.get("finished", True) for x in runs]
+    r["best_epoch_all"] = [x.get("best_epoch") for x in runs]  # the epoch the test window scored (finished runs)
     return r
 
 

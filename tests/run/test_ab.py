@@ -72,6 +72,7 @@ def test_grid_writes_one_table_and_continues(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads((out / "ab.json").read_text())
     assert [row["arm"] for row in rows] == ["base", "eps"] and all(row["runs"] == 1 for row in rows)
+    assert all(1 <= row["best_epoch_all"][0] <= 2 for row in rows)  # the selected checkpoint of a 2-epoch run
     for row in rows:  # the tiny market has an oracle: every run has a test/oracle and a decay ratio
         assert len(row["test_over_oracle_all"]) == 1
         assert row["last_over_best_val_mean"] is None or row["last_over_best_val_mean"] <= 1.0
