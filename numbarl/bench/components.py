@@ -250,7 +250,7 @@ class Liveness:
         self.before = {}
 
     def arm(self):
-        from numbarl.env.telemetry import epoch_record
+        from numbarl.env.telemetry import KEY_PREFIXES, epoch_record
 
         ft = self.ft
         ft.stream.synchronize()
@@ -262,11 +262,11 @@ class Liveness:
                     self.before[c.liveness] = float(host[slot.index])
                 else:  # a value: it must be written by them
                     host[slot.index] = math.nan
-        if any(c.liveness.startswith("train_path.") for c in self.components):
+        if any(c.liveness.startswith(KEY_PREFIXES) for c in self.components):
             epoch_record(ft.telemetry, ft.stream, ft.market.bars_per_day)  # zeroes the env's accumulators
 
     def read(self) -> list[dict]:
-        from numbarl.env.telemetry import epoch_record
+        from numbarl.env.telemetry import KEY_PREFIXES, epoch_record
 
         ft = self.ft
         if "diagnostics" in ft.steps:  # what the trainer runs before every log read
@@ -274,7 +274,7 @@ class Liveness:
         stats = ft.agent.read_stats(ft.stream)
         if ft.loop is not None:
             stats.update(ft.loop.train_stats())
-        if any(c.liveness.startswith("train_path.") for c in self.components):
+        if any(c.liveness.startswith(KEY_PREFIXES) for c in self.components):
             stats.update(epoch_record(ft.telemetry, ft.stream, ft.market.bars_per_day))  # NaN: None
         out = []
         for c in self.components:
@@ -288,7 +288,7 @@ class Liveness:
             elif c.liveness in self.layout:
                 live = value is not None and c.is_live(value)
                 how = "set to NaN before the timed replays"
-            elif c.liveness.startswith("train_path."):
+            elif c.liveness.startswith(KEY_PREFIXES):
                 live = value is not None and c.is_live(value)
                 how = "env telemetry zeroed before the timed replays"
             else:  # not reset, and moved by validation (at epoch ends) only: neither proof nor disproof

@@ -234,6 +234,8 @@ def micro_reward(position_held, mid_c, mid_n, k):
 def pnl_reward(bar_pnl, k):
     """Mark-to-market net P&L of the step (realized + unrealized change: fees and the spread paid at fills
     included) in ticks x contracts x scale: over a trade it sums to the trade's net P&L x scale / tick value."""
+    if k.pnl_scale == _F0:  # off: 0, also for a non-finite bar P&L (the telemetry's term stays finite)
+        return _F0
     return k.pnl_scale * bar_pnl / k.tick_value
 
 

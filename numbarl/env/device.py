@@ -21,7 +21,7 @@ graph and replayed (the RNG counter is advanced by a kernel, numbarl/cuda/rng.ad
 
 Memory per env step: ~130 B of state read and written (float64 only where P&L precision needs it,
 see numbarl/env/market.py), 16 B of actions, ~30 B of outputs, ~70 B of bar quotes, and ~240 B of
-training-path telemetry sums read and written (15 float64 every step, 4 more per closed trade).
+training-path telemetry sums read and written (17 float64 every step, 4 more per closed trade).
 
 Replay hook: after `step`, `env.transition` holds device views with fixed addresses:
 obs (before the step) [N, state_dim], mask (of obs) [N, 4, max_actions] u8, actions [N, 4],

@@ -86,6 +86,7 @@ from numbarl.env.state import row_jit
 _cuda = cuda()
 
 TERMS = ("trade", "micro", "holding", "churn", "opportunity", "dsr", "pnl")  # the reward's terms (core.py)
+KEY_PREFIXES = ("train_path.", "reward.")  # the keys of epoch_record: the per-epoch train_path records
 
 # accumulator rows: acc [N_TEL, N] float64, env i in column i
 T_BAR_N, T_BAR_SUM, T_BAR_SUMSQ = 0, 1, 2

@@ -100,6 +100,19 @@ def test_bench_runs_the_trainer_graphs_and_reads_liveness(tmp_path, monkeypatch,
     assert table[0].startswith("| component | switch | train ms") and "`agent.weight_decay=1e-4`" in table[3]
 
 
+def test_bench_reads_an_env_reward_terms_liveness(tmp_path, monkeypatch):
+    """pnl_reward's key (reward.pnl.std) comes from the env's training-path telemetry, zeroed before the timed
+    replays: live with the switch on, not with it off."""
+    monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "components.json"
+    assert bench.main(["--preset", "tiny", "--batch", "4", "--n-envs", "2", "--components", "pnl_reward", "--reps", "2",
+                       "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    base, on = json.loads(out.read_text())["rows"]
+    (b,), (o,) = base["liveness"], on["liveness"]
+    assert b["key"] == o["key"] == "reward.pnl.std" and o["how"].startswith("env telemetry zeroed")
+    assert o["live"] and o["value"] > 0 and not b["live"]
+
+
 def test_gpu_presets_are_refused_on_the_simulator(capsys):
     if not SIMULATOR:
         pytest.skip("a GPU is present: the default preset runs")

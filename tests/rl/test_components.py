@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from numbarl.cli import train_cmd
 from numbarl.config import AGENT_KINDS
+from numbarl.env.telemetry import KEY_PREFIXES
 from numbarl.rl import components
 from numbarl.rl.agents.base import known_kinds
 
@@ -128,7 +129,7 @@ def live_runs(tmp_path_factory):
 def _records(live_runs, run, key):
     """The run's records that carry `key`: the per-epoch "train_path" records for the env's
     telemetry keys (train_path.*, reward.<term>.*: numbarl/env/telemetry.py), the train records for the rest."""
-    return live_runs[run + (":train_path" if key.startswith(("train_path.", "reward.")) else "")]
+    return live_runs[run + (":train_path" if key.startswith(KEY_PREFIXES) else "")]
 
 
 @pytest.mark.parametrize("component", [c.name for c in components.COMPONENTS])

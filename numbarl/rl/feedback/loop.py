@@ -13,8 +13,9 @@ E1 Q reality check (``train.e1_q_reality`` = eta, 0 = off). For each feedback tr
            + gamma^(x-1-e) * conv * trade_scale * pnl / tick_value
 
    and with env.pnl_reward_scale = s > 0 also s * pos * (mid_{j+1} - mid_j) * multiplier / tick_value per
-   bar and the trade's costs, s * (pnl - those moves) / tick_value, at its last bar (the env pays the
-   costs at the fills; the placement is this estimate's)
+   bar and the rest of its net P&L, s * (pnl - those moves) / tick_value (costs, and a stop or target
+   fill's distance from the mid), at its last bar (the env pays them at the fills; the placement is
+   this estimate's)
 
    (the env's micro, holding and trade terms on the trade's path, numbarl/env/core.py; conv the
    plan-conviction factor of its size). b = median(Q^ - G) is the epoch's Q bias; the reward
@@ -101,7 +102,7 @@ def trade_returns(trades, mid: np.ndarray, k, gamma: float) -> np.ndarray:
             if mid[j] > 0:
                 r += float(k.micro_scale) * p * (mid[j + 1] / mid[j] - 1.0)
             r -= float(k.hold_rate) * size
-            if pnl_scale:  # the bar's mid-to-mid P&L; the trade's costs (net P&L minus those moves) at its exit
+            if pnl_scale:  # the bar's mid-to-mid P&L; the rest of the net P&L (costs, exit fill vs mid) at its exit
                 move = p * (mid[j + 1] - mid[j]) * float(k.multiplier)
                 marked += move
                 r += pnl_scale * move / float(k.tick_value)
