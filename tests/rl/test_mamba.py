@@ -272,6 +272,33 @@ def test_conv_hand_computed():
     np.testing.assert_allclose(dw[:, 0], [e[0] + 2 * e[1] + 3 * e[2], e[1] + 2 * e[2], sum(e)], rtol=1e-12)
 
 
+@pytest.mark.parametrize("taps, masked", [(1, False), (3, True), (8, True)])
+def test_conv_kernels_match_reference(rng, taps, masked):
+    """The convolution's three kernels alone (one thread per window column) against the float64 reference:
+    out, v, dz (convolved and copied columns) and the weight-gradient parts summed over windows, with masked
+    rows at the start, in the middle and at the end of windows, and d from 1 to the largest (8 > K)."""
+    from numbarl.cuda.kernels import conv1d
+
+    n_win, k_rows, p_cols, n_cols = 3, 5, 6, 4
+    z = rng.standard_normal((n_win * k_rows, p_cols)).astype(np.float32)
+    w = rng.standard_normal((taps + 1, n_cols)).astype(np.float32)
+    dout = rng.standard_normal((n_win * k_rows, p_cols)).astype(np.float32)
+    mask = np.array([[0, 1, 1, 1, 1], [1, 1, 0, 1, 1], [1, 1, 1, 1, 0]], np.float32) if masked else None
+    s = stream()
+    out, pre = _cuda.device_array((n_win * k_rows, p_cols), np.float32), _cuda.device_array((n_win * k_rows, n_cols), np.float32)
+    dz, part = _cuda.device_array((n_win * k_rows, p_cols), np.float32), _cuda.device_array((n_win, (taps + 1) * n_cols), np.float32)
+    dm = None if mask is None else _dev(mask)
+    conv1d.conv_forward(_dev(z), _dev(w), dm, k_rows, out, pre, s)
+    conv1d.conv_backward(_dev(dout), _dev(z), _dev(w), pre, dm, k_rows, dz, part, s)
+    want_out, want_v = conv1d.causal_conv_ref(z, w, mask, k_rows, n_cols)
+    want_dz, want_dw = conv1d.causal_conv_backward_ref(dout, z, w, mask, k_rows, n_cols)
+    assert_close(_host(out), want_out, atol=ATOL, rtol=RTOL)
+    assert_close(_host(pre), want_v, atol=ATOL, rtol=RTOL)
+    assert_close(_host(dz), want_dz, atol=ATOL, rtol=RTOL)
+    got_dw = _host(part).astype(np.float64).sum(axis=0).reshape(taps + 1, n_cols)
+    assert_close(got_dw, want_dw, atol=ATOL, rtol=RTOL)
+
+
 def test_conv_lets_the_scan_read_a_product_of_two_rows():
     """Why the convolution (numbarl/cuda/kernels/conv1d.py): the scan's state is a sum over rows of one
     row's products u_t ⊗ B_t, read by the newest row's C, so without the convolution h̃ holds no product

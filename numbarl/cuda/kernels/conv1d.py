@@ -22,8 +22,13 @@ scan's state restarts after one. Backward from dout (e_t = dout_t · silu'(v_t))
     ∂L/∂z_s[j]  = Σ_{k < d, k < ℓ_{s+k}} w[k, j] · e_{s+k}[j]   (s + k ≤ K − 1; j ≥ n_cols: dout_s[j])
     ∂L/∂w[k, j] = Σ_{b, t: k < ℓ_t} e_t[j] · z_{t−k}[j],     ∂L/∂w[d, j] = Σ_{b, t} e_t[j]
 
-Thread mapping (one writer per element, sums in a fixed order, no atomics): the forward and the input
-gradient one thread per (row, column); the weight gradient one thread per (window, column) summing
+Thread mapping (one writer per element, sums in a fixed order, no atomics): every kernel one thread per
+(window, column) walking the window's K rows (the forward and the weight gradient down, the input gradient
+up), its taps bounded by a running count of valid rows instead of a mask load per tap; consecutive threads
+are consecutive columns of one row, so each row's loads and stores are coalesced. (The earlier mapping of
+the forward and the input gradient, one thread per (row, column), ran K× the threads, each with d dependent
+mask loads; the sums and their order are unchanged, so the results are bit for bit the same.) The weight
+gradient sums
 its K rows into part [B, (d + 1)·n_cols] (tap k at columns k·n_cols + j, the bias at d·n_cols + j),
 which the caller sums over windows with numbarl.cuda.reduce.col_sum (fixed order). The forward keeps
 v in ``pre`` [B·K, n_cols] for the backward.
@@ -116,44 +121,57 @@ def causal_conv_backward_ref(dout, z, w, mask, n_steps: int, n_cols: int):
 # ---------------------------------------------------------------------------------------------
 @_cuda.jit(cache=True)
 def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
-    """One thread per (row, column j of z): out = silu(v) for j < n_cols (v saved in pre), else z."""
+    """One thread per (window b, column j of z), down the window's K rows: out = silu(v) for j < n_cols
+    (v saved in pre), else z. The taps of row t reach back over the run of valid rows ending at t."""
     i = _cuda.grid(1)
-    if i >= out.size:
+    n_cols = out.shape[1]
+    if i >= (out.shape[0] // n_steps) * n_cols:
         return
-    row, j = cell_dev(i, out.shape[1])
+    b, j = cell_dev(i, n_cols)
+    first = b * n_steps
     if j >= pre.shape[1]:
-        out[row, j] = z[row, j]
+        for t in range(n_steps):
+            out[first + t, j] = z[first + t, j]
         return
-    b, t = cell_dev(row, n_steps)
     d = w.shape[0] - 1
-    v = w[d, j]
-    for k in range(d):  # taps back to the first masked row (or the window's start)
-        if t - k < 0 or row_masked_dev(mask, has_mask, b, t - k):
-            break
-        v += w[k, j] * z[row - k, j]
-    pre[row, j] = v
-    out[row, j] = silu_dev(v)
+    run = 0  # consecutive valid rows ending at row t (0 at a masked row)
+    for t in range(n_steps):
+        run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
+        v = w[d, j]
+        for k in range(d):  # taps back to the first masked row (or the window's start)
+            if k >= run:
+                break
+            v += w[k, j] * z[first + t - k, j]
+        pre[first + t, j] = v
+        out[first + t, j] = silu_dev(v)
 
 
 @_cuda.jit(cache=True)
 def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
-    """One thread per (row s, column j): dz = Σ_k w[k, j] · e_{s+k}[j] over the taps of rows s + k that reach
-    row s (no masked row in s..s + k) for j < n_cols, else dout."""
+    """One thread per (window b, column j), up the window's rows: dz_s = Σ_k w[k, j] · e_{s+k}[j] over the taps
+    of rows s + k that reach row s (no masked row in s..s + k) for j < n_cols, else dout."""
     i = _cuda.grid(1)
-    if i >= dz.size:
+    n_cols = dz.shape[1]
+    if i >= (dz.shape[0] // n_steps) * n_cols:
         return
-    row, j = cell_dev(i, dz.shape[1])
+    b, j = cell_dev(i, n_cols)
+    first = b * n_steps
     if j >= pre.shape[1]:
-        dz[row, j] = dout[row, j]
+        for t in range(n_steps):
+            dz[first + t, j] = dout[first + t, j]
         return
-    b, t = cell_dev(row, n_steps)
     d = w.shape[0] - 1
-    acc = _ZERO
-    for k in range(d):
-        if t + k >= n_steps or row_masked_dev(mask, has_mask, b, t + k):
-            break
-        acc += w[k, j] * (dout[row + k, j] * silu_grad_dev(pre[row + k, j]))
-    dz[row, j] = acc
+    stop = n_steps  # the first masked row at or after row s (n_steps: none)
+    for back in range(n_steps):
+        s = n_steps - 1 - back
+        if row_masked_dev(mask, has_mask, b, s):
+            stop = s
+        acc = _ZERO
+        for k in range(d):
+            if s + k >= stop:
+                break
+            acc += w[k, j] * (dout[first + s + k, j] * silu_grad_dev(pre[first + s + k, j]))
+        dz[first + s, j] = acc
 
 
 @_cuda.jit(cache=True)
@@ -168,11 +186,13 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
     acc = _cuda.local.array(_PARTS, float32)  # taps 0..d − 1, then the bias
     for k in range(n_taps + 1):
         acc[k] = _ZERO
+    run = 0  # consecutive valid rows ending at row t, as in the forward
     for t in range(n_steps):  # rows in order; each row's taps as in the forward
+        run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
         e = dout[first + t, j] * silu_grad_dev(pre[first + t, j])
         acc[n_taps] += e
         for k in range(n_taps):
-            if t - k < 0 or row_masked_dev(mask, has_mask, b, t - k):
+            if k >= run:
                 break
             acc[k] += e * z[first + t - k, j]
     for k in range(n_taps + 1):
@@ -197,7 +217,7 @@ def conv_forward(z, w, mask, n_steps: int, out, pre, stream):
     """out [B·K, P] = the module docstring's out for z [B·K, P]; pre [B·K, n_cols] = v (kept for the
     backward); mask float32 [B, K] or None (every row valid)."""
     _check(z, w, mask, n_steps, pre)
-    conv_forward_kernel[launch.blocks(out.size, BLOCK), BLOCK, stream](
+    conv_forward_kernel[launch.blocks((out.shape[0] // n_steps) * out.shape[1], BLOCK), BLOCK, stream](
         z, w, pre if mask is None else mask, mask is not None, np.int32(n_steps), out, pre)
 
 
@@ -210,7 +230,7 @@ def conv_backward(dout, z, w, pre, mask, n_steps: int, dz, part, stream):
         raise ValueError(f"causal conv: part must be [{z.shape[0] // n_steps}, {(n_taps + 1) * pre.shape[1]}], "
                          f"got {tuple(part.shape)}")
     m = pre if mask is None else mask
-    conv_input_grad_kernel[launch.blocks(dz.size, BLOCK), BLOCK, stream](
+    conv_input_grad_kernel[launch.blocks((dz.shape[0] // n_steps) * dz.shape[1], BLOCK), BLOCK, stream](
         dout, w, pre, m, mask is not None, np.int32(n_steps), dz)
     conv_weight_part_kernel[launch.blocks(part.shape[0] * pre.shape[1], BLOCK), BLOCK, stream](
         dout, z, pre, m, mask is not None, np.int32(n_steps), np.int32(n_taps), part)
