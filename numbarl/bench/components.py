@@ -30,7 +30,7 @@ here"; some keys, e.g. E3's discount, meet their condition from the start). The 
 measured key too: none may be live with its switch off, or that key proves nothing.
 
     python -m numbarl.bench.components [--preset default] [--components iqn,cql] [--reps 50]
-                                       [--tf32] [--json OUT] [--markdown OUT]
+                                       [--tf32] [--json OUT] [--markdown OUT] [--profile]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -318,8 +319,10 @@ def free_device_memory() -> None:
         pass
 
 
-def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: int) -> dict:
-    """Build, warm, capture and time one configuration; its row (without the deltas)."""
+def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: int, profile: bool = False) -> dict:
+    """Build, warm, capture and time one configuration; its row (without the deltas). profile: also the GPU time
+    per kernel of the train and collect steps, run eagerly after the timing (numbarl.bench.train.kernel_profile;
+    empty without torch or on the simulator)."""
     free_device_memory()  # also what a configuration that failed left behind
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="numbarl-bench-components-") as folder:
@@ -332,6 +335,11 @@ def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: 
             ms = {name: time_graph(ft.graphs[name], s, reps, repeats, warmup) for name in (ACT_GRAPH, *names)}
             aux_every = int(ft.agent.aux_every)
             liveness = live.read()
+            kernels = {}
+            if profile:  # after the liveness read: the eager steps move the agent on
+                from numbarl.bench.train import kernel_profile
+
+                kernels = {f"kernels_{name}": kernel_profile(ft.steps[name], s) for name in ("train", ACT_GRAPH)}
         finally:
             close_graphs(ft)
         del ft, live
@@ -339,7 +347,7 @@ def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: 
     train_aux = ms.get("train_aux")
     return {"collect_ms": ms[ACT_GRAPH], "train_ms": ms["train"], "train_aux_ms": train_aux, "aux_every": aux_every,
             "amortized_ms": amortized_ms(ms["train"], train_aux, aux_every), "liveness": liveness,
-            "build_s": time.perf_counter() - t0}
+            "build_s": time.perf_counter() - t0, **kernels}
 
 
 def amortized_ms(train_ms: float, train_aux_ms: float | None, aux_every: int) -> float:
@@ -386,7 +394,8 @@ def run(args) -> dict:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {switch or 'preset ' + base.preset}", flush=True)
         row = {"component": name, "switch": switch}
         try:
-            row.update(measure(cfg, comps, markets, args.reps, args.repeats, args.warmup))
+            row.update(measure(cfg, comps, markets, args.reps, args.repeats, args.warmup,
+                               profile=getattr(args, "profile", False)))
         except Exception as e:  # one configuration that cannot run is a row of the table, not the end of it
             if name == BASE:
                 raise
@@ -406,6 +415,32 @@ def add_deltas(rows: list[dict]) -> None:
         r["delta_ms"] = r["amortized_ms"] - base["amortized_ms"]
         r["delta_pct"] = 100.0 * r["delta_ms"] / base["amortized_ms"] if base["amortized_ms"] > 0 else math.nan
         r["collect_delta_ms"] = r["collect_ms"] - base["collect_ms"]
+
+
+def kernel_deltas(base: dict, row: dict, key: str = "kernels_train", top: int = 8) -> list[tuple[str, float, float]]:
+    """The kernels whose GPU time per step differs most between a row and the base row: (kernel, Δ µs, calls per
+    step in the row), largest |Δ| first; empty without profiles."""
+    a, b = base.get(key) or {}, row.get(key) or {}
+    out = []
+    for name in set(a) | set(b):
+        d = b.get(name, {}).get("us", 0.0) - a.get(name, {}).get("us", 0.0)
+        out.append((name, d, b.get(name, {}).get("calls", 0.0)))
+    return sorted(out, key=lambda x: -abs(x[1]))[:top]
+
+
+def profile_text(results: dict) -> str:
+    """Per component, the kernels that account for its Δ (train and collect steps), from --profile."""
+    rows = results["rows"]
+    lines = []
+    for r in rows[1:]:
+        for key, what in (("kernels_train", "train"), (f"kernels_{ACT_GRAPH}", ACT_GRAPH)):
+            deltas = kernel_deltas(rows[0], r, key)
+            if deltas:
+                lines.append(f"{r['component']} ({what} step), Δ µs per step against {BASE}: "
+                             + "; ".join(f"{n} {d:+.1f} ({c:g}/step)" for n, d, c in deltas))
+    if not lines and any(k.startswith("kernels_") for r in rows for k in r):
+        lines.append("--profile: no kernel times (needs torch with CUDA and a GPU; the simulator has no CUPTI)")
+    return "\n".join(lines)
 
 
 def _live_text(row) -> str:
@@ -501,6 +536,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed replays before timing each graph (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
     p.add_argument("--markdown", default=None, metavar="OUT", help="also write the table as markdown to OUT")
+    p.add_argument("--profile", action="store_true",
+                   help="also the GPU time per kernel of each configuration's train and collect steps (needs torch), "
+                        "and per component the kernels that make its Δ")
     args = p.parse_args(argv)
     if args.reps < 1 or args.repeats < 1 or args.warmup < 0:
         p.error("--reps and --repeats must be >= 1, --warmup >= 0")
@@ -519,6 +557,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(results))
+    if args.profile:
+        print(profile_text(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
@@ -527,7 +567,14 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as f:
             f.write(markdown(results))
         print(f"wrote {args.markdown}")
-    return 1 if any("error" in r for r in results["rows"]) else 0
+    code = 1 if any("error" in r for r in results["rows"]) else 0
+    if args.profile and not backend.simulator_active():
+        # after a CUPTI session (torch.profiler) the interpreter's teardown of the CUDA libraries can abort
+        # ("double free", seen on the H200 with numbarl.bench.train --profile): everything is written, leave
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -83,10 +83,14 @@ def kernel_name(mangled: str) -> str:
 
 def kernel_profile(step_fn, s, steps: int = 10) -> dict:
     """GPU time per kernel of one step (CUPTI through torch.profiler; the step runs eagerly, so each
-    launch is timed alone): {kernel: {"calls": per step, "us": per step}}, empty without torch."""
+    launch is timed alone): {kernel: {"calls": per step, "us": per step}}, empty without torch or a CUDA device
+    (the simulator: CUPTI has nothing to trace)."""
     try:
+        import torch
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
+        return {}
+    if not torch.cuda.is_available():
         return {}
     step_fn(s)
     s.synchronize()

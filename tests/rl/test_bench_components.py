@@ -106,11 +106,24 @@ def test_bench_reads_an_env_reward_terms_liveness(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "components.json"
     assert bench.main(["--preset", "tiny", "--batch", "4", "--n-envs", "2", "--components", "pnl_reward", "--reps", "2",
-                       "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+                       "--repeats", "1", "--warmup", "0", "--json", str(out), "--profile"]) == 0
     base, on = json.loads(out.read_text())["rows"]
+    assert "kernels_train" in on and "kernels_collect" in on  # --profile: empty on the simulator (no CUPTI)
     (b,), (o,) = base["liveness"], on["liveness"]
     assert b["key"] == o["key"] == "reward.pnl.std" and o["how"].startswith("env telemetry zeroed")
     assert o["live"] and o["value"] > 0 and not b["live"]
+
+
+def test_kernel_deltas_name_the_kernels_that_make_a_components_cost():
+    base = {"kernels_train": {"gemm": {"calls": 6.0, "us": 100.0}, "conv_fwd": {"calls": 0.0, "us": 0.0}}}
+    row = {"component": "x", "kernels_train": {"gemm": {"calls": 6.0, "us": 101.0}, "conv_fwd": {"calls": 3.0, "us": 40.0},
+                                               "silu": {"calls": 3.0, "us": 2.5}}}
+    assert bench.kernel_deltas(base, row) == [("conv_fwd", 40.0, 3.0), ("silu", 2.5, 3.0), ("gemm", 1.0, 6.0)]
+    assert bench.kernel_deltas(base, row, top=1) == [("conv_fwd", 40.0, 3.0)]
+    text = bench.profile_text({"rows": [{"component": "base", **base}, row]})
+    assert text.startswith("x (train step), Δ µs per step against base: conv_fwd +40.0 (3/step)")
+    empty = bench.profile_text({"rows": [{"component": "base", "kernels_train": {}}, {"component": "x", "kernels_train": {}}]})
+    assert "no kernel times" in empty
 
 
 def test_gpu_presets_are_refused_on_the_simulator(capsys):
