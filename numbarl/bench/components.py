@@ -319,10 +319,8 @@ def free_device_memory() -> None:
         pass
 
 
-def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: int, profile: bool = False) -> dict:
-    """Build, warm, capture and time one configuration; its row (without the deltas). profile: also the GPU time
-    per kernel of the train and collect steps, run eagerly after the timing (numbarl.bench.train.kernel_profile;
-    empty without torch or on the simulator)."""
+def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: int) -> dict:
+    """Build, warm, capture and time one configuration; its row (without the deltas)."""
     free_device_memory()  # also what a configuration that failed left behind
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="numbarl-bench-components-") as folder:
@@ -335,11 +333,6 @@ def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: 
             ms = {name: time_graph(ft.graphs[name], s, reps, repeats, warmup) for name in (ACT_GRAPH, *names)}
             aux_every = int(ft.agent.aux_every)
             liveness = live.read()
-            kernels = {}
-            if profile:  # after the liveness read: the eager steps move the agent on
-                from numbarl.bench.train import kernel_profile
-
-                kernels = {f"kernels_{name}": kernel_profile(ft.steps[name], s) for name in ("train", ACT_GRAPH)}
         finally:
             close_graphs(ft)
         del ft, live
@@ -347,7 +340,26 @@ def measure(cfg, components, markets: Markets, reps: int, repeats: int, warmup: 
     train_aux = ms.get("train_aux")
     return {"collect_ms": ms[ACT_GRAPH], "train_ms": ms["train"], "train_aux_ms": train_aux, "aux_every": aux_every,
             "amortized_ms": amortized_ms(ms["train"], train_aux, aux_every), "liveness": liveness,
-            "build_s": time.perf_counter() - t0, **kernels}
+            "build_s": time.perf_counter() - t0}
+
+
+def profile_kernels(cfg, markets: Markets) -> dict:
+    """GPU time per kernel of one configuration's eager train (and train_aux) and collect steps
+    (numbarl.bench.train.kernel_profile: empty without torch or a CUDA device), from a fresh build: the
+    profiling pass runs after every row is timed, so no timing runs with a CUPTI session attached."""
+    from numbarl.bench.train import kernel_profile
+
+    free_device_memory()
+    with tempfile.TemporaryDirectory(prefix="numbarl-bench-components-") as folder:
+        ft = build(cfg, markets, folder)
+        try:
+            names = warm(ft)
+            out = {f"kernels_{name}": kernel_profile(ft.steps[name], ft.stream) for name in (*names, ACT_GRAPH)}
+        finally:
+            close_graphs(ft)
+        del ft
+    free_device_memory()
+    return out
 
 
 def amortized_ms(train_ms: float, train_aux_ms: float | None, aux_every: int) -> float:
@@ -394,8 +406,7 @@ def run(args) -> dict:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {switch or 'preset ' + base.preset}", flush=True)
         row = {"component": name, "switch": switch}
         try:
-            row.update(measure(cfg, comps, markets, args.reps, args.repeats, args.warmup,
-                               profile=getattr(args, "profile", False)))
+            row.update(measure(cfg, comps, markets, args.reps, args.repeats, args.warmup))
         except Exception as e:  # one configuration that cannot run is a row of the table, not the end of it
             if name == BASE:
                 raise
@@ -403,6 +414,15 @@ def run(args) -> dict:
             print(f"  error: {row['error']}", file=sys.stderr, flush=True)
         results["rows"].append(row)
     add_deltas(results["rows"])
+    if getattr(args, "profile", False):  # a second pass: every timing above ran without a profiler attached
+        for (name, _, cfg, _), row in zip(configs, results["rows"]):
+            if "error" in row:
+                continue
+            try:
+                row.update(profile_kernels(cfg, markets))
+            except Exception as e:  # noqa: BLE001  (any failure: the timed row stays, the profile says why it is missing)
+                row["kernels_error"] = f"{type(e).__name__}: {e}"
+                print(f"  {name}: profile failed: {row['kernels_error']}", file=sys.stderr, flush=True)
     return results
 
 
@@ -433,12 +453,18 @@ def profile_text(results: dict) -> str:
     rows = results["rows"]
     lines = []
     for r in rows[1:]:
-        for key, what in (("kernels_train", "train"), (f"kernels_{ACT_GRAPH}", ACT_GRAPH)):
+        if "error" in r or "kernels_error" in r:
+            lines.append(f"{r['component']}: no profile ({r.get('error') or r.get('kernels_error')})")
+            continue
+        for key, what in (("kernels_train", "train"), ("kernels_train_aux", "train_aux"),
+                          (f"kernels_{ACT_GRAPH}", ACT_GRAPH)):
+            if key not in r or key not in rows[0]:
+                continue
             deltas = kernel_deltas(rows[0], r, key)
             if deltas:
                 lines.append(f"{r['component']} ({what} step), Δ µs per step against {BASE}: "
                              + "; ".join(f"{n} {d:+.1f} ({c:g}/step)" for n, d, c in deltas))
-    if not lines and any(k.startswith("kernels_") for r in rows for k in r):
+    if not lines and any(k.startswith("kernels_") and k != "kernels_error" for r in rows for k in r):
         lines.append("--profile: no kernel times (needs torch with CUDA and a GPU; the simulator has no CUPTI)")
     return "\n".join(lines)
 
@@ -521,7 +547,10 @@ def markdown(results: dict) -> str:
     return "\n".join(lines + [""] + [f"- {n}" for n in _notes(results)]) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv=None, exit_after_profile: bool = False) -> int:
+    """exit_after_profile (the command line's entry points): after a --profile run on a GPU, leave with os._exit
+    once everything is written (the interpreter's teardown of the CUDA libraries after a CUPTI session can
+    abort); a caller in the same process (a test) gets the code back instead."""
     backend.select()
     p = argparse.ArgumentParser(prog="numbarl-bench components", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="default", help="preset whose shapes and switches are the base (default: %(default)s)")
@@ -565,10 +594,10 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(markdown(results))
+            f.write(markdown(results) + ("\n\n" + profile_text(results) + "\n" if args.profile else ""))
         print(f"wrote {args.markdown}")
     code = 1 if any("error" in r for r in results["rows"]) else 0
-    if args.profile and not backend.simulator_active():
+    if exit_after_profile and args.profile and not backend.simulator_active():
         # after a CUPTI session (torch.profiler) the interpreter's teardown of the CUDA libraries can abort
         # ("double free", seen on the H200 with numbarl.bench.train --profile): everything is written, leave
         sys.stdout.flush()
@@ -578,4 +607,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exit_after_profile=True))

@@ -124,6 +124,8 @@ def test_kernel_deltas_name_the_kernels_that_make_a_components_cost():
     assert text.startswith("x (train step), Δ µs per step against base: conv_fwd +40.0 (3/step)")
     empty = bench.profile_text({"rows": [{"component": "base", "kernels_train": {}}, {"component": "x", "kernels_train": {}}]})
     assert "no kernel times" in empty
+    failed = bench.profile_text({"rows": [{"component": "base", **base}, {"component": "iqn", "error": "boom"}]})
+    assert failed == "iqn: no profile (boom)"  # not every base kernel at a negative delta
 
 
 def test_gpu_presets_are_refused_on_the_simulator(capsys):

@@ -23,8 +23,9 @@ scan's state restarts after one. Backward from dout (e_t = dout_t · silu'(v_t))
     ∂L/∂w[k, j] = Σ_{b, t: k < ℓ_t} e_t[j] · z_{t−k}[j],     ∂L/∂w[d, j] = Σ_{b, t} e_t[j]
 
 Thread mapping (one writer per element, sums in a fixed order, no atomics): every kernel one thread per
-(window, column) walking the window's K rows (the forward and the weight gradient down, the input gradient
-up), its taps bounded by a running count of valid rows instead of a mask load per tap; consecutive threads
+(window, column) walking the window's K rows (the forward and the weight gradient down, bounding the taps by
+the run of valid rows ending at the row; the input gradient up, by the first masked row at or after it)
+instead of a mask load per tap; consecutive threads
 are consecutive columns of one row, so each row's loads and stores are coalesced. (The earlier mapping of
 the forward and the input gradient, one thread per (row, column), ran K× the threads, each with d dependent
 mask loads; the sums and their order are unchanged, so the results are bit for bit the same.) The weight
