@@ -41,6 +41,8 @@ planted market (best epoch 1–3); the decay columns then end at the stopped epo
 A run whose summary.json does not list every fold (killed before its end) that logged a validation epoch
 is counted as unfinished: it has no test numbers, and its decay columns run to its last logged epoch (the runs column
 then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the run folders without training.
+``--component NAME`` adds an arm named NAME with that registry component's switch (numbarl/rl/components.py),
+e.g. ``--arm base --component iqn --component cql``.
 """
 
 from __future__ import annotations
@@ -72,6 +74,21 @@ def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
         if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
             raise ValueError(f"arm {text!r}: '@' takes distinct seeds >= 0, e.g. 'name@2,3,4: ...'")
     return name, rest.split(), seeds
+
+
+def component_arm(name: str) -> tuple[str, list[str], None]:
+    """The arm of a registry component (numbarl/rl/components.py): its name and its switch as --set options, so a
+    grid of single-switch A/Bs is written as component names (``--component iqn --component cql``)."""
+    from numbarl.bench.components import parse_switch
+    from numbarl.rl.components import by_name
+
+    registry = by_name()
+    if name not in registry:
+        raise ValueError(f"--component {name!r}: no such registry component (numbarl components lists them)")
+    opts = []
+    for key, value in parse_switch(registry[name].switch).items():
+        opts += ["--set", f"{key}={value}"]
+    return name, opts, None
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -266,13 +283,16 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="default")
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated training seeds")
     ap.add_argument("--arm", action="append", default=[], help="'NAME' or 'NAME: numbarl-train options' (repeat)")
+    ap.add_argument("--component", action="append", default=[], metavar="NAME",
+                    help="an arm named after a registry component with its switch on (repeat; numbarl components)")
     ap.add_argument("--parallel", type=int, default=4, help="runs at once")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
     ap.add_argument("--train-arg", action="append", default=[], help="an option added to every run (repeat)")
     a = ap.parse_args(argv)
     try:
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
-        arms = [(n, o, s if s is not None else seeds) for n, o, s in map(parse_arm_spec, a.arm)]
+        specs = [*map(parse_arm_spec, a.arm), *map(component_arm, a.component)]
+        arms = [(n, o, s if s is not None else seeds) for n, o, s in specs]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -282,6 +302,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab-config.json").write_text(json.dumps({"preset": a.preset, "seeds": seeds, "arms": a.arm,
+                                                    "components": a.component,
                                                     "train_args": a.train_arg}, indent=2))
     if not a.table_only:
         jobs = [(arm, opts, seed) for arm, opts, arm_seeds in arms for seed in arm_seeds]

@@ -128,3 +128,23 @@ def test_decay_columns_and_an_unfinished_run(tmp_path):
     (tmp_path / "a-s0" / "config.json").write_text(json.dumps({"train": {"folds": 2}}))
     (tmp_path / "a-s0" / "summary.json").write_text(json.dumps({"folds": [{}]}))
     assert ab.run_numbers(tmp_path / "a-s0")["finished"] is False
+
+
+def test_component_arms_take_the_registry_switch(tmp_path):
+    """--component NAME: an arm named after a registry component with its switch as --set options (several
+    settings, and commas inside a value, kept); an unknown name is one clear error, exit 2."""
+    from numbarl.rl.components import by_name
+
+    assert ab.component_arm("kelly_sizing") == ("kelly_sizing", ["--set", "env.kelly_lambda=0.5"], None)
+    assert by_name()["multi_horizon_c51"].switch.count("=") == 1
+    name, opts, _ = ab.component_arm("multi_horizon_c51")
+    assert name == "multi_horizon_c51" and opts == ["--set", by_name()["multi_horizon_c51"].switch]
+    name, opts, _ = ab.component_arm("risk_budget")  # two settings in one switch
+    assert opts == ["--set", "agent.iqn=true", "--set", "agent.risk_budget=true"]
+    bad = subprocess.run([sys.executable, "-m", "numbarl", "ab", "--out", str(tmp_path / "g"), "--component", "nope"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --component 'nope'")
+    # a grid's table names the component arm; nothing to train (--table-only)
+    assert ab.main(["--out", str(tmp_path / "g2"), "--table-only", "--arm", "base", "--component", "kelly_sizing"]) == 0
+    rows = json.loads((tmp_path / "g2" / "ab.json").read_text())
+    assert [r["arm"] for r in rows] == ["base", "kelly_sizing"]
