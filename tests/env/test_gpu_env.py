@@ -46,10 +46,13 @@ def _params(**kw):
     return EnvParams(**base)
 
 
-def test_gpu_env_matches_reference_at_scale(rng, make_market):
+@pytest.mark.parametrize("extra", [{}, {"pnl_reward_scale": 0.01}], ids=["default", "pnl_reward"])
+def test_gpu_env_matches_reference_at_scale(rng, make_market, extra):
+    """The device env against the CPU reference, step by step at scale; also with the mark-to-market reward
+    term on (its reward and the reward's sum, compiled by NVVM, against the CPU's)."""
     n, steps, n_bars = ENV_SIZE["n_envs"], ENV_SIZE["steps"], ENV_SIZE["n_bars"]
     data = make_market(rng, n_bars=n_bars, n_features=ENV_SIZE["n_features"], bars_per_session=2000, start=5000.0)
-    params = _params()
+    params = _params(**extra)
     cpu = CpuEnv(data, params, n, bar_range=(100, n_bars - 100), seed=7)
     dev = DeviceEnv(data, params, n, bar_range=(100, n_bars - 100), seed=7)
     cpu.reset()
