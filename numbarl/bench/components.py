@@ -39,7 +39,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -598,11 +597,9 @@ def main(argv=None, exit_after_profile: bool = False) -> int:
         print(f"wrote {args.markdown}")
     code = 1 if any("error" in r for r in results["rows"]) else 0
     if exit_after_profile and args.profile and not backend.simulator_active():
-        # after a CUPTI session (torch.profiler) the interpreter's teardown of the CUDA libraries can abort
-        # ("double free", seen on the H200 with numbarl.bench.train --profile): everything is written, leave
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        from numbarl.bench.train import exit_after_cupti
+
+        exit_after_cupti(code)
     return code
 
 

@@ -81,6 +81,14 @@ def kernel_name(mangled: str) -> str:
     return mangled[:90]
 
 
+def exit_after_cupti(code: int):
+    """Leave the process with `code` once everything is written: after a CUPTI session (torch.profiler) the
+    interpreter's teardown of the CUDA libraries can abort ("double free", seen on the H200)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def kernel_profile(step_fn, s, steps: int = 10) -> dict:
     """GPU time per kernel of one step (CUPTI through torch.profiler; the step runs eagerly, so each
     launch is timed alone): {kernel: {"calls": per step, "us": per step}}, empty without torch or a CUDA device
@@ -409,11 +417,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
     if args.profile:
-        # after a CUPTI session (torch.profiler) the interpreter's teardown of the CUDA libraries
-        # can abort ("double free", seen on the H200): everything is written, so leave directly
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_after_cupti(0)
     return 0
 
 

@@ -55,7 +55,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from numbarl.run.compare import spread
+from numbarl.run.compare import checkpoint_epoch, spread
 
 
 def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
@@ -225,8 +225,7 @@ def run_numbers(folder: Path) -> dict | None:
     # freedom; a window of ~100 trades gives t = per-trade Sharpe x sqrt(trades) far more power
     ts, n = _f(test.get("trade_sharpe")), _f(test.get("n_trades"))
     trade_t = ts * math.sqrt(n) if ts is not None and n else None
-    tag = f.get("best_checkpoint") or ""
-    common["best_epoch"] = int(tag.rsplit("epoch", 1)[1]) if "epoch" in tag else None  # the selected checkpoint's
+    common["best_epoch"] = checkpoint_epoch(f.get("best_checkpoint"))  # the selected checkpoint's
     return {**common, "finished": True, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
             "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
             "t": t, "hold_t": hold_t, "trade_t": trade_t}

@@ -43,7 +43,8 @@ def _num(x):
     return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
 
 
-def _epoch(tag) -> int | None:
+def checkpoint_epoch(tag) -> int | None:
+    """The epoch a checkpoint tag names (``fold0-epoch0002`` -> 2; the trainer's FoldTrainer.tag), None otherwise."""
     if isinstance(tag, str) and "epoch" in tag:
         try:
             return int(tag.rsplit("epoch", 1)[1])
@@ -76,7 +77,7 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
             t_sharpe = _num(test.get("sharpe"))
             rows.append({
                 "run": run.path.name or str(run.path), "path": str(run.path), "seed": seed,
-                "fold": fold, "best_epoch": _epoch(f.get("best_checkpoint")), "pooled": fold == "pooled",
+                "fold": fold, "best_epoch": checkpoint_epoch(f.get("best_checkpoint")), "pooled": fold == "pooled",
                 "val_sharpe": _num(val.get("sharpe")), "test_sharpe": t_sharpe,
                 "test_daily_sharpe": _num(test.get("daily_sharpe")), "oracle_sharpe": oracle,
                 "test_over_oracle": t_sharpe / oracle if t_sharpe is not None and oracle else None,

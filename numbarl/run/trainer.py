@@ -46,6 +46,7 @@ from numbarl.config import Config, ConfigError, parse_horizons
 from numbarl.data.errors import DataError
 from numbarl.rl.feedback.split import feedback_on, split_validation
 from numbarl.rl.obs_columns import check_agent_columns
+from numbarl.run.compare import checkpoint_epoch
 from numbarl.run.fold_benchmarks import FoldBenchmarkError, FoldBenchmarks, background_ok
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
@@ -272,7 +273,7 @@ class FoldTrainer:
 
     def epochs_since_best(self) -> int:
         """Epochs run after the best one so far (its tag names it, so this survives a resume); 0 before any."""
-        return 0 if self.best_tag is None else self.epoch - int(self.best_tag.rsplit("epoch", 1)[1])
+        return 0 if self.best_tag is None else self.epoch - checkpoint_epoch(self.best_tag)
 
     def save(self):
         from numbarl.cuda.runtime import pinned_snapshots
