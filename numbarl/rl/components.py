@@ -391,7 +391,7 @@ COMPONENTS: tuple[Component, ...] = (
         "pnl_reward", "mark-to-market net P&L reward term in the shared step: scale x the step's change of realized + "
         "unrealized P&L (fees and the spread paid at fills included) per tick-contract; over a trade it sums to the "
         "trade's net P&L, so it prices costs as net P&L does (the trade + micro pair pays the mid's move twice, "
-        "once without costs: bin/reward-align)",
+        "once without costs: bin/reward-align); the default preset's only P&L term (trade and micro at 0, gamma 0.95)",
         "env.pnl_reward_scale=0.01",
         "r = s * (equity_n - equity_c) / tick_value; sum over a trade = s * net P&L / tick_value",
         ("tests/env/test_core.py", "tests/env/test_telemetry.py", "tests/rl/test_feedback.py"),
