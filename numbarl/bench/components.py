@@ -447,10 +447,35 @@ def kernel_deltas(base: dict, row: dict, key: str = "kernels_train", top: int = 
     return sorted(out, key=lambda x: -abs(x[1]))[:top]
 
 
-def profile_text(results: dict) -> str:
-    """Per component, the kernels that account for its Δ (train and collect steps), from --profile."""
-    rows = results["rows"]
+def short_kernel_name(name: str, width: int = 64) -> str:
+    """A profiler's kernel name, readable: numba's mangled ``numbarl::a::b::kernel[abi:...]...`` as ``b.kernel``,
+    any other name (cuBLAS, CUTLASS templates) cut to `width` characters."""
+    if name.startswith("numbarl::"):
+        path = name.split("[", 1)[0].split("::")
+        return ".".join(path[-2:])
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def base_kernels_text(base: dict, top: int = 10) -> list[str]:
+    """The base row's own GPU time per step by kernel (its largest `top`), one line per profiled step."""
     lines = []
+    for key, what in (("kernels_train", "train"), ("kernels_train_aux", "train_aux"), (f"kernels_{ACT_GRAPH}", ACT_GRAPH)):
+        kernels = base.get(key) or {}
+        if not kernels:
+            continue
+        total = sum(k.get("us", 0.0) for k in kernels.values())
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1].get("us", 0.0))[:top]
+        lines.append(f"{BASE} ({what} step), GPU µs per step {total:.1f} in {len(kernels)} kernels, largest: "
+                     + "; ".join(f"{short_kernel_name(n)} {k.get('us', 0.0):.1f} ({k.get('calls', 0.0):g}/step)"
+                                 for n, k in ranked))
+    return lines
+
+
+def profile_text(results: dict) -> str:
+    """The base row's kernels, then per component the kernels that account for its Δ (train and collect steps),
+    from --profile."""
+    rows = results["rows"]
+    lines = base_kernels_text(rows[0])
     for r in rows[1:]:
         if "error" in r or "kernels_error" in r:
             lines.append(f"{r['component']}: no profile ({r.get('error') or r.get('kernels_error')})")
@@ -462,7 +487,7 @@ def profile_text(results: dict) -> str:
             deltas = kernel_deltas(rows[0], r, key)
             if deltas:
                 lines.append(f"{r['component']} ({what} step), Δ µs per step against {BASE}: "
-                             + "; ".join(f"{n} {d:+.1f} ({c:g}/step)" for n, d, c in deltas))
+                             + "; ".join(f"{short_kernel_name(n)} {d:+.1f} ({c:g}/step)" for n, d, c in deltas))
     if not lines and any(k.startswith("kernels_") and k != "kernels_error" for r in rows for k in r):
         lines.append("--profile: no kernel times (needs torch with CUDA and a GPU; the simulator has no CUPTI)")
     return "\n".join(lines)

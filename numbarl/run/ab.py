@@ -76,17 +76,29 @@ def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
     return name, rest.split(), seeds
 
 
-def component_arm(name: str) -> tuple[str, list[str], None]:
+def component_arm(name: str, preset: str | None = None) -> tuple[str, list[str], None]:
     """The arm of a registry component (numbarl/rl/components.py): its name and its switch as --set options, so a
-    grid of single-switch A/Bs is written as component names (``--component iqn --component cql``)."""
+    grid of single-switch A/Bs is written as component names (``--component iqn --component cql``). With `preset`,
+    a switch that is already on in that preset is refused (the arm would be the base again)."""
+    from numbarl import config as config_mod
     from numbarl.bench.components import parse_switch
     from numbarl.rl.components import by_name
 
     registry = by_name()
     if name not in registry:
         raise ValueError(f"--component {name!r}: no such registry component (numbarl components lists them)")
+    sets = parse_switch(registry[name].switch)
+    if preset is not None:
+        base = config_mod.preset(preset)
+        try:
+            same = config_mod.apply(base, sets) == base
+        except config_mod.ConfigError:  # invalid on this preset alone: the run says why
+            same = False
+        if same:
+            raise ValueError(f"--component {name!r}: its switch ({registry[name].switch}) is already on in preset "
+                             f"{preset!r}; the arm would be the base")
     opts = []
-    for key, value in parse_switch(registry[name].switch).items():
+    for key, value in sets.items():
         opts += ["--set", f"{key}={value}"]
     return name, opts, None
 
@@ -290,9 +302,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
-        specs = [*map(parse_arm_spec, a.arm), *map(component_arm, a.component)]
+        specs = [*map(parse_arm_spec, a.arm), *(component_arm(c, a.preset) for c in a.component)]
         arms = [(n, o, s if s is not None else seeds) for n, o, s in specs]
-    except ValueError as e:
+    except ValueError as e:  # a ConfigError (an unknown preset) too
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not arms or not seeds or len({n for n, _, _ in arms}) != len(arms):

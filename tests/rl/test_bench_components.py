@@ -120,12 +120,21 @@ def test_kernel_deltas_name_the_kernels_that_make_a_components_cost():
                                                "silu": {"calls": 3.0, "us": 2.5}}}
     assert bench.kernel_deltas(base, row) == [("conv_fwd", 40.0, 3.0), ("silu", 2.5, 3.0), ("gemm", 1.0, 6.0)]
     assert bench.kernel_deltas(base, row, top=1) == [("conv_fwd", 40.0, 3.0)]
-    text = bench.profile_text({"rows": [{"component": "base", **base}, row]})
-    assert text.startswith("x (train step), Δ µs per step against base: conv_fwd +40.0 (3/step)")
+    text = bench.profile_text({"rows": [{"component": "base", **base}, row]}).splitlines()
+    assert text[0] == "base (train step), GPU µs per step 100.0 in 2 kernels, largest: gemm 100.0 (6/step); conv_fwd 0.0 (0/step)"
+    assert text[1].startswith("x (train step), Δ µs per step against base: conv_fwd +40.0 (3/step)")
     empty = bench.profile_text({"rows": [{"component": "base", "kernels_train": {}}, {"component": "x", "kernels_train": {}}]})
     assert "no kernel times" in empty
     failed = bench.profile_text({"rows": [{"component": "base", **base}, {"component": "iqn", "error": "boom"}]})
-    assert failed == "iqn: no profile (boom)"  # not every base kernel at a negative delta
+    assert failed.splitlines()[1:] == ["iqn: no profile (boom)"]  # not every base kernel at a negative delta
+
+
+def test_kernel_names_are_shortened_for_the_profile_text():
+    mangled = "numbarl::cuda::kernels::conv1d::conv_forward_kernel[abi:v69][abi:cw51cXTLSUwv1sDUaKthqaNgo"
+    assert bench.short_kernel_name(mangled) == "conv1d.conv_forward_kernel"
+    cutlass = "void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nn_align1>(cutlass_80_simt_sgemm_256x128_8x4)"
+    assert bench.short_kernel_name(cutlass, width=20) == cutlass[:19] + "…"
+    assert bench.short_kernel_name("step_kernel") == "step_kernel"
 
 
 def test_gpu_presets_are_refused_on_the_simulator(capsys):

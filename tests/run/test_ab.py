@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from numbarl.run import ab
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,6 +146,12 @@ def test_component_arms_take_the_registry_switch(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "numbarl", "ab", "--out", str(tmp_path / "g"), "--component", "nope"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --component 'nope'")
+    # a switch the preset already has on would be a second base arm: refused before anything runs
+    with pytest.raises(ValueError, match="already on in preset 'default'"):
+        ab.component_arm("pnl_reward", "default")
+    assert ab.component_arm("pnl_reward", "tiny")[1] == ["--set", "env.pnl_reward_scale=0.01"]
+    assert ab.main(["--out", str(tmp_path / "g3"), "--arm", "base", "--component", "pnl_reward"]) == 2
+    assert not (tmp_path / "g3").exists()
     # a grid's table names the component arm; nothing to train (--table-only)
     assert ab.main(["--out", str(tmp_path / "g2"), "--table-only", "--arm", "base", "--component", "kelly_sizing"]) == 0
     rows = json.loads((tmp_path / "g2" / "ab.json").read_text())
