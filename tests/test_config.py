@@ -151,6 +151,21 @@ def test_readme_config_examples_resolve():
         assert cfg.preset == "tiny" or not re.search(r"n_envs=\d{4,}", line), line
 
 
+def test_a_run_saved_before_a_field_existed_reloads_with_that_fields_default_not_the_presets():
+    """The default preset turns env.pnl_reward_scale on (and the trade and micro terms off); a default-preset run
+    saved before that field existed reloads (resume, evaluate) with its own reward, the new field off."""
+    from numbarl import config
+
+    old = config.preset("default").to_dict()
+    old["env"].update(trade_reward_scale=0.01, micro_reward_scale=100.0)
+    old["env"].pop("pnl_reward_scale")
+    cfg = config.from_dict(json.loads(json.dumps(old)))
+    assert (cfg.env.trade_reward_scale, cfg.env.micro_reward_scale, cfg.env.pnl_reward_scale) == (0.01, 100.0, 0.0)
+    assert cfg.preset == "default" and cfg.agent.batch_size == config.preset("default").agent.batch_size
+    now = config.preset("default")
+    assert config.from_dict(json.loads(json.dumps(now.to_dict()))) == now  # a full dump round-trips
+
+
 def test_renamed_env_fill_delay_still_loads():
     """env.fill_delay (renamed env.latency_bars) in an earlier run's config.json or a --set still
     loads; both names with different values is one clear error."""

@@ -76,10 +76,22 @@ def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
     return name, rest.split(), seeds
 
 
-def component_arm(name: str, preset: str | None = None) -> tuple[str, list[str], None]:
+def train_arg_sets(train_args: list[str]) -> list[str]:
+    """The ``section.field=value`` overrides among the options every run gets (``--set=X`` or ``--set X``)."""
+    out = []
+    for i, arg in enumerate(train_args):
+        if arg.startswith("--set="):
+            out.append(arg[len("--set="):])
+        elif arg == "--set" and i + 1 < len(train_args):
+            out.append(train_args[i + 1])
+    return out
+
+
+def component_arm(name: str, preset: str | None = None, train_args: list[str] = ()) -> tuple[str, list[str], None]:
     """The arm of a registry component (numbarl/rl/components.py): its name and its switch as --set options, so a
     grid of single-switch A/Bs is written as component names (``--component iqn --component cql``). With `preset`,
-    a switch that is already on in that preset is refused (the arm would be the base again)."""
+    a switch that is already on in the grid's base (the preset with the `--set`s of `train_args`, which every run
+    gets) is refused: the arm would be the base again."""
     from numbarl import config as config_mod
     from numbarl.bench.components import parse_switch
     from numbarl.rl.components import by_name
@@ -89,14 +101,14 @@ def component_arm(name: str, preset: str | None = None) -> tuple[str, list[str],
         raise ValueError(f"--component {name!r}: no such registry component (numbarl components lists them)")
     sets = parse_switch(registry[name].switch)
     if preset is not None:
-        base = config_mod.preset(preset)
+        base = config_mod.resolve(preset, None, train_arg_sets(list(train_args)))
         try:
             same = config_mod.apply(base, sets) == base
-        except config_mod.ConfigError:  # invalid on this preset alone: the run says why
+        except config_mod.ConfigError:  # invalid on this base alone: the run says why
             same = False
         if same:
-            raise ValueError(f"--component {name!r}: its switch ({registry[name].switch}) is already on in preset "
-                             f"{preset!r}; the arm would be the base")
+            raise ValueError(f"--component {name!r}: its switch ({registry[name].switch}) is already on in the grid's "
+                             f"base (preset {preset!r} with the --train-arg settings); the arm would be the base")
     opts = []
     for key, value in sets.items():
         opts += ["--set", f"{key}={value}"]
@@ -302,7 +314,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
-        specs = [*map(parse_arm_spec, a.arm), *(component_arm(c, a.preset) for c in a.component)]
+        specs = [*map(parse_arm_spec, a.arm),  # a finished grid's table is rebuilt without the check
+                 *(component_arm(c, None if a.table_only else a.preset, a.train_arg) for c in a.component)]
         arms = [(n, o, s if s is not None else seeds) for n, o, s in specs]
     except ValueError as e:  # a ConfigError (an unknown preset) too
         print(f"error: {e}", file=sys.stderr)

@@ -147,11 +147,18 @@ def test_component_arms_take_the_registry_switch(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --component 'nope'")
     # a switch the preset already has on would be a second base arm: refused before anything runs
-    with pytest.raises(ValueError, match="already on in preset 'default'"):
+    with pytest.raises(ValueError, match=r"already on in the grid's base \(preset 'default'"):
         ab.component_arm("pnl_reward", "default")
     assert ab.component_arm("pnl_reward", "tiny")[1] == ["--set", "env.pnl_reward_scale=0.01"]
     assert ab.main(["--out", str(tmp_path / "g3"), "--arm", "base", "--component", "pnl_reward"]) == 2
     assert not (tmp_path / "g3").exists()
+    # the base is the preset with the settings every run gets: off there, the switch is an arm again
+    assert ab.train_arg_sets(["--set=env.pnl_reward_scale=0", "--quiet", "--set", "agent.gamma=0.9"]) == [
+        "env.pnl_reward_scale=0", "agent.gamma=0.9"]
+    assert ab.component_arm("pnl_reward", "default", ["--set=env.pnl_reward_scale=0"])[0] == "pnl_reward"
+    with pytest.raises(ValueError, match="already on"):  # and a switch the settings turn on is refused
+        ab.component_arm("kelly_sizing", "tiny", ["--set=env.kelly_lambda=0.5"])
+    assert ab.main(["--out", str(tmp_path / "g2"), "--table-only", "--component", "pnl_reward"]) == 0
     # a grid's table names the component arm; nothing to train (--table-only)
     assert ab.main(["--out", str(tmp_path / "g2"), "--table-only", "--arm", "base", "--component", "kelly_sizing"]) == 0
     rows = json.loads((tmp_path / "g2" / "ab.json").read_text())
