@@ -28,7 +28,12 @@ the run of valid rows ending at the row; the input gradient up, by the first mas
 instead of a mask load per tap; consecutive threads
 are consecutive columns of one row, so each row's loads and stores are coalesced. (The earlier mapping of
 the forward and the input gradient, one thread per (row, column), ran K× the threads, each with d dependent
-mask loads; the sums and their order are unchanged, so the results are bit for bit the same.) The weight
+mask loads; the sums and their order are unchanged, so the results are bit for bit the same.) For d ≤ REG_TAPS
+(4, mamba_ssm's width) each kernel keeps the taps' weights and the last d − 1 rows (the input gradient: their
+e) in registers and reads every row once, before that row's mask decides which taps apply: the generic loop
+waits for the mask before it reads the taps' rows (two dependent memory latencies per row, the eleventh
+session's profile: the forward at ~1.6 TB/s) and re-reads them, and the input gradient recomputes silu' of
+each row d times. Same products, same order: bit for bit the generic loop's results. The weight
 gradient sums
 its K rows into part [B, (d + 1)·n_cols] (tap k at columns k·n_cols + j, the bias at d·n_cols + j),
 which the caller sums over windows with numbarl.cuda.reduce.col_sum (fixed order). The forward keeps
@@ -49,6 +54,7 @@ _cuda = cuda()
 
 BLOCK = launch.shape(gpu=128, sim=32)
 MAX_WIDTH = 8  # d: taps per column
+REG_TAPS = 4  # d up to this (mamba_ssm's d_conv = 4) runs the kernels' register path; wider, the generic loops
 _PARTS = MAX_WIDTH + 1  # a weight-gradient part per tap, then the bias (a module constant: numba sizes local arrays only from those)
 
 _ZERO = np.float32(0.0)
@@ -120,6 +126,16 @@ def causal_conv_backward_ref(dout, z, w, mask, n_steps: int, n_cols: int):
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
+@_cuda.jit(device=True, inline=True)
+def _taps_dev(w, j, d):
+    """Column j's first REG_TAPS tap weights (0 past the d taps: never applied, the callers test d)."""
+    w0 = w[0, j]
+    w1 = w[1, j] if d > 1 else _ZERO
+    w2 = w[2, j] if d > 2 else _ZERO
+    w3 = w[3, j] if d > 3 else _ZERO
+    return w0, w1, w2, w3
+
+
 @_cuda.jit(cache=True)
 def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
     """One thread per (window b, column j of z), down the window's K rows: out = silu(v) for j < n_cols
@@ -136,6 +152,26 @@ def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
         return
     d = w.shape[0] - 1
     run = 0  # consecutive valid rows ending at row t (0 at a masked row)
+    if d <= REG_TAPS:  # the taps' weights and the last rows in registers; each row read once, before its mask decides
+        w0, w1, w2, w3 = _taps_dev(w, j, d)
+        bias = w[d, j]
+        z1 = z2 = z3 = _ZERO  # rows t − 1, t − 2, t − 3 (read only where the run reaches them)
+        for t in range(n_steps):
+            zt = z[first + t, j]
+            run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
+            v = bias
+            if run > 0:  # the taps in the generic loop's order, k = 0, 1, ...
+                v += w0 * zt
+            if d > 1 and run > 1:
+                v += w1 * z1
+            if d > 2 and run > 2:
+                v += w2 * z2
+            if d > 3 and run > 3:
+                v += w3 * z3
+            z3, z2, z1 = z2, z1, zt
+            pre[first + t, j] = v
+            out[first + t, j] = silu_dev(v)
+        return
     for t in range(n_steps):
         run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
         v = w[d, j]
@@ -163,6 +199,26 @@ def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
         return
     d = w.shape[0] - 1
     stop = n_steps  # the first masked row at or after row s (n_steps: none)
+    if d <= REG_TAPS:  # e of the rows s + 1 .. s + 3 kept in registers: each row's e computed once
+        w0, w1, w2, w3 = _taps_dev(w, j, d)
+        e1 = e2 = e3 = _ZERO
+        for back in range(n_steps):
+            s = n_steps - 1 - back
+            e0 = dout[first + s, j] * silu_grad_dev(pre[first + s, j])  # used only while no masked row intervenes
+            if row_masked_dev(mask, has_mask, b, s):
+                stop = s
+            acc = _ZERO
+            if s < stop:  # the taps in the generic loop's order, k = 0, 1, ...
+                acc += w0 * e0
+            if d > 1 and s + 1 < stop:
+                acc += w1 * e1
+            if d > 2 and s + 2 < stop:
+                acc += w2 * e2
+            if d > 3 and s + 3 < stop:
+                acc += w3 * e3
+            dz[first + s, j] = acc
+            e3, e2, e1 = e2, e1, e0
+        return
     for back in range(n_steps):
         s = n_steps - 1 - back
         if row_masked_dev(mask, has_mask, b, s):
@@ -184,6 +240,33 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
         return
     b, j = cell_dev(i, n_cols)
     first = b * n_steps
+    if n_taps <= REG_TAPS:  # the parts and the last rows in registers
+        a0 = a1 = a2 = a3 = ab = _ZERO
+        z1 = z2 = z3 = _ZERO
+        run = 0
+        for t in range(n_steps):
+            zt = z[first + t, j]
+            run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
+            e = dout[first + t, j] * silu_grad_dev(pre[first + t, j])
+            ab += e
+            if run > 0:
+                a0 += e * zt
+            if n_taps > 1 and run > 1:
+                a1 += e * z1
+            if n_taps > 2 and run > 2:
+                a2 += e * z2
+            if n_taps > 3 and run > 3:
+                a3 += e * z3
+            z3, z2, z1 = z2, z1, zt
+        part[b, j] = a0
+        if n_taps > 1:
+            part[b, n_cols + j] = a1
+        if n_taps > 2:
+            part[b, 2 * n_cols + j] = a2
+        if n_taps > 3:
+            part[b, 3 * n_cols + j] = a3
+        part[b, n_taps * n_cols + j] = ab
+        return
     acc = _cuda.local.array(_PARTS, float32)  # taps 0..d − 1, then the bias
     for k in range(n_taps + 1):
         acc[k] = _ZERO
