@@ -49,7 +49,7 @@ Thread mapping (one writer per output element, every sum a loop in a fixed order
                                ∂L/∂Δ̃, coef, dbw per (row, h), ∂L/∂A_log per (b, h) and ∂L/∂C per
                                (b, h, n); ∂b_Δ and ∂A_log are then summed over rows / windows by the
                                caller's fixed-order column sums (numbarl.cuda.reduce.col_sum)
-    ssd_input_grad_kernel      one thread per (row, column of z): dz, the head sums in order 0..n_h−1
+    ssd_input_grad_kernel      a thread row per row of z, lanes along its columns: dz, the head sums in order 0..n_h−1
     ssd_step_kernel            acting: one thread per (env, c), S[env, c, :] read, updated, written back
     last_row_kernel            out[b, :] (+)= x[b·K + K − 1, :] (the residual of the forward)
     add_to_last_row_kernel     dx[b·K + K − 1, :] += dh̃[b, :] (the residual of the backward)
@@ -81,7 +81,8 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 # ---------------------------------------------------------------------------------------------
 D_STATE = 16  # N: state size per channel (the d_state of the origin system's temporal scan)
 MAX_STEPS = 32  # K: window length a backward thread's local r_t, q_t arrays hold
-BLOCK = launch.shape(gpu=128, sim=32)  # threads per block of every kernel here
+BLOCK = launch.shape(gpu=128, sim=32)  # threads per block of every kernel here but the input gradient's
+ROW_THREADS = launch.shape(gpu=256, sim=32)  # threads per block of the input gradient (thread rows of z's columns)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -346,29 +347,34 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
 
 @_cuda.jit(cache=True)
 def ssd_input_grad_kernel(g, z, n_steps, head_dim, d_dt_pre, coef, dbw, d_c_part, dz):
-    """One thread per (row, column j of z): dz = [∂L/∂u | ∂L/∂B | ∂L/∂C | ∂L/∂Δ̃] (module docstring)."""
-    i = _cuda.grid(1)
-    if i >= dz.size:
+    """A thread row per row of z (block (lanes, rows) of launch.row_block), its lanes along the columns j:
+    dz = [∂L/∂u | ∂L/∂B | ∂L/∂C | ∂L/∂Δ̃] (module docstring). One division per row for (b, t) instead of two
+    per element (the flat-index layout before: ~29 M threads at B = 16,384, K = 16), same sums in the same order."""
+    row = _cuda.blockIdx.x * _cuda.blockDim.y + _cuda.threadIdx.y
+    if row >= dz.shape[0]:
         return
-    row, j = cell_dev(i, dz.shape[1])
     b, t = cell_dev(row, n_steps)
     width = g.shape[1]
     n_heads = coef.shape[1]
-    if j < width:
-        dz[row, j] = coef[row, j // head_dim] * g[b, j]
-    elif j < width + D_STATE:
-        acc = _ZERO
-        for h in range(n_heads):
-            acc += dbw[row, h]
-        dz[row, j] = acc * z[b * n_steps + n_steps - 1, j + D_STATE]  # · C_{K−1}[n]
-    elif j < width + 2 * D_STATE:
-        acc = _ZERO
-        if t == n_steps - 1:
+    last = b * n_steps + n_steps - 1
+    j = _cuda.threadIdx.x
+    while j < dz.shape[1]:
+        if j < width:
+            dz[row, j] = coef[row, j // head_dim] * g[b, j]
+        elif j < width + D_STATE:
+            acc = _ZERO
             for h in range(n_heads):
-                acc += d_c_part[b, h, j - width - D_STATE]
-        dz[row, j] = acc
-    else:
-        dz[row, j] = d_dt_pre[row, j - width - 2 * D_STATE]
+                acc += dbw[row, h]
+            dz[row, j] = acc * z[last, j + D_STATE]  # · C_{K−1}[n]
+        elif j < width + 2 * D_STATE:
+            acc = _ZERO
+            if t == n_steps - 1:
+                for h in range(n_heads):
+                    acc += d_c_part[b, h, j - width - D_STATE]
+            dz[row, j] = acc
+        else:
+            dz[row, j] = d_dt_pre[row, j - width - 2 * D_STATE]
+        j += _cuda.blockDim.x
 
 
 @_cuda.jit(cache=True)
@@ -463,8 +469,9 @@ def ssd_scan_backward(g, z, dt_bias, a_log, mask, n_steps: int, head_dim: int, d
     ssd_scan_backward_kernel[launch.blocks(n_seq * n_heads, BLOCK), BLOCK, stream](
         z, dt_bias, a_log, delta if mask is None else mask, mask is not None, np.int32(n_steps),
         np.int32(head_dim), g, delta, decay, d_dt_pre, coef, dbw, d_a_log_part, d_c_part)
-    ssd_input_grad_kernel[launch.blocks(dz.size, BLOCK), BLOCK, stream](
-        g, z, np.int32(n_steps), np.int32(head_dim), d_dt_pre, coef, dbw, d_c_part, dz)
+    grid, block = launch.row_block(rows, dz.shape[1], ROW_THREADS)
+    ssd_input_grad_kernel[grid, block, stream](g, z, np.int32(n_steps), np.int32(head_dim), d_dt_pre, coef, dbw,
+                                               d_c_part, dz)
 
 
 def ssd_step(z, dt_bias, a_log, reset, head_dim: int, state, y, stream):
