@@ -698,6 +698,9 @@ class TrainConfig:
     x1.25 when it falls; [0.01, 0.3]) instead of the schedule."""
     e3_dynamic_gamma: bool = False
     """E3: discount from the feedback trades' mean holding time, clip(1 - 1/(2 avg_hold), 0.95, 0.999)."""
+    e3_refit_support: bool = False
+    """E3: refit the C51 value support (agent.support = 'fit') from the replay's returns at the new gamma each time
+    E3 moves gamma; otherwise the support fitted once at the starting gamma stays (needs train.e3_dynamic_gamma)."""
     e4_trade_autopsy: bool = False
     """E4: each losing feedback trade blamed on one branch (direction, size, target, stop); each
     branch's advantage columns learn at agent.lr x clip(its share / the mean share, 0.5, 2)."""
@@ -773,6 +776,10 @@ class Config:
             if feedback_on(self.train):
                 raise ConfigError(f"agent.kind = '{self.agent.kind}' does not run the validation feedback loop (train.e1_* .. "
                                   "train.e9_* act on the c51 agent's replay, loss and epsilon); turn them off")
+        if self.train.e3_refit_support and not (self.train.e3_dynamic_gamma and self.agent.support == "fit"):
+            raise ConfigError("train.e3_refit_support = true refits the support when E3 moves gamma: it needs "
+                              f"train.e3_dynamic_gamma = true (got {self.train.e3_dynamic_gamma}) and agent.support = "
+                              f"'fit' (got {self.agent.support!r})")
         if self.agent.replay_capacity < self.train.n_envs * (self.agent.n_step + 1):
             raise ConfigError(
                 f"agent.replay_capacity = {self.agent.replay_capacity} is too small for train.n_envs = "

@@ -305,6 +305,13 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_feedback.py",),
         "feedback.e3_gamma", "> 0"),
     Component(
+        "e3_refit_support", "E3 with the C51 support refitted from the replay's returns at each gamma E3 sets (the "
+        "support is otherwise fitted once, at the starting gamma)",
+        "train.e3_dynamic_gamma=true,train.e3_refit_support=true",
+        "numbarl/rl/support.py (the fit rule at the replay's current gamma), numbarl/run/trainer.py (FoldTrainer.validate)",
+        ("tests/rl/test_feedback.py",),
+        "support_fits", "> 1"),
+    Component(
         "e4_trade_autopsy", "validation feedback E4: losing trades blamed per branch; each branch's advantage "
         "columns get their own learning rate from its share of the blame",
         "train.e4_trade_autopsy=true",

@@ -383,16 +383,21 @@ class FoldTrainer:
         self.progress.done("step", self.collect_steps - timed_steps, time.perf_counter() - timed_at)
         self.epoch += 1
 
-    def fit_support(self):
+    def fit_support(self, when: str = "") -> dict | None:
+        """The value support fitted to the replay's n-step returns (agent.support = 'fit'; the agent's
+        fit_support): after the prefill, and with train.e3_refit_support each time E3 moves gamma (`when`)."""
         info = self.agent.fit_support(self.stream)
         self.support_fitted = True
+        what = f"the replay's {self.agent.cfg.n_step}-step returns {when}" if when else \
+            f"the prefill's {self.agent.cfg.n_step}-step returns"
         if info is None:
-            self.progress.log(f"fold {self.fold.index}: value support kept at [{self.cfg.agent.v_min:g}, "
-                              f"{self.cfg.agent.v_max:g}] (the prefill holds no non-zero return)")
+            kept = "" if when else f" at [{self.cfg.agent.v_min:g}, {self.cfg.agent.v_max:g}]"
+            self.progress.log(f"fold {self.fold.index}: value support kept{kept} (no non-zero return in {what})")
         else:
-            self.progress.log(f"fold {self.fold.index}: value support fitted to the prefill's {self.agent.cfg.n_step}-step "
-                              f"returns: [{info['v_min']:.4g}, {info['v_max']:.4g}] (|R_n| quantile "
-                              f"{info['abs_quantile']:.4g} x horizon factor {info['factor']:.3g})")
+            self.progress.log(f"fold {self.fold.index}: value support fitted to {what}: [{info['v_min']:.4g}, "
+                              f"{info['v_max']:.4g}] (|R_n| quantile {info['abs_quantile']:.4g} x horizon factor "
+                              f"{info['factor']:.3g})")
+        return info
 
     def after_epoch(self):
         """The epoch's training-path record (numbarl/env/telemetry.py: the training envs' realized
@@ -459,7 +464,12 @@ class FoldTrainer:
         self.run.log(self.progress.stamp(
             {"kind": "val", "fold": self.fold.index, "epoch": self.epoch, "step": self.collect_steps, **m}))
         if self.loop is not None:  # the knobs of the next epoch, from the feedback part only
+            gamma_before = self.loop.state.gamma
             record = self.loop.on_epoch(fb, fb_m, self.last_stats.get("epsilon", self.agent.eps_end))
+            if self.cfg.train.e3_refit_support and self.loop.state.gamma != gamma_before and self.support_fitted:
+                # E3 moved gamma (already on the device): the support from the replay's returns at the new gamma
+                info = self.fit_support(f"at E3's gamma {self.loop.state.gamma:.4g}")
+                record["e3.support_v"] = None if info is None else info["v_max"]
             self.run.log(self.progress.stamp({"kind": "feedback", "fold": self.fold.index, "epoch": self.epoch,
                                               "step": self.collect_steps, **record}))
         return result, m, selection_score(self.val_history, self.cfg.train.select_window)

@@ -44,6 +44,7 @@ RUNS = {
                  # the validation feedback switches act from the second epoch on, the freeze detector (k = 1) from the third
                  "--epochs", "3", "--set", "train.e1_q_reality=0.5", "--set", "train.e2_adaptive_epsilon=true",
                  "--set", "train.e3_dynamic_gamma=true", "--set", "train.e9_tradability_gate=true",
+                 "--set", "train.e3_refit_support=true",  # E3's gamma moves after epoch 1: the support refitted
                  "--set", "train.e4_trade_autopsy=true", "--set", "train.e6_winner_boost=1",
                  "--set", "train.e8_curriculum_kappa=1", "--set", "train.e7_margin_weight=0.1",
                  "--set", "agent.support=fit", "--set", "agent.freeze_reset=true", "--set", "agent.freeze_eps=1e6",
@@ -99,7 +100,7 @@ def test_cli_lists_every_component_as_json():
 ON = ("periodic", "polyak")
 # the run each component's switch is on in, the other run has it off (c51 and double DQN: always on)
 ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q_reality": "periodic",
-          "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e9_tradability_gate": "periodic",
+          "e2_adaptive_epsilon": "periodic", "e3_dynamic_gamma": "periodic", "e3_refit_support": "periodic", "e9_tradability_gate": "periodic",
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
           "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "isv_routing": "cvar", "obs_noise": "cvar",

@@ -209,6 +209,36 @@ def test_tiny_run_feeds_back_and_selects_on_the_other_part(tmp_path, monkeypatch
     assert state["feedback"]["e2_updates"] == 2 and len(state["feedback_gate"]) == N_BUCKETS
 
 
+def test_e3_refits_the_support_at_the_gamma_it_sets(tmp_path, monkeypatch):
+    """train.e3_refit_support: each time E3 moves gamma the fitted support is refitted from the replay's returns at
+    the new gamma (numbarl/rl/support.py's rule: v = |R_n| quantile x a factor at least the spread factor
+    1/sqrt(1 - gamma^(2n)) of that gamma), and the train records after it carry that support; without E3 or without
+    a fitted support the switch is a config error."""
+    from numbarl import config as config_mod
+    from numbarl.rl.support import horizon_factor
+
+    monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    r = CliRunner().invoke(train_cmd, [*FAST, "--set", "agent.support=fit", "--set", "train.e3_dynamic_gamma=true",
+                                       "--set", "train.e3_refit_support=true", "--out", str(out)], catch_exceptions=True)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    fb = [rec for rec in records if rec["kind"] == "feedback"]
+    assert fb[0]["e3.gamma"] != 0.99 and fb[0]["e3.support_v"] > 0  # the tiny preset starts at gamma 0.99
+    later = [rec for rec in records if rec["kind"] == "train" and rec["epoch"] == 2]
+    assert later and all(rec["support_fits"] == 2 for rec in later)
+    assert later[-1]["support_v_max"] == pytest.approx(fb[0]["e3.support_v"], rel=1e-6)
+    log = (out / "train.log").read_text()
+    line = next(x for x in log.splitlines() if "at E3's gamma" in x)
+    factor = float(line.rsplit("horizon factor", 1)[1].strip(" )"))
+    assert factor >= horizon_factor(fb[0]["e3.gamma"], 2) * (1 - 1e-3)  # the tiny preset's n_step = 2
+    with pytest.raises(config_mod.ConfigError, match="e3_refit_support"):
+        config_mod.resolve("tiny", sets=["train.e3_refit_support=true", "agent.support=fit"])
+    with pytest.raises(config_mod.ConfigError, match="agent.support = 'fit'"):
+        config_mod.resolve("tiny", sets=["train.e3_refit_support=true", "train.e3_dynamic_gamma=true",
+                                         "agent.support=fixed"])
+
+
 def test_a_validation_window_too_short_to_split_fails_before_any_output(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMBARL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"

@@ -337,3 +337,40 @@ def test_errors_name_the_problem():
         MambaScan("m", 8, n_steps=4, n_heads=2, conv=9)
     with pytest.raises(ValueError, match="not available with conv = 2"):
         MambaScan("m", 8, n_steps=4, n_heads=2, conv=2).buffers(3, False, step=True)
+
+
+@pytest.mark.parametrize("threads", [32, 40, 256, 1000])
+def test_scan_input_grad_kernel_covers_every_element_for_any_block(threads):
+    """ssd_input_grad_kernel runs a thread row per row of z with its lanes along the columns (launch.row_block): the
+    simulator's launcher shape has one row per block, the GPU's (256 threads) several; here blocks of several rows,
+    lanes fewer than the columns (each lane loops) and row counts that are no multiple of the block's rows all write
+    every element once (dz starts as NaN), with the same bits, and match the formula (module docstring)."""
+    from numbarl.cuda import launch
+    from numbarl.cuda.kernels import ssm
+
+    rng = np.random.default_rng(5)
+    n_seq, k_rows, width, head_dim = 3, 5, 6, 2
+    n_heads, n = width // head_dim, ssm.D_STATE
+    p_cols, rows = width + 2 * n + n_heads, n_seq * k_rows
+    g = rng.standard_normal((n_seq, width)).astype(np.float32)
+    z = rng.standard_normal((rows, p_cols)).astype(np.float32)
+    d_dt, coef, dbw = (rng.standard_normal((rows, n_heads)).astype(np.float32) for _ in range(3))
+    d_c = rng.standard_normal((n_seq, n_heads, n)).astype(np.float32)
+    dz = _dev(np.full((rows, p_cols), np.nan, np.float32))
+    grid, block = launch.row_block(rows, p_cols, threads)
+    ssm.ssd_input_grad_kernel[grid, block](_dev(g), _dev(z), np.int32(k_rows), np.int32(head_dim), _dev(d_dt),
+                                           _dev(coef), _dev(dbw), _dev(d_c), dz)
+    got = _host(dz)
+    b, t = np.divmod(np.arange(rows), k_rows)
+    want = np.zeros((rows, p_cols))
+    want[:, :width] = coef[:, np.arange(width) // head_dim] * g[b]
+    want[:, width:width + n] = dbw.astype(np.float64).sum(axis=1)[:, None] * z[b * k_rows + k_rows - 1, width + n:width + 2 * n]
+    want[:, width + n:width + 2 * n] = np.where((t == k_rows - 1)[:, None], d_c.astype(np.float64).sum(axis=1)[b], 0.0)
+    want[:, width + 2 * n:] = d_dt
+    assert not np.isnan(got).any()
+    assert_close(got, want, atol=ATOL, rtol=RTOL)
+    ref = _dev(np.full((rows, p_cols), np.nan, np.float32))
+    grid, block = launch.row_block(rows, p_cols, 1)  # one lane, one row per block: every element in column order
+    ssm.ssd_input_grad_kernel[grid, block](_dev(g), _dev(z), np.int32(k_rows), np.int32(head_dim), _dev(d_dt),
+                                           _dev(coef), _dev(dbw), _dev(d_c), ref)
+    np.testing.assert_array_equal(got.view(np.uint32), _host(ref).view(np.uint32))

@@ -349,7 +349,8 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
 def ssd_input_grad_kernel(g, z, n_steps, head_dim, d_dt_pre, coef, dbw, d_c_part, dz):
     """A thread row per row of z (block (lanes, rows) of launch.row_block), its lanes along the columns j:
     dz = [∂L/∂u | ∂L/∂B | ∂L/∂C | ∂L/∂Δ̃] (module docstring). One division per row for (b, t) instead of two
-    per element (the flat-index layout before: ~29 M threads at B = 16,384, K = 16), same sums in the same order."""
+    per element (the flat-index layout before: ~29 M threads at B = 16,384, K = 16; the u columns keep one for
+    their head), same sums in the same order."""
     row = _cuda.blockIdx.x * _cuda.blockDim.y + _cuda.threadIdx.y
     if row >= dz.shape[0]:
         return
