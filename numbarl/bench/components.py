@@ -456,10 +456,14 @@ def short_kernel_name(name: str, width: int = 64) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
+# the steps --profile times per kernel: (the row's key, the step's name)
+PROFILED_STEPS = (("kernels_train", "train"), ("kernels_train_aux", "train_aux"), (f"kernels_{ACT_GRAPH}", ACT_GRAPH))
+
+
 def base_kernels_text(base: dict, top: int = 10) -> list[str]:
     """The base row's own GPU time per step by kernel (its largest `top`), one line per profiled step."""
     lines = []
-    for key, what in (("kernels_train", "train"), ("kernels_train_aux", "train_aux"), (f"kernels_{ACT_GRAPH}", ACT_GRAPH)):
+    for key, what in PROFILED_STEPS:
         kernels = base.get(key) or {}
         if not kernels:
             continue
@@ -480,8 +484,7 @@ def profile_text(results: dict) -> str:
         if "error" in r or "kernels_error" in r:
             lines.append(f"{r['component']}: no profile ({r.get('error') or r.get('kernels_error')})")
             continue
-        for key, what in (("kernels_train", "train"), ("kernels_train_aux", "train_aux"),
-                          (f"kernels_{ACT_GRAPH}", ACT_GRAPH)):
+        for key, what in PROFILED_STEPS:
             if key not in r or key not in rows[0]:
                 continue
             deltas = kernel_deltas(rows[0], r, key)
