@@ -299,6 +299,42 @@ def test_conv_kernels_match_reference(rng, taps, masked):
     assert_close(got_dw, want_dw, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.skipif(not __import__("numbarl.cuda.backend", fromlist=["backend"]).simulator_active(),
+                    reason="the simulator reads REG_TAPS at run time; a compiled kernel has it as a constant")
+@pytest.mark.parametrize("k_rows, taps", [(3, 4), (4, 2), (5, 4), (6, 3), (7, 4), (8, 1), (9, 4)])
+def test_conv_register_path_equals_the_generic_loop(rng, k_rows, taps, monkeypatch):
+    """For d ≤ REG_TAPS the kernels read a chunk of four rows (and their masks) before the first store, then the
+    last K mod 4 rows one by one: bit for bit the generic per-tap loop (forced here with REG_TAPS = 0, which the
+    simulator reads at run time), for K below, at and between multiples of the chunk, masked rows inside and at
+    the edges of chunks, and d from 1 to 4."""
+    from numbarl.cuda.kernels import conv1d
+
+    n_win, p_cols, n_cols = 3, 5, 4
+    z = rng.standard_normal((n_win * k_rows, p_cols)).astype(np.float32)
+    w = rng.standard_normal((taps + 1, n_cols)).astype(np.float32)
+    dout = rng.standard_normal((n_win * k_rows, p_cols)).astype(np.float32)
+    mask = np.ones((n_win, k_rows), np.float32)
+    mask[0, 0] = mask[1, k_rows // 2] = mask[2, k_rows - 1] = 0.0
+    mask[1, min(3, k_rows - 1)] = 0.0  # the last row of the first chunk
+
+    def run(reg_taps, masked):
+        monkeypatch.setattr(conv1d, "REG_TAPS", reg_taps)
+        s = stream()
+        out, pre = (_cuda.device_array((n_win * k_rows, c), np.float32) for c in (p_cols, n_cols))
+        dz, part = _cuda.device_array((n_win * k_rows, p_cols), np.float32), _cuda.device_array(
+            (n_win, (taps + 1) * n_cols), np.float32)
+        dm = _dev(mask) if masked else None
+        conv1d.conv_forward(_dev(z), _dev(w), dm, k_rows, out, pre, s)
+        conv1d.conv_backward(_dev(dout), _dev(z), _dev(w), pre, dm, k_rows, dz, part, s)
+        return [_host(x) for x in (out, pre, dz, part)]
+
+    reg_taps = conv1d.REG_TAPS
+    assert taps <= reg_taps
+    for masked in (False, True):
+        for name, got, want in zip(("out", "pre", "dz", "part"), run(reg_taps, masked), run(0, masked)):
+            np.testing.assert_array_equal(got, want, err_msg=f"{name}, masked={masked}")
+
+
 def test_conv_lets_the_scan_read_a_product_of_two_rows():
     """Why the convolution (numbarl/cuda/kernels/conv1d.py): the scan's state is a sum over rows of one
     row's products u_t ⊗ B_t, read by the newest row's C, so without the convolution h̃ holds no product

@@ -33,7 +33,13 @@ mask loads; the sums and their order are unchanged, so the results are bit for b
 e) in registers and reads every row once, before that row's mask decides which taps apply: the generic loop
 waits for the mask before it reads the taps' rows (two dependent memory latencies per row, the eleventh
 session's profile: the forward at ~1.6 TB/s) and re-reads them, and the input gradient recomputes silu' of
-each row d times. Same products, same order: bit for bit the generic loop's results. The weight
+each row d times. Same products, same order: bit for bit the generic loop's results. The register path reads
+its rows in chunks of CHUNK = 4: a chunk's rows and masks (the input gradient: dout and v; the weight parts: z,
+dout and v) are loaded before the chunk's first store, then the rows are taken in order, and the last K mod 4
+rows one by one. Row by row, a row's load came after the previous row's stores, which may alias it as far as the
+compiler knows, so each thread had one load in flight. The twelfth session's profile, on an H100, measured the
+forward at 239 µs per call, ~1.4 TB/s. (tests/rl/test_mamba.py pins the chunks and the tail to the generic loop,
+bit for bit.) The weight
 gradient sums
 its K rows into part [B, (d + 1)·n_cols] (tap k at columns k·n_cols + j, the bias at d·n_cols + j),
 which the caller sums over windows with numbarl.cuda.reduce.col_sum (fixed order). The forward keeps
@@ -54,6 +60,7 @@ _cuda = cuda()
 
 BLOCK = launch.shape(gpu=128, sim=32)
 MAX_WIDTH = 8  # d: taps per column
+CHUNK = 4  # rows a register-path thread reads before the first of them is used (loads in flight together)
 REG_TAPS = 4  # d up to this (mamba_ssm's d_conv = 4) runs the kernels' register path; wider, the generic loops
 _PARTS = MAX_WIDTH + 1  # a weight-gradient part per tap, then the bias (a module constant: numba sizes local arrays only from those)
 
@@ -136,6 +143,61 @@ def _taps_dev(w, j, d):
     return w0, w1, w2, w3
 
 
+@_cuda.jit(device=True, inline=True)
+def _fwd_row_dev(pre, out, row, j, zt, masked, run, z1, z2, z3, d, w0, w1, w2, w3, bias):
+    """The forward's register path at one row: v from the row and the three before it (the taps in the generic
+    loop's order, k = 0, 1, ...), v to pre and silu(v) to out; returns (run, z1, z2, z3) for the next row."""
+    run = 0 if masked else run + 1
+    v = bias
+    if run > 0:
+        v += w0 * zt
+    if d > 1 and run > 1:
+        v += w1 * z1
+    if d > 2 and run > 2:
+        v += w2 * z2
+    if d > 3 and run > 3:
+        v += w3 * z3
+    pre[row, j] = v
+    out[row, j] = silu_dev(v)
+    return run, zt, z1, z2
+
+
+@_cuda.jit(device=True, inline=True)
+def _igrad_row_dev(dz, row, j, s, e0, masked, stop, e1, e2, e3, d, w0, w1, w2, w3):
+    """The input gradient's register path at row s (e0 its e, e1..e3 those of rows s + 1 .. s + 3): dz of the row
+    (the taps in the generic loop's order); returns (stop, e1, e2, e3) for row s − 1."""
+    if masked:
+        stop = s
+    acc = _ZERO
+    if s < stop:
+        acc += w0 * e0
+    if d > 1 and s + 1 < stop:
+        acc += w1 * e1
+    if d > 2 and s + 2 < stop:
+        acc += w2 * e2
+    if d > 3 and s + 3 < stop:
+        acc += w3 * e3
+    dz[row, j] = acc
+    return stop, e0, e1, e2
+
+
+@_cuda.jit(device=True, inline=True)
+def _wpart_row_dev(zt, e, masked, run, z1, z2, z3, n_taps, a0, a1, a2, a3, ab):
+    """The weight parts' register path at one row (e its e): the bias part and each reached tap's part, in the
+    generic loop's order; returns (run, z1, z2, z3, a0, a1, a2, a3, ab) for the next row."""
+    run = 0 if masked else run + 1
+    ab += e
+    if run > 0:
+        a0 += e * zt
+    if n_taps > 1 and run > 1:
+        a1 += e * z1
+    if n_taps > 2 and run > 2:
+        a2 += e * z2
+    if n_taps > 3 and run > 3:
+        a3 += e * z3
+    return run, zt, z1, z2, a0, a1, a2, a3, ab
+
+
 @_cuda.jit(cache=True)
 def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
     """One thread per (window b, column j of z), down the window's K rows: out = silu(v) for j < n_cols
@@ -156,21 +218,26 @@ def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
         w0, w1, w2, w3 = _taps_dev(w, j, d)
         bias = w[d, j]
         z1 = z2 = z3 = _ZERO  # rows t − 1, t − 2, t − 3 (read only where the run reaches them)
-        for t in range(n_steps):
-            zt = z[first + t, j]
-            run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
-            v = bias
-            if run > 0:  # the taps in the generic loop's order, k = 0, 1, ...
-                v += w0 * zt
-            if d > 1 and run > 1:
-                v += w1 * z1
-            if d > 2 and run > 2:
-                v += w2 * z2
-            if d > 3 and run > 3:
-                v += w3 * z3
-            z3, z2, z1 = z2, z1, zt
-            pre[first + t, j] = v
-            out[first + t, j] = silu_dev(v)
+        t = 0
+        while t + CHUNK <= n_steps:  # a chunk's four rows and masks read before its first store
+            row = first + t
+            za = z[row, j]
+            zb = z[row + 1, j]
+            zc = z[row + 2, j]
+            zd = z[row + 3, j]
+            ma = row_masked_dev(mask, has_mask, b, t)
+            mb = row_masked_dev(mask, has_mask, b, t + 1)
+            mc = row_masked_dev(mask, has_mask, b, t + 2)
+            md = row_masked_dev(mask, has_mask, b, t + 3)
+            run, z1, z2, z3 = _fwd_row_dev(pre, out, row, j, za, ma, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
+            run, z1, z2, z3 = _fwd_row_dev(pre, out, row + 1, j, zb, mb, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
+            run, z1, z2, z3 = _fwd_row_dev(pre, out, row + 2, j, zc, mc, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
+            run, z1, z2, z3 = _fwd_row_dev(pre, out, row + 3, j, zd, md, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
+            t += CHUNK
+        while t < n_steps:  # the last K mod 4 rows
+            run, z1, z2, z3 = _fwd_row_dev(pre, out, first + t, j, z[first + t, j], row_masked_dev(mask, has_mask, b, t),
+                                           run, z1, z2, z3, d, w0, w1, w2, w3, bias)
+            t += 1
         return
     for t in range(n_steps):
         run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
@@ -202,22 +269,35 @@ def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
     if d <= REG_TAPS:  # e of the rows s + 1 .. s + 3 kept in registers: each row's e computed once
         w0, w1, w2, w3 = _taps_dev(w, j, d)
         e1 = e2 = e3 = _ZERO
-        for back in range(n_steps):
-            s = n_steps - 1 - back
-            e0 = dout[first + s, j] * silu_grad_dev(pre[first + s, j])  # used only while no masked row intervenes
-            if row_masked_dev(mask, has_mask, b, s):
-                stop = s
-            acc = _ZERO
-            if s < stop:  # the taps in the generic loop's order, k = 0, 1, ...
-                acc += w0 * e0
-            if d > 1 and s + 1 < stop:
-                acc += w1 * e1
-            if d > 2 and s + 2 < stop:
-                acc += w2 * e2
-            if d > 3 and s + 3 < stop:
-                acc += w3 * e3
-            dz[first + s, j] = acc
-            e3, e2, e1 = e2, e1, e0
+        s = n_steps - 1
+        while s + 1 >= CHUNK:  # a chunk's four rows (s, s − 1, s − 2, s − 3) and masks read before its first store
+            row = first + s
+            da = dout[row, j]
+            db = dout[row - 1, j]
+            dc = dout[row - 2, j]
+            dd = dout[row - 3, j]
+            pa = pre[row, j]
+            pb = pre[row - 1, j]
+            pc = pre[row - 2, j]
+            pd = pre[row - 3, j]
+            ma = row_masked_dev(mask, has_mask, b, s)
+            mb = row_masked_dev(mask, has_mask, b, s - 1)
+            mc = row_masked_dev(mask, has_mask, b, s - 2)
+            md = row_masked_dev(mask, has_mask, b, s - 3)
+            stop, e1, e2, e3 = _igrad_row_dev(dz, row, j, s, da * silu_grad_dev(pa), ma, stop, e1, e2, e3, d,
+                                              w0, w1, w2, w3)
+            stop, e1, e2, e3 = _igrad_row_dev(dz, row - 1, j, s - 1, db * silu_grad_dev(pb), mb, stop, e1, e2, e3, d,
+                                              w0, w1, w2, w3)
+            stop, e1, e2, e3 = _igrad_row_dev(dz, row - 2, j, s - 2, dc * silu_grad_dev(pc), mc, stop, e1, e2, e3, d,
+                                              w0, w1, w2, w3)
+            stop, e1, e2, e3 = _igrad_row_dev(dz, row - 3, j, s - 3, dd * silu_grad_dev(pd), md, stop, e1, e2, e3, d,
+                                              w0, w1, w2, w3)
+            s -= CHUNK
+        while s >= 0:  # the first K mod 4 rows
+            row = first + s
+            stop, e1, e2, e3 = _igrad_row_dev(dz, row, j, s, dout[row, j] * silu_grad_dev(pre[row, j]),
+                                              row_masked_dev(mask, has_mask, b, s), stop, e1, e2, e3, d, w0, w1, w2, w3)
+            s -= 1
         return
     for back in range(n_steps):
         s = n_steps - 1 - back
@@ -244,20 +324,40 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
         a0 = a1 = a2 = a3 = ab = _ZERO
         z1 = z2 = z3 = _ZERO
         run = 0
-        for t in range(n_steps):
-            zt = z[first + t, j]
-            run = 0 if row_masked_dev(mask, has_mask, b, t) else run + 1
-            e = dout[first + t, j] * silu_grad_dev(pre[first + t, j])
-            ab += e
-            if run > 0:
-                a0 += e * zt
-            if n_taps > 1 and run > 1:
-                a1 += e * z1
-            if n_taps > 2 and run > 2:
-                a2 += e * z2
-            if n_taps > 3 and run > 3:
-                a3 += e * z3
-            z3, z2, z1 = z2, z1, zt
+        t = 0
+        while t + CHUNK <= n_steps:  # a chunk's four rows read together
+            row = first + t
+            za = z[row, j]
+            zb = z[row + 1, j]
+            zc = z[row + 2, j]
+            zd = z[row + 3, j]
+            da = dout[row, j]
+            db = dout[row + 1, j]
+            dc = dout[row + 2, j]
+            dd = dout[row + 3, j]
+            pa = pre[row, j]
+            pb = pre[row + 1, j]
+            pc = pre[row + 2, j]
+            pd = pre[row + 3, j]
+            ma = row_masked_dev(mask, has_mask, b, t)
+            mb = row_masked_dev(mask, has_mask, b, t + 1)
+            mc = row_masked_dev(mask, has_mask, b, t + 2)
+            md = row_masked_dev(mask, has_mask, b, t + 3)
+            run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(za, da * silu_grad_dev(pa), ma, run, z1, z2, z3,
+                                                                 n_taps, a0, a1, a2, a3, ab)
+            run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(zb, db * silu_grad_dev(pb), mb, run, z1, z2, z3,
+                                                                 n_taps, a0, a1, a2, a3, ab)
+            run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(zc, dc * silu_grad_dev(pc), mc, run, z1, z2, z3,
+                                                                 n_taps, a0, a1, a2, a3, ab)
+            run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(zd, dd * silu_grad_dev(pd), md, run, z1, z2, z3,
+                                                                 n_taps, a0, a1, a2, a3, ab)
+            t += CHUNK
+        while t < n_steps:  # the last K mod 4 rows
+            row = first + t
+            run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(
+                z[row, j], dout[row, j] * silu_grad_dev(pre[row, j]), row_masked_dev(mask, has_mask, b, t), run,
+                z1, z2, z3, n_taps, a0, a1, a2, a3, ab)
+            t += 1
         part[b, j] = a0
         if n_taps > 1:
             part[b, n_cols + j] = a1
