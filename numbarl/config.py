@@ -842,8 +842,9 @@ PRESETS: dict[str, Config] = {
     # TF32 GEMMs (fp32 storage and accumulation, inputs rounded to TF32): on the planted market 0.85 of the
     # oracle's test Sharpe over 5 seeds (min 0.81) against fp32's 0.85 (min 0.79), last/best validation 0.93
     # (min 0.88) against 0.92 (min 0.88), atoms 0.51 against 0.51; ten runs side by side beside the GPU tests
-    # spent 230 s each in their training steps against fp32's 424-426 s (docs/RESULTS.md, twelfth session).
-    # fp32: --set agent.compute=fp32
+    # spent 230 s each in their training steps (TF32, an H100) against 424-426 s (fp32, an H200; docs/RESULTS.md,
+    # twelfth session). Measured for C51 only: PPO, the DT and the temporal stack on this preset are TF32 too,
+    # unmeasured there. fp32: --set agent.compute=fp32
     "default": Config(preset="default", agent=AgentConfig(target_update="polyak", support="fit", gamma=0.95,
                                                           compute="tf32"),
                       env=EnvParams(trade_reward_scale=0.0, micro_reward_scale=0.0, pnl_reward_scale=0.01)),

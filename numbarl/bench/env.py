@@ -309,7 +309,7 @@ def time_backtest(n_policies: int, n_bars: int, chunk: int, reps: int, segment_b
 def policy_backtest(n_bars: int = 3063, n_features: int = 64, reps: int = 5, trunk=None, seed: int = 8) -> dict:
     """A greedy learned policy over an n_bars window: graph == eager (bitwise), then timings.
 
-    The network is the default preset's (AgentConfig(); trunk= overrides it, e.g. for a quick
+    The network is the default preset's shape in fp32 (AgentConfig(); trunk= overrides it, e.g. for a quick
     run under the simulator) with its initial weights; the env is EnvParams(). Returns seconds
     per call: eager, first graphed call (capture included), median of `reps` later graphed calls;
     bars/s of the latter; and `identical`, the name of the first output that differs (or None).

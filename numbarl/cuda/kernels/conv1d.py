@@ -144,19 +144,25 @@ def _taps_dev(w, j, d):
 
 
 @_cuda.jit(device=True, inline=True)
+def _tap_sum_dev(acc, reach, d, w0, w1, w2, w3, x0, x1, x2, x3):
+    """acc + Σ_{k < min(d, reach)} w_k · x_k, the taps added in the generic loop's order k = 0, 1, ..."""
+    if reach > 0:
+        acc += w0 * x0
+    if d > 1 and reach > 1:
+        acc += w1 * x1
+    if d > 2 and reach > 2:
+        acc += w2 * x2
+    if d > 3 and reach > 3:
+        acc += w3 * x3
+    return acc
+
+
+@_cuda.jit(device=True, inline=True)
 def _fwd_row_dev(pre, out, row, j, zt, masked, run, z1, z2, z3, d, w0, w1, w2, w3, bias):
     """The forward's register path at one row: v from the row and the three before it (the taps in the generic
     loop's order, k = 0, 1, ...), v to pre and silu(v) to out; returns (run, z1, z2, z3) for the next row."""
     run = 0 if masked else run + 1
-    v = bias
-    if run > 0:
-        v += w0 * zt
-    if d > 1 and run > 1:
-        v += w1 * z1
-    if d > 2 and run > 2:
-        v += w2 * z2
-    if d > 3 and run > 3:
-        v += w3 * z3
+    v = _tap_sum_dev(bias, run, d, w0, w1, w2, w3, zt, z1, z2, z3)
     pre[row, j] = v
     out[row, j] = silu_dev(v)
     return run, zt, z1, z2
@@ -168,16 +174,7 @@ def _igrad_row_dev(dz, row, j, s, e0, masked, stop, e1, e2, e3, d, w0, w1, w2, w
     (the taps in the generic loop's order); returns (stop, e1, e2, e3) for row s − 1."""
     if masked:
         stop = s
-    acc = _ZERO
-    if s < stop:
-        acc += w0 * e0
-    if d > 1 and s + 1 < stop:
-        acc += w1 * e1
-    if d > 2 and s + 2 < stop:
-        acc += w2 * e2
-    if d > 3 and s + 3 < stop:
-        acc += w3 * e3
-    dz[row, j] = acc
+    dz[row, j] = _tap_sum_dev(_ZERO, stop - s, d, w0, w1, w2, w3, e0, e1, e2, e3)  # tap k reaches row s + k < stop
     return stop, e0, e1, e2
 
 
