@@ -43,6 +43,13 @@ is counted as unfinished: it has no test numbers, and its decay columns run to i
 then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the run folders without training.
 ``--component NAME`` adds an arm named NAME with that registry component's switch (numbarl/rl/components.py),
 e.g. ``--arm base --component iqn --component cql``.
+
+A finished run is skipped by its folder name, so before training the grid checks each finished folder's
+config.json against the config the arm's options resolve to now (``numbarl train --print-config``, the seed
+aside): a folder run with other options, or under a preset that has changed since (e.g. the `default` preset's
+precision), stops the grid with an error naming the folder and the fields that differ. Fields the saved config
+does not have (added to numbarl after the run) are not compared. A finished folder without config.json (a light
+copy, e.g. ``bin/gpu-ab``'s archives before the twelfth session) cannot be checked: the grid says how many.
 """
 
 from __future__ import annotations
@@ -153,6 +160,65 @@ def _train(out: Path, preset: str, arm: str, opts: list[str], seed: int, extra: 
     with open(out / f"{arm}-s{seed}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     return str(folder), rc, time.time() - t0
+
+
+def resolved_config(preset: str, opts: list[str], seed: int, extra: list[str]) -> dict:
+    """The config numbarl-train resolves for one (arm, seed) run: its ``--print-config`` TOML, parsed (a
+    subprocess, as the run itself: the CLI's layering and device choice stay in one place)."""
+    import tomllib
+
+    cmd = train_command(Path("unused"), preset, opts, seed, extra, resume=False)
+    cmd = cmd[:cmd.index("--out")] + ["--print-config"]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise ValueError(f"numbarl train {' '.join(cmd[3:])} failed: {(r.stderr or r.stdout).strip()}")
+    return tomllib.loads(r.stdout)
+
+
+def config_differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """``section.field: saved -> now`` for every field of `saved` whose value `now` does not share (lists and
+    tuples alike); fields `saved` lacks are not compared, nor the training seed (the folder name holds it)."""
+    out = []
+    for key, old in saved.items():
+        name = prefix + key
+        if name == "train.seed" or key not in now:
+            continue
+        new = now[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_differences(old, new, name + ".")
+        elif _plain(old) != _plain(new):
+            out.append(f"{name}: {old!r} -> {new!r}")
+    return out
+
+
+def _plain(x):
+    return [_plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def check_finished_runs(out: Path, preset: str, arms, extra: list[str], parallel: int = 4) -> tuple[list[str], int]:
+    """(errors, unchecked): an error per finished run folder whose config.json differs from what its arm resolves
+    to now; unchecked counts finished folders without config.json."""
+    todo, unchecked = [], 0
+    for arm, opts, arm_seeds in arms:
+        for seed in arm_seeds:
+            folder = run_folder(out, arm, seed)
+            if not _finished(folder):
+                continue
+            try:
+                saved = json.loads((folder / "config.json").read_text())
+            except (OSError, ValueError):
+                unchecked += 1
+                continue
+            todo.append((folder, opts, seed, saved))
+
+    def one(job):
+        folder, opts, seed, saved = job
+        diff = config_differences(saved, resolved_config(preset, opts, seed, extra))
+        return f"{folder}: finished with other settings than its arm gives now ({'; '.join(diff)})" if diff else None
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        errors = [e for e in pool.map(one, todo) if e]
+    return errors, unchecked
 
 
 def _f(x):
@@ -329,6 +395,18 @@ def main(argv=None) -> int:
                                                     "components": a.component,
                                                     "train_args": a.train_arg}, indent=2))
     if not a.table_only:
+        try:
+            errors, unchecked = check_finished_runs(out, a.preset, arms, a.train_arg, a.parallel)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if errors:
+            print("error: " + "\n       ".join(errors) + "\n       remove those folders or give the arm another "
+                  "name", file=sys.stderr)
+            return 2
+        if unchecked:
+            print(f"ab: {unchecked} finished run folder(s) without config.json are taken as they are (their "
+                  "settings cannot be checked)", file=sys.stderr)
         jobs = [(arm, opts, seed) for arm, opts, arm_seeds in arms for seed in arm_seeds]
         with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
             for folder, rc, secs in pool.map(lambda j: _train(out, a.preset, j[0], j[1], j[2], a.train_arg), jobs):

@@ -90,6 +90,17 @@ def test_grid_writes_one_table_and_continues(tmp_path):
         assert cfg["train"]["epsilon_end"] == 0.2
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, **env})
     assert again.returncode == 0 and again.stdout.count("rc 0, 0 s") == 2  # finished runs are not run again
+    # a finished folder whose config.json differs from what its arm gives now stops the grid, naming the field
+    cfg_path = out / "eps-s0" / "config.json"
+    saved = json.loads(cfg_path.read_text())
+    saved["train"]["epsilon_end"] = 0.3
+    cfg_path.write_text(json.dumps(saved))
+    changed = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env={**__import__("os").environ, **env})
+    assert changed.returncode == 2 and "eps-s0" in changed.stderr, changed.stdout + changed.stderr
+    assert "train.epsilon_end: 0.3 -> 0.2" in changed.stderr and "base-s0" not in changed.stderr
+    cfg_path.unlink()  # a light copy (no config.json) is taken as it is, and the grid says so
+    light = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env={**__import__("os").environ, **env})
+    assert light.returncode == 0 and "1 finished run folder(s) without config.json" in light.stderr
     bad = subprocess.run([sys.executable, "-m", "numbarl", "ab", "--out", str(out), "--arm", "a/b"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
@@ -163,3 +174,13 @@ def test_component_arms_take_the_registry_switch(tmp_path):
     assert ab.main(["--out", str(tmp_path / "g2"), "--table-only", "--arm", "base", "--component", "kelly_sizing"]) == 0
     rows = json.loads((tmp_path / "g2" / "ab.json").read_text())
     assert [r["arm"] for r in rows] == ["base", "kelly_sizing"]
+
+
+def test_config_differences_names_each_changed_field():
+    saved = {"preset": "default", "agent": {"compute": "fp32", "trunk": [512, 512], "gone": 1},
+             "train": {"seed": 3, "epochs": 10}}
+    now = {"preset": "default", "agent": {"compute": "tf32", "trunk": (512, 512), "new_field": 2},
+           "train": {"seed": 4, "epochs": 10}}
+    # the seed is the folder's, fields the saved run lacks or the code no longer has are not compared
+    assert ab.config_differences(saved, now) == ["agent.compute: 'fp32' -> 'tf32'"]
+    assert ab.config_differences(now, now) == []
