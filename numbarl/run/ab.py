@@ -44,8 +44,8 @@ then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the 
 ``--component NAME`` adds an arm named NAME with that registry component's switch (numbarl/rl/components.py),
 e.g. ``--arm base --component iqn --component cql``.
 
-A finished run is skipped by its folder name, so before training the grid checks each finished folder's
-config.json against the config the arm's options resolve to now (``numbarl train --print-config``, the seed
+A finished run is skipped by its folder name and a started one resumed with its saved config, so before training
+the grid checks each such folder's config.json against the config the arm's options resolve to now (``numbarl train --print-config``, the seed
 aside): a folder run with other options, or under a preset that has changed since (e.g. the `default` preset's
 precision), stops the grid with an error naming the folder and the fields that differ. Fields the saved config
 does not have (added to numbarl after the run) are not compared. A finished folder without config.json (a light
@@ -177,7 +177,9 @@ def resolved_config(preset: str, opts: list[str], seed: int, extra: list[str]) -
 
 def config_differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
     """``section.field: saved -> now`` for every field of `saved` whose value `now` does not share (lists and
-    tuples alike); fields `saved` lacks are not compared, nor the training seed (the folder name holds it)."""
+    tuples alike); fields `saved` lacks are not compared, nor the training seed (the folder name holds it), nor a
+    field `now` lacks (--print-config leaves a None field out). A non-finite float is saved as null (config.json
+    is JSON), so a saved None matches a non-finite value now."""
     out = []
     for key, old in saved.items():
         name = prefix + key
@@ -186,7 +188,7 @@ def config_differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
         new = now[key]
         if isinstance(old, dict) and isinstance(new, dict):
             out += config_differences(old, new, name + ".")
-        elif _plain(old) != _plain(new):
+        elif _plain(old) != _plain(new) and not (old is None and isinstance(new, float) and not math.isfinite(new)):
             out.append(f"{name}: {old!r} -> {new!r}")
     return out
 
@@ -196,25 +198,28 @@ def _plain(x):
 
 
 def check_finished_runs(out: Path, preset: str, arms, extra: list[str], parallel: int = 4) -> tuple[list[str], int]:
-    """(errors, unchecked): an error per finished run folder whose config.json differs from what its arm resolves
-    to now; unchecked counts finished folders without config.json."""
+    """(errors, unchecked): an error per finished run folder, or started one that the grid would resume (it has
+    checkpoints/), whose config.json differs from what its arm resolves to now; unchecked counts finished folders
+    without config.json."""
     todo, unchecked = [], 0
     for arm, opts, arm_seeds in arms:
         for seed in arm_seeds:
             folder = run_folder(out, arm, seed)
-            if not _finished(folder):
+            finished = _finished(folder)
+            if not (finished or (folder / "checkpoints").is_dir()):
                 continue
             try:
                 saved = json.loads((folder / "config.json").read_text())
             except (OSError, ValueError):
-                unchecked += 1
+                unchecked += finished  # a folder to resume without its config.json fails in numbarl train itself
                 continue
             todo.append((folder, opts, seed, saved))
 
     def one(job):
         folder, opts, seed, saved = job
         diff = config_differences(saved, resolved_config(preset, opts, seed, extra))
-        return f"{folder}: finished with other settings than its arm gives now ({'; '.join(diff)})" if diff else None
+        what = "finished" if _finished(folder) else "started (the grid would resume it)"
+        return f"{folder}: {what} with other settings than its arm gives now ({'; '.join(diff)})" if diff else None
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         errors = [e for e in pool.map(one, todo) if e]

@@ -184,3 +184,18 @@ def test_config_differences_names_each_changed_field():
     # the seed is the folder's, fields the saved run lacks or the code no longer has are not compared
     assert ab.config_differences(saved, now) == ["agent.compute: 'fp32' -> 'tf32'"]
     assert ab.config_differences(now, now) == []
+
+
+def test_a_resumable_folder_with_other_settings_stops_the_grid(tmp_path):
+    # a started run (checkpoints/, no summary) is resumed with its saved config: checked like a finished one
+    out = tmp_path / "g"
+    folder = out / "eps-s0"
+    (folder / "checkpoints").mkdir(parents=True)
+    saved = ab.resolved_config("tiny", ["--set", "train.epsilon_end=0.3"], 0, [])
+    (folder / "config.json").write_text(json.dumps(saved))
+    errors, unchecked = ab.check_finished_runs(out, "tiny", [("eps", ["--set", "train.epsilon_end=0.2"], [0])], [])
+    assert unchecked == 0 and len(errors) == 1
+    assert "started (the grid would resume it)" in errors[0] and "train.epsilon_end: 0.3 -> 0.2" in errors[0]
+    assert ab.check_finished_runs(out, "tiny", [("eps", ["--set", "train.epsilon_end=0.3"], [0])], []) == ([], 0)
+    # a non-finite value is saved as null (JSON) and printed as inf: the same setting
+    assert ab.config_differences({"agent": {"v_max": None}}, {"agent": {"v_max": float("inf")}}) == []
