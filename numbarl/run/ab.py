@@ -213,12 +213,12 @@ def check_finished_runs(out: Path, preset: str, arms, extra: list[str], parallel
             except (OSError, ValueError):
                 unchecked += finished  # a folder to resume without its config.json fails in numbarl train itself
                 continue
-            todo.append((folder, opts, seed, saved))
+            todo.append((folder, opts, seed, saved, finished))
 
     def one(job):
-        folder, opts, seed, saved = job
+        folder, opts, seed, saved, finished = job
         diff = config_differences(saved, resolved_config(preset, opts, seed, extra))
-        what = "finished" if _finished(folder) else "started (the grid would resume it)"
+        what = "finished" if finished else "started (the grid would resume it)"
         return f"{folder}: {what} with other settings than its arm gives now ({'; '.join(diff)})" if diff else None
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:

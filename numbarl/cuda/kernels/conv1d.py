@@ -144,6 +144,19 @@ def _taps_dev(w, j, d):
 
 
 @_cuda.jit(device=True, inline=True)
+def _rows4_dev(x, row, j, step):
+    """x[row, j], x[row + step, j], x[row + 2·step, j], x[row + 3·step, j]: a chunk's four loads issued together."""
+    return x[row, j], x[row + step, j], x[row + 2 * step, j], x[row + 3 * step, j]
+
+
+@_cuda.jit(device=True, inline=True)
+def _masks4_dev(mask, has_mask, b, t, step):
+    """Whether rows t, t + step, t + 2·step, t + 3·step of window b are masked (:func:`row_masked_dev`)."""
+    return (row_masked_dev(mask, has_mask, b, t), row_masked_dev(mask, has_mask, b, t + step),
+            row_masked_dev(mask, has_mask, b, t + 2 * step), row_masked_dev(mask, has_mask, b, t + 3 * step))
+
+
+@_cuda.jit(device=True, inline=True)
 def _tap_sum_dev(acc, reach, d, w0, w1, w2, w3, x0, x1, x2, x3):
     """acc + Σ_{k < min(d, reach)} w_k · x_k, the taps added in the generic loop's order k = 0, 1, ..."""
     if reach > 0:
@@ -218,14 +231,8 @@ def conv_forward_kernel(z, w, mask, has_mask, n_steps, out, pre):
         t = 0
         while t + CHUNK <= n_steps:  # a chunk's four rows and masks read before its first store
             row = first + t
-            za = z[row, j]
-            zb = z[row + 1, j]
-            zc = z[row + 2, j]
-            zd = z[row + 3, j]
-            ma = row_masked_dev(mask, has_mask, b, t)
-            mb = row_masked_dev(mask, has_mask, b, t + 1)
-            mc = row_masked_dev(mask, has_mask, b, t + 2)
-            md = row_masked_dev(mask, has_mask, b, t + 3)
+            za, zb, zc, zd = _rows4_dev(z, row, j, 1)
+            ma, mb, mc, md = _masks4_dev(mask, has_mask, b, t, 1)
             run, z1, z2, z3 = _fwd_row_dev(pre, out, row, j, za, ma, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
             run, z1, z2, z3 = _fwd_row_dev(pre, out, row + 1, j, zb, mb, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
             run, z1, z2, z3 = _fwd_row_dev(pre, out, row + 2, j, zc, mc, run, z1, z2, z3, d, w0, w1, w2, w3, bias)
@@ -269,18 +276,9 @@ def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
         s = n_steps - 1
         while s + 1 >= CHUNK:  # a chunk's four rows (s, s − 1, s − 2, s − 3) and masks read before its first store
             row = first + s
-            da = dout[row, j]
-            db = dout[row - 1, j]
-            dc = dout[row - 2, j]
-            dd = dout[row - 3, j]
-            pa = pre[row, j]
-            pb = pre[row - 1, j]
-            pc = pre[row - 2, j]
-            pd = pre[row - 3, j]
-            ma = row_masked_dev(mask, has_mask, b, s)
-            mb = row_masked_dev(mask, has_mask, b, s - 1)
-            mc = row_masked_dev(mask, has_mask, b, s - 2)
-            md = row_masked_dev(mask, has_mask, b, s - 3)
+            da, db, dc, dd = _rows4_dev(dout, row, j, -1)
+            pa, pb, pc, pd = _rows4_dev(pre, row, j, -1)
+            ma, mb, mc, md = _masks4_dev(mask, has_mask, b, s, -1)
             stop, e1, e2, e3 = _igrad_row_dev(dz, row, j, s, da * silu_grad_dev(pa), ma, stop, e1, e2, e3, d,
                                               w0, w1, w2, w3)
             stop, e1, e2, e3 = _igrad_row_dev(dz, row - 1, j, s - 1, db * silu_grad_dev(pb), mb, stop, e1, e2, e3, d,
@@ -324,22 +322,10 @@ def conv_weight_part_kernel(dout, z, pre, mask, has_mask, n_steps, n_taps, part)
         t = 0
         while t + CHUNK <= n_steps:  # a chunk's four rows read together
             row = first + t
-            za = z[row, j]
-            zb = z[row + 1, j]
-            zc = z[row + 2, j]
-            zd = z[row + 3, j]
-            da = dout[row, j]
-            db = dout[row + 1, j]
-            dc = dout[row + 2, j]
-            dd = dout[row + 3, j]
-            pa = pre[row, j]
-            pb = pre[row + 1, j]
-            pc = pre[row + 2, j]
-            pd = pre[row + 3, j]
-            ma = row_masked_dev(mask, has_mask, b, t)
-            mb = row_masked_dev(mask, has_mask, b, t + 1)
-            mc = row_masked_dev(mask, has_mask, b, t + 2)
-            md = row_masked_dev(mask, has_mask, b, t + 3)
+            za, zb, zc, zd = _rows4_dev(z, row, j, 1)
+            da, db, dc, dd = _rows4_dev(dout, row, j, 1)
+            pa, pb, pc, pd = _rows4_dev(pre, row, j, 1)
+            ma, mb, mc, md = _masks4_dev(mask, has_mask, b, t, 1)
             run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(za, da * silu_grad_dev(pa), ma, run, z1, z2, z3,
                                                                  n_taps, a0, a1, a2, a3, ab)
             run, z1, z2, z3, a0, a1, a2, a3, ab = _wpart_row_dev(zb, db * silu_grad_dev(pb), mb, run, z1, z2, z3,
