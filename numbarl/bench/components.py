@@ -585,7 +585,7 @@ def main(argv=None, exit_after_profile: bool = False) -> int:
                    help="override of the base config, as numbarl-train's --set (repeatable)")
     p.add_argument("--batch", type=int, default=None, help="agent.batch_size of the base (default: the preset's)")
     p.add_argument("--n-envs", type=int, default=None, help="train.n_envs of the base (default: the preset's)")
-    p.add_argument("--tf32", action="store_true", help="TF32 GEMMs (agent.compute=tf32: the default preset's own; --set agent.compute=fp32 for fp32)")
+    p.add_argument("--tf32", action="store_true", help="TF32 GEMMs (agent.compute=tf32; the default preset is fp32)")
     p.add_argument("--components", default=None, metavar="A,B", help="only these registry components (default: every c51 one)")
     p.add_argument("--reps", type=int, default=50, help="replays per timed repeat (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats, the median reported (default: %(default)s)")

@@ -82,13 +82,12 @@ def sequence_rows_kernel(obs_rows, n_envs, n_slots, index, valid, out):
     b = r // n_seq
     j = r - b * n_seq
     dim = out.shape[1]
-    # the row's flag and its sample's index read together (the index is not behind the flag: one memory latency
-    # before the row's loads instead of two), the source computed from both and selected
-    ok = valid[b, j] != 0
-    k0 = index[b]
-    s = k0 // n_envs
-    e = k0 - s * n_envs
-    src = ((s - (n_seq - 1 - j)) % n_slots + n_slots) % n_slots * n_envs + e if ok else -1
+    src = -1
+    if valid[b, j] != 0:
+        k0 = index[b]
+        s = k0 // n_envs
+        e = k0 - s * n_envs
+        src = ((s - (n_seq - 1 - j)) % n_slots + n_slots) % n_slots * n_envs + e
     d = _cuda.threadIdx.x
     while d < dim:
         out[r, d] = _ZERO if src < 0 else obs_rows[src, d]

@@ -303,8 +303,8 @@ def test_conv_kernels_match_reference(rng, taps, masked):
                     reason="the simulator reads REG_TAPS at run time; a compiled kernel has it as a constant")
 @pytest.mark.parametrize("k_rows, taps", [(3, 4), (4, 2), (4, 4), (5, 4), (6, 3), (7, 4), (8, 1), (8, 4), (9, 4)])
 def test_conv_register_path_equals_the_generic_loop(rng, k_rows, taps, monkeypatch):
-    """For d ≤ REG_TAPS the kernels read a chunk of four rows (and their masks) before the first store, then the
-    last K mod 4 rows one by one: bit for bit the generic per-tap loop (forced here with REG_TAPS = 0, which the
+    """For d ≤ REG_TAPS the forward and the weight parts read a chunk of four rows (and their masks) before the
+    first store, then the last K mod 4 rows one by one: bit for bit the generic per-tap loop (forced here with REG_TAPS = 0, which the
     simulator reads at run time), for K below, at and between multiples of the chunk, masked rows inside and at
     the edges of chunks, and d from 1 to 4."""
     from numbarl.cuda.kernels import conv1d

@@ -29,17 +29,16 @@ instead of a mask load per tap; consecutive threads
 are consecutive columns of one row, so each row's loads and stores are coalesced. (The earlier mapping of
 the forward and the input gradient, one thread per (row, column), ran K× the threads, each with d dependent
 mask loads; the sums and their order are unchanged, so the results are bit for bit the same.) For d ≤ REG_TAPS
-(4, mamba_ssm's width) each kernel keeps the taps' weights and the last d − 1 rows (the input gradient: their
-e) in registers and reads every row once, before that row's mask decides which taps apply: the generic loop
-waits for the mask before it reads the taps' rows (two dependent memory latencies per row, the eleventh
-session's profile: the forward at ~1.6 TB/s) and re-reads them, and the input gradient recomputes silu' of
-each row d times. Same products, same order: bit for bit the generic loop's results. The register path reads
-its rows in chunks of CHUNK = 4: a chunk's rows and masks (the input gradient: dout and v; the weight parts: z,
-dout and v) are loaded before the chunk's first store, then the rows are taken in order, and the last K mod 4
-rows one by one. Row by row, a row's load came after the previous row's stores, which may alias it as far as the
-compiler knows, so each thread had one load in flight. The twelfth session's profile, on an H100, measured the
-forward at 239 µs per call, ~1.4 TB/s. (tests/rl/test_mamba.py pins the chunks and the tail to the generic loop,
-bit for bit.) The weight
+(4, mamba_ssm's width) the forward and the weight parts keep the taps' weights (the parts) and the last d − 1
+rows in registers and read every row once, before that row's mask decides which taps apply (the generic loop
+waits for the mask before it reads the taps' rows and re-reads them). They read their rows in chunks of
+CHUNK = 4: a chunk's rows and masks (the weight parts: z, dout and v) are loaded before the chunk's first store,
+then the rows are taken in order, and the last K mod 4 rows one by one (row by row, a row's load came after the
+previous row's stores, which may alias it as far as the compiler knows: one load in flight per thread). Same
+products, same order: bit for bit the generic loop's results (tests/rl/test_mamba.py pins the chunks and the
+tail to the generic loop). Measured on one H200 at K = 16, d = 4 (docs/BENCHMARKS.md, thirteenth session),
+per call: the forward 211 µs (generic loop) → 183, the weight parts 176 → 132. The input gradient keeps the
+generic loop: its register path measured 156 → 222 µs (row by row) and 204 µs (in chunks). The weight
 gradient sums
 its K rows into part [B, (d + 1)·n_cols] (tap k at columns k·n_cols + j, the bias at d·n_cols + j),
 which the caller sums over windows with numbarl.cuda.reduce.col_sum (fixed order). The forward keeps
@@ -182,16 +181,6 @@ def _fwd_row_dev(pre, out, row, j, zt, masked, run, z1, z2, z3, d, w0, w1, w2, w
 
 
 @_cuda.jit(device=True, inline=True)
-def _igrad_row_dev(dz, row, j, s, e0, masked, stop, e1, e2, e3, d, w0, w1, w2, w3):
-    """The input gradient's register path at row s (e0 its e, e1..e3 those of rows s + 1 .. s + 3): dz of the row
-    (the taps in the generic loop's order); returns (stop, e1, e2, e3) for row s − 1."""
-    if masked:
-        stop = s
-    dz[row, j] = _tap_sum_dev(_ZERO, stop - s, d, w0, w1, w2, w3, e0, e1, e2, e3)  # tap k reaches row s + k < stop
-    return stop, e0, e1, e2
-
-
-@_cuda.jit(device=True, inline=True)
 def _wpart_row_dev(zt, e, masked, run, z1, z2, z3, n_taps, a0, a1, a2, a3, ab):
     """The weight parts' register path at one row (e its e): the bias part and each reached tap's part, in the
     generic loop's order; returns (run, z1, z2, z3, a0, a1, a2, a3, ab) for the next row."""
@@ -270,30 +259,6 @@ def conv_input_grad_kernel(dout, w, pre, mask, has_mask, n_steps, dz):
         return
     d = w.shape[0] - 1
     stop = n_steps  # the first masked row at or after row s (n_steps: none)
-    if d <= REG_TAPS:  # e of the rows s + 1 .. s + 3 kept in registers: each row's e computed once
-        w0, w1, w2, w3 = _taps_dev(w, j, d)
-        e1 = e2 = e3 = _ZERO
-        s = n_steps - 1
-        while s + 1 >= CHUNK:  # a chunk's four rows (s, s − 1, s − 2, s − 3) and masks read before its first store
-            row = first + s
-            da, db, dc, dd = _rows4_dev(dout, row, j, -1)
-            pa, pb, pc, pd = _rows4_dev(pre, row, j, -1)
-            ma, mb, mc, md = _masks4_dev(mask, has_mask, b, s, -1)
-            stop, e1, e2, e3 = _igrad_row_dev(dz, row, j, s, da * silu_grad_dev(pa), ma, stop, e1, e2, e3, d,
-                                              w0, w1, w2, w3)
-            stop, e1, e2, e3 = _igrad_row_dev(dz, row - 1, j, s - 1, db * silu_grad_dev(pb), mb, stop, e1, e2, e3, d,
-                                              w0, w1, w2, w3)
-            stop, e1, e2, e3 = _igrad_row_dev(dz, row - 2, j, s - 2, dc * silu_grad_dev(pc), mc, stop, e1, e2, e3, d,
-                                              w0, w1, w2, w3)
-            stop, e1, e2, e3 = _igrad_row_dev(dz, row - 3, j, s - 3, dd * silu_grad_dev(pd), md, stop, e1, e2, e3, d,
-                                              w0, w1, w2, w3)
-            s -= CHUNK
-        while s >= 0:  # the first K mod 4 rows
-            row = first + s
-            stop, e1, e2, e3 = _igrad_row_dev(dz, row, j, s, dout[row, j] * silu_grad_dev(pre[row, j]),
-                                              row_masked_dev(mask, has_mask, b, s), stop, e1, e2, e3, d, w0, w1, w2, w3)
-            s -= 1
-        return
     for back in range(n_steps):
         s = n_steps - 1 - back
         if row_masked_dev(mask, has_mask, b, s):

@@ -58,13 +58,9 @@ The forward saves Δ_t and a_t [B·K, n_h], not the states: those are B·K·H·N
 B = 4096, K = 8, H = 512), and the backward recomputes them in registers from the saved Δ, a with
 the same device function and order, so they are the forward's bit for bit.
 
-The scan and the acting step call the same device functions (:func:`decay_dev`, :func:`load_b_dev`,
+The scan and the acting step call the same device functions (:func:`decay_dev`,
 :func:`state_update_dev`, :func:`state_read_dev`), so stepping a window row by row from a zero
-state gives the scan's y. The forward reads each step's inputs (Δ̃, u, the mask, B) one step ahead, before the
-previous step's stores of Δ and a: read after them, a step waited on two or three memory latencies in turn
-(its Δ̃, then its mask, then u and B behind the mask's branch), since the compiler cannot move a load above a
-store to an array that may alias it. The twelfth session's profile, on an H100, measured 186 µs per call at
-K = 16.
+state gives the scan's y.
 """
 
 from __future__ import annotations
@@ -203,18 +199,10 @@ def decay_dev(dt_pre, dt_bias, exp_a_log):
 
 
 @_cuda.jit(device=True, inline=True)
-def load_b_dev(Bv, z, row, b_col):
-    """Bv[n] = B_t[n] = z[row, b_col + n]: a row's input map read ahead of the stores that come before its use
-    (a load after a store the compiler cannot prove distinct waits for the instructions before it)."""
+def state_update_dev(S, a, dt_u, z, row, b_col):
+    """S[n] = a·S[n] + (Δ·u)·B[n] for one channel's state row (B read from z[row, b_col:])."""
     for n in range(D_STATE):
-        Bv[n] = z[row, b_col + n]
-
-
-@_cuda.jit(device=True, inline=True)
-def state_update_dev(S, a, dt_u, Bv):
-    """S[n] = a·S[n] + (Δ·u)·B[n] for one channel's state row (B from :func:`load_b_dev`)."""
-    for n in range(D_STATE):
-        S[n] = a * S[n] + dt_u * Bv[n]
+        S[n] = a * S[n] + dt_u * z[row, b_col + n]
 
 
 @_cuda.jit(device=True, inline=True)
@@ -231,13 +219,13 @@ def row_masked_dev(mask, has_mask, b, t):
 
 
 @_cuda.jit(device=True, inline=True)
-def scan_step_dev(S, masked, a, dt_u, Bv):
+def scan_step_dev(S, masked, a, dt_u, z, row, b_col):
     """One scan step of a channel's state row: cleared at a masked row (the state restarts after it),
     else :func:`state_update_dev`."""
     if masked:
         zero_row_dev(S)
     else:
-        state_update_dev(S, a, dt_u, Bv)
+        state_update_dev(S, a, dt_u, z, row, b_col)
 
 
 @_cuda.jit(device=True, inline=True)
@@ -280,26 +268,15 @@ def ssd_scan_forward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_dim
     ea = math.exp(a_log[h])
     bias = dt_bias[h]
     S = _cuda.local.array(D_STATE, float32)
-    Bv = _cuda.local.array(D_STATE, float32)  # this step's B
-    Bn = _cuda.local.array(D_STATE, float32)  # the next step's, read before this step's stores
     zero_row_dev(S)
-    first = b * n_steps
-    dt_pre_n, u_n, masked_n = z[first, dt_col], z[first, c], row_masked_dev(mask, has_mask, b, 0)
-    load_b_dev(Bn, z, first, b_col)
     for t in range(n_steps):
-        row = first + t
-        dt_pre, u, masked = dt_pre_n, u_n, masked_n
-        for n in range(D_STATE):
-            Bv[n] = Bn[n]
-        if t + 1 < n_steps:
-            dt_pre_n, u_n, masked_n = z[row + 1, dt_col], z[row + 1, c], row_masked_dev(mask, has_mask, b, t + 1)
-            load_b_dev(Bn, z, row + 1, b_col)
-        dt, a = decay_dev(dt_pre, bias, ea)
-        scan_step_dev(S, masked, a, dt * u, Bv)
+        row = b * n_steps + t
+        dt, a = decay_dev(z[row, dt_col], bias, ea)
         if c == h * head_dim:  # the head's first channel saves Δ_t, a_t for the backward
             delta[row, h] = dt
             decay[row, h] = a
-    y[b, c] = state_read_dev(S, z, first + n_steps - 1, c_col)
+        scan_step_dev(S, row_masked_dev(mask, has_mask, b, t), a, dt * z[row, c], z, row, b_col)
+    y[b, c] = state_read_dev(S, z, b * n_steps + n_steps - 1, c_col)
 
 
 @_cuda.jit(cache=True)
@@ -317,7 +294,6 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
     dt_col = width + 2 * D_STATE + h
     last = b * n_steps + n_steps - 1
     S = _cuda.local.array(D_STATE, float32)
-    Bv = _cuda.local.array(D_STATE, float32)
     dc = _cuda.local.array(D_STATE, float32)
     r = _cuda.local.array(MAX_STEPS, float32)
     q = _cuda.local.array(MAX_STEPS, float32)
@@ -335,8 +311,7 @@ def ssd_scan_backward_kernel(z, dt_bias, a_log, mask, has_mask, n_steps, head_di
             q[t] += gp * state_read_dev(S, z, last, c_col)  # g[c]·(S_{t−1}[c, :]·C_{K−1})
             u = z[row, c]
             r[t] += gp * u
-            load_b_dev(Bv, z, row, b_col)
-            scan_step_dev(S, row_masked_dev(mask, has_mask, b, t), decay[row, h], delta[row, h] * u, Bv)
+            scan_step_dev(S, row_masked_dev(mask, has_mask, b, t), decay[row, h], delta[row, h] * u, z, row, b_col)
         for n in range(D_STATE):
             dc[n] += gp * S[n]
     # reverse scan, t = K−1..0
@@ -414,12 +389,10 @@ def ssd_step_kernel(z, dt_bias, a_log, reset, head_dim, state, y):
     ea = math.exp(a_log[h])
     dt, a = decay_dev(z[e, width + 2 * D_STATE + h], dt_bias[h], ea)
     S = _cuda.local.array(D_STATE, float32)
-    Bv = _cuda.local.array(D_STATE, float32)
-    load_b_dev(Bv, z, e, width)
     clear = reset[e] != _ZERO
     for n in range(D_STATE):
         S[n] = _ZERO if clear else state[e, c, n]
-    state_update_dev(S, a, dt * z[e, c], Bv)
+    state_update_dev(S, a, dt * z[e, c], z, e, width)
     y[e, c] = state_read_dev(S, z, e, width + D_STATE)
     for n in range(D_STATE):
         state[e, c, n] = S[n]
