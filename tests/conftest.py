@@ -18,6 +18,8 @@ if not SIMULATOR:
     # first waits for the compute stream.
     from numba.cuda.cudadrv.devicearray import DeviceNDArrayBase
 
+    from numba import cuda
+
     from numbarl.cuda.runtime import stream as _compute_stream
 
     _copy_to_host = DeviceNDArrayBase.copy_to_host
@@ -34,7 +36,13 @@ if not SIMULATOR:
     def _copy_to_device_after_compute(self, ary, stream=0):
         if not stream:
             _compute_stream().synchronize()
-        return _copy_to_device(self, ary, stream)
+        out = _copy_to_device(self, ary, stream)
+        if not stream:
+            # a copy from pageable host memory may return before its DMA has landed (numbarl.cuda.runtime.upload),
+            # and the next kernel on the compute stream does not wait for the legacy stream: it read the previous
+            # step's Q in tests/env/test_gpu_env.py once (fourteenth session, six test workers on one H200)
+            cuda.synchronize()
+        return out
 
     DeviceNDArrayBase.copy_to_device = _copy_to_device_after_compute
 

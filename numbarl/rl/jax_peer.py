@@ -28,7 +28,8 @@ The train step, phase by phase (B = batch, K = n_branches, A_k actions of branch
     # BACKWARD  jax.grad of L (targets are constants: computed outside the differentiated function)
     # UPDATE    norm = sqrt(Σ g²); s = min(1, max_norm / (norm + clip_eps))     (max_norm 0: s = 1)
     #           m = β1 m + (1-β1) s g;  v = β2 v + (1-β2) (s g)²;  t = t + 1
-    #           p = p · (1 - lr · wd)            only for the tensors numbarl marks `decay`
+    #           p = p · (1 - lr · wd)            only for the tensors numbarl marks `decay` (numbarl folds
+    #                                            lr·wd·p into the step below: the same value, other rounding)
     #           p = p - lr / (1-β1^t) · m / (sqrt(v) / sqrt(1-β2^t) + eps)     (torch.optim.AdamW)
     #           a non-finite norm skips the whole update (skip_nonfinite, as numbarl.rl.optim)
     #           target = tau · p + (1 - tau) · target when t % target_period == 0 (tau 1: copy)

@@ -19,8 +19,16 @@ replays it forever:
        g  = scale · grad
        m  = β1 m + (1 − β1) g
        v  = β2 v + (1 − β2) g²
-       p  = p · (1 − lr_g · wd_g · decay_mask)               decoupled weight decay, masked per tensor
-       p  = p − (lr_g / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps)
+       p  = p − (c · p + (lr_g / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps))
+            c = lr_g · wd_g · decay_mask                      decoupled weight decay, masked per tensor
+
+   The decay is folded into the step rather than applied as a factor ``p · (1 − c)`` first (PyTorch's
+   arrangement): in float32, ``1 − c`` rounds to exactly 1 for every c < 2^-25 ≈ 3e-8, and the default
+   lr (2.5e-4) times a usual decay (1e-4) is 2.5e-8. A grid of five runs with ``agent.weight_decay=1e-4``
+   came back bit for bit equal to the runs without decay (docs/RESULTS.md, fourteenth session). Added
+   to the Adam step first, ``c · p`` survives the rounding whenever the step moves the weight; the
+   exact value is the same (the float64 reference keeps the factor form), and c = 0 gives the
+   previous bits.
 
    Parameter groups: every element belongs to the optimizer group of its tensor (``group_id``,
    int32 over the flat buffer; a group per ParamSpec.group: "trunk", "head.value", "head.adv",
@@ -308,9 +316,10 @@ def adam_kernel(params, grads, m, v, decay_mask, group_id, group_scal, weight_de
         vi = beta2 * v[i] + one_minus_beta2 * g * g
         m[i] = mi
         v[i] = vi
-        p = params[i] * (_ONE - group_scal[gid, 1] * weight_decay[gid] * decay_mask[i])
+        p = params[i]
+        c = group_scal[gid, 1] * weight_decay[gid] * decay_mask[i]  # folded into the step (module docstring)
         denom = math.sqrt(vi) * scal[_SCAL_INV_SQRT_BC2] + eps
-        params[i] = p - group_scal[gid, 0] * mi / denom
+        params[i] = p - (c * p + group_scal[gid, 0] * mi / denom)
 
 
 @_cuda.jit(cache=True)

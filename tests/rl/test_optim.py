@@ -100,6 +100,36 @@ def test_adam_several_steps_match_reference(rng):
         assert (_flat(store, role)[used == 0] == 0).all()
 
 
+def test_weight_decay_below_float32_resolution_of_one_still_decays():
+    """lr · wd = 2.5e-8 (the default lr with wd 1e-4) is below half an ulp of 1.0 in float32: the factor form
+    p · (1 − c) rounds to p and the decay vanishes (a grid of runs came back bitwise equal to the undecayed
+    ones). Folded into the step it survives: after 200 steps the decayed and undecayed twins differ by what the
+    float64 reference says, and the undecayed tensor (the bias) not at all."""
+    cfg_wd, cfg_0 = AdamConfig(lr=2.5e-4, weight_decay=1e-4), AdamConfig(lr=2.5e-4, weight_decay=0.0)
+    stores = [_store(np.random.default_rng(7)) for _ in range(2)]
+    opts = [Adam(stores[0], cfg_wd).allocate(), Adam(stores[1], cfg_0).allocate()]
+    n = opts[0]._n
+    mask = np.pad(stores[0].decay_mask(), (0, n - stores[0].decay_mask().size))
+    p0 = _flat(stores[0], "params").astype(np.float64)
+    ref = [(p0, np.zeros(n), np.zeros(n), 0), (p0, np.zeros(n), np.zeros(n), 0)]
+    grng = np.random.default_rng(8)
+    for _ in range(200):
+        grads = {name: (0.1 * grng.standard_normal(spec.shape)).astype(np.float32)
+                 for name, spec in stores[0].specs.items()}
+        for store, opt in zip(stores, opts):
+            store.load(grads, role="grads")
+            opt.step(stream())
+        g = _flat(stores[0], "grads")
+        ref = [adam_ref(p, g, m, v, mask, t, 2.5e-4, cfg)[:4] for (p, m, v, t), cfg in zip(ref, (cfg_wd, cfg_0))]
+    dev = _flat(stores[0], "params").astype(np.float64) - _flat(stores[1], "params").astype(np.float64)
+    want = ref[0][0] - ref[1][0]
+    decayed = (mask == 1) & (np.abs(want) > 0)
+    assert decayed.sum() > 50 and (dev[mask == 0] == 0).all()
+    # ~40 ulps of shift per weight, dithered by the rounding: the projection of the device's shift on the reference's
+    ratio = np.dot(dev[decayed], want[decayed]) / np.dot(want[decayed], want[decayed])
+    assert 0.9 < ratio < 1.1, ratio
+
+
 def test_clip_hand_computed_and_deterministic_norm(rng):
     store = _store(rng)
     opt = Adam(store, AdamConfig(lr=1e-3, max_grad_norm=1.0, clip_eps=0.0)).allocate()
