@@ -32,7 +32,11 @@ row per arm with, over its seeds:
   above 1 the policy churns more as it decays.
 
 ``ab.json`` also lists per run (``run_all`` order) the selected epoch (``best_epoch_all``: how early the runs peak,
-what ``train.early_stop_patience`` saves).
+what ``train.early_stop_patience`` saves) and a fingerprint of its learning curve (``fingerprint_all``: a hash of every
+logged train loss and validation Sharpe of fold 0). Two arms whose runs have the same fingerprints on every seed they
+share are named under the table as bit for bit the same: the options that separate them did nothing (a switch that
+never fires, or one whose effect rounds away: a weight decay of 1e-4 at lr 2.5e-4 did, before the optimizer folded
+the decay into its step). Put the base arm in the grid (``SEED_RUNS`` archives cost no device time) to see it.
 
 With ``--train-arg=--set=train.early_stop_patience=P`` every run stops P epochs after its best one: the
 test/oracle columns are those of the full schedule's runs wherever no later epoch would have beaten the best
@@ -54,6 +58,7 @@ copy, e.g. ``bin/gpu-ab``'s archives before the twelfth session) cannot be check
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -240,8 +245,9 @@ def _ratio_to_best(xs):
 
 def metrics_trajectory(folder: Path) -> dict:
     """Per-epoch numbers of fold 0 from metrics.jsonl: validation Sharpe and trade count, the training
-    path's Sharpe, the last atom utilization and the last epoch logged (absent file: empty lists)."""
-    val_sharpe, val_trades, train_path, atoms, epoch = [], [], [], None, 0
+    path's Sharpe, the last atom utilization, the last epoch logged (absent file: empty lists) and the learning
+    curve's fingerprint (every train loss and validation Sharpe, hashed; None without a train loss)."""
+    val_sharpe, val_trades, train_path, atoms, epoch, losses = [], [], [], None, 0, []
     path = folder / "metrics.jsonl"
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -258,10 +264,16 @@ def metrics_trajectory(folder: Path) -> dict:
                 epoch = max(epoch, int(rec.get("epoch") or 0))
             elif kind == "train_path":
                 train_path.append(rec.get("train_path.sharpe"))
-            elif kind == "train" and rec.get("atom_utilization") is not None:
-                atoms = rec["atom_utilization"]
+            elif kind == "train":
+                if rec.get("atom_utilization") is not None:
+                    atoms = rec["atom_utilization"]
+                if rec.get("loss") is not None:
+                    losses.append(rec["loss"])
+    fingerprint = None
+    if losses:  # repr of the floats as logged: equal curves give equal text, any differing bit another hash
+        fingerprint = hashlib.sha256(json.dumps([losses, val_sharpe]).encode()).hexdigest()[:16]
     return {"val_sharpe": val_sharpe, "val_trades": val_trades, "train_path_sharpe": train_path,
-            "atom_utilization": _f(atoms), "epochs": epoch}
+            "atom_utilization": _f(atoms), "epochs": epoch, "fingerprint": fingerprint}
 
 
 def _trades_drift(sharpe, trades):
@@ -293,6 +305,7 @@ def run_numbers(folder: Path) -> dict | None:
     validation epoch logged (decay columns only, ``finished`` False); None otherwise."""
     traj = metrics_trajectory(folder)
     common = {"run": folder.name, "atom_utilization": traj["atom_utilization"], "epochs": traj["epochs"],
+              "fingerprint": traj["fingerprint"],
               "train_path_last_over_best": _ratio_to_best(traj["train_path_sharpe"]),
               "val_trades_last_over_best": _trades_drift(traj["val_sharpe"], traj["val_trades"])}
     path = folder / "summary.json"
@@ -344,7 +357,36 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     # every *_all list is over the same runs, in this order (an unfinished run: None where it has no number)
     r["run_all"], r["finished_all"] = [x["run"] for x in runs], [x.get("finished", True) for x in runs]
     r["best_epoch_all"] = [x.get("best_epoch") for x in runs]  # the epoch the test window scored (finished runs)
+    r["fingerprint_all"] = [x.get("fingerprint") for x in runs]
     return r
+
+
+def _seed_of(run: str) -> str:
+    return run.rsplit("-s", 1)[-1]
+
+
+def identical_arms(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
+    """Pairs of arms whose finished runs have the same learning-curve fingerprint on every seed both have (at least
+    one): (arm, arm, the seeds), in table order. Such arms trained the same bits: what separates them did nothing."""
+    prints = []
+    for r in rows:
+        fp = {_seed_of(run): f for run, f, done in zip(r.get("run_all", []), r.get("fingerprint_all", []),
+                                                      r.get("finished_all", [])) if done and f is not None}
+        prints.append((r["arm"], fp))
+    pairs = []
+    for i, (a, fa) in enumerate(prints):
+        for b, fb in prints[i + 1:]:
+            seeds = sorted(set(fa) & set(fb), key=lambda x: (len(x), x))
+            if seeds and all(fa[k] == fb[k] for k in seeds):
+                pairs.append((a, b, seeds))
+    return pairs
+
+
+def identical_note(rows: list[dict]) -> str:
+    """The lines under the table that name arms which trained the same bits (empty when there are none)."""
+    return "".join(f"\nArms {a} and {b} are bit for bit the same on seed(s) {', '.join(seeds)} (every train loss and "
+                   f"validation Sharpe): the options that separate them did nothing in these runs.\n"
+                   for a, b, seeds in identical_arms(rows))
 
 
 def _c(x, spec=".2f"):
@@ -420,7 +462,7 @@ def main(argv=None) -> int:
     for arm, _, arm_seeds in arms:
         runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in arm_seeds) if n is not None]
         rows.append(arm_row(arm, runs))
-    table = format_table(rows)
+    table = format_table(rows) + identical_note(rows)
     (out / "ab.md").write_text(table + "\n")
     (out / "ab.json").write_text(json.dumps(rows, indent=2))
     print(table)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from numbarl.run import ab
@@ -199,3 +200,31 @@ def test_a_resumable_folder_with_other_settings_stops_the_grid(tmp_path):
     assert ab.check_finished_runs(out, "tiny", [("eps", ["--set", "train.epsilon_end=0.3"], [0])], []) == ([], 0)
     # a non-finite value is saved as null (JSON) and printed as inf: the same setting
     assert ab.config_differences({"agent": {"v_max": None}}, {"agent": {"v_max": float("inf")}}) == []
+
+
+def test_arms_that_trained_the_same_bits_are_named(tmp_path):
+    # the learning curve's fingerprint: equal records give equal hashes, one loss one float32 ulp apart another
+    recs = [{"kind": "train", "fold": 0, "epoch": 1, "loss": 2.303375720977783},
+            {"kind": "val", "fold": 0, "epoch": 1, "sharpe": 186.7, "n_trades": 40}]
+    _write_metrics(tmp_path / "x-s0", recs)
+    _write_metrics(tmp_path / "y-s0", recs)
+    _write_metrics(tmp_path / "z-s0", [{**recs[0], "loss": float(np.nextafter(np.float32(recs[0]["loss"]),
+                                                                             np.float32(3)))}, recs[1]])
+    fp = [ab.metrics_trajectory(tmp_path / n)["fingerprint"] for n in ("x-s0", "y-s0", "z-s0")]
+    assert fp[0] == fp[1] != fp[2] and fp[0] is not None
+    assert ab.metrics_trajectory(tmp_path / "none")["fingerprint"] is None  # no metrics.jsonl: nothing to compare
+
+    def run(arm, seed, f, done=True):
+        return {"run": f"{arm}-s{seed}", "fingerprint": f, "finished": done, "t": None,
+                **{k: None for k in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization",
+                                     "train_path_last_over_best", "val_trades_last_over_best")}}
+
+    rows = [ab.arm_row("base", [run("base", 0, "a"), run("base", 1, "b"), run("base", 10, "c")]),
+            ab.arm_row("wd", [run("wd", 0, "a"), run("wd", 1, "b")]),  # seeds 0 and 1 the same as base's
+            ab.arm_row("warm", [run("warm", 0, "a"), run("warm", 1, "B")]),  # seed 1 differs: not the same
+            ab.arm_row("cos", [run("cos", 10, "c"), run("cos", 1, "b", done=False)]),  # the unfinished seed 1 left out
+            ab.arm_row("new", [run("new", 2, "a")])]  # no seed in common with any arm
+    assert ab.identical_arms(rows) == [("base", "wd", ["0", "1"]), ("base", "cos", ["10"])]
+    note = ab.identical_note(rows)
+    assert "Arms base and wd are bit for bit the same on seed(s) 0, 1" in note and "warm" not in note
+    assert ab.identical_note(rows[2:3]) == ""
