@@ -36,7 +36,9 @@ what ``train.early_stop_patience`` saves) and a fingerprint of its learning curv
 logged train loss and validation Sharpe of fold 0). Two arms whose runs have the same fingerprints on every seed they
 share are named under the table as bit for bit the same: the options that separate them did nothing (a switch that
 never fires, or one whose effect rounds away: a weight decay of 1e-4 at lr 2.5e-4 did, before the optimizer folded
-the decay into its step). Put the base arm in the grid (``SEED_RUNS`` archives cost no device time) to see it.
+the decay into its step). Arms with the same train losses alone are named too: their training was the same, only
+validation differed (E9's gate, which never closed on the planted market, beside the base). Put the base arm in the
+grid (``SEED_RUNS`` archives cost no device time) to see it.
 
 With ``--train-arg=--set=train.early_stop_patience=P`` every run stops P epochs after its best one: the
 test/oracle columns are those of the full schedule's runs wherever no later epoch would have beaten the best
@@ -269,11 +271,13 @@ def metrics_trajectory(folder: Path) -> dict:
                     atoms = rec["atom_utilization"]
                 if rec.get("loss") is not None:
                     losses.append(rec["loss"])
-    fingerprint = None
+    fingerprint = train_fingerprint = None
     if losses:  # repr of the floats as logged: equal curves give equal text, any differing bit another hash
         fingerprint = hashlib.sha256(json.dumps([losses, val_sharpe]).encode()).hexdigest()[:16]
+        train_fingerprint = hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16]
     return {"val_sharpe": val_sharpe, "val_trades": val_trades, "train_path_sharpe": train_path,
-            "atom_utilization": _f(atoms), "epochs": epoch, "fingerprint": fingerprint}
+            "atom_utilization": _f(atoms), "epochs": epoch, "fingerprint": fingerprint,
+            "train_fingerprint": train_fingerprint}
 
 
 def _trades_drift(sharpe, trades):
@@ -305,7 +309,7 @@ def run_numbers(folder: Path) -> dict | None:
     validation epoch logged (decay columns only, ``finished`` False); None otherwise."""
     traj = metrics_trajectory(folder)
     common = {"run": folder.name, "atom_utilization": traj["atom_utilization"], "epochs": traj["epochs"],
-              "fingerprint": traj["fingerprint"],
+              "fingerprint": traj["fingerprint"], "train_fingerprint": traj["train_fingerprint"],
               "train_path_last_over_best": _ratio_to_best(traj["train_path_sharpe"]),
               "val_trades_last_over_best": _trades_drift(traj["val_sharpe"], traj["val_trades"])}
     path = folder / "summary.json"
@@ -358,6 +362,7 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     r["run_all"], r["finished_all"] = [x["run"] for x in runs], [x.get("finished", True) for x in runs]
     r["best_epoch_all"] = [x.get("best_epoch") for x in runs]  # the epoch the test window scored (finished runs)
     r["fingerprint_all"] = [x.get("fingerprint") for x in runs]
+    r["train_fingerprint_all"] = [x.get("train_fingerprint") for x in runs]
     return r
 
 
@@ -365,12 +370,13 @@ def _seed_of(run: str) -> str:
     return run.rsplit("-s", 1)[-1]
 
 
-def identical_arms(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
+def identical_arms(rows: list[dict], key: str = "fingerprint") -> list[tuple[str, str, list[str]]]:
     """Pairs of arms whose finished runs have the same learning-curve fingerprint on every seed both have (at least
-    one): (arm, arm, the seeds), in table order. Such arms trained the same bits: what separates them did nothing."""
+    one): (arm, arm, the seeds), in table order. Such arms trained the same bits: what separates them did nothing.
+    key "train_fingerprint": the train losses alone (the same training, validation perhaps scored otherwise)."""
     prints = []
     for r in rows:
-        fp = {_seed_of(run): f for run, f, done in zip(r.get("run_all", []), r.get("fingerprint_all", []),
+        fp = {_seed_of(run): f for run, f, done in zip(r.get("run_all", []), r.get(f"{key}_all", []),
                                                       r.get("finished_all", [])) if done and f is not None}
         prints.append((r["arm"], fp))
     pairs = []
@@ -384,9 +390,14 @@ def identical_arms(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
 
 def identical_note(rows: list[dict]) -> str:
     """The lines under the table that name arms which trained the same bits (empty when there are none)."""
-    return "".join(f"\nArms {a} and {b} are bit for bit the same on seed(s) {', '.join(seeds)} (every train loss and "
+    same = identical_arms(rows)
+    text = "".join(f"\nArms {a} and {b} are bit for bit the same on seed(s) {', '.join(seeds)} (every train loss and "
                    f"validation Sharpe): the options that separate them did nothing in these runs.\n"
-                   for a, b, seeds in identical_arms(rows))
+                   for a, b, seeds in same)
+    pairs = {(a, b) for a, b, _ in same}
+    return text + "".join(f"\nArms {a} and {b} trained the same bits on seed(s) {', '.join(seeds)} (every train loss): "
+                          f"the options that separate them changed only how validation was scored.\n"
+                          for a, b, seeds in identical_arms(rows, "train_fingerprint") if (a, b) not in pairs)
 
 
 def _c(x, spec=".2f"):

@@ -214,8 +214,9 @@ def test_arms_that_trained_the_same_bits_are_named(tmp_path):
     assert fp[0] == fp[1] != fp[2] and fp[0] is not None
     assert ab.metrics_trajectory(tmp_path / "none")["fingerprint"] is None  # no metrics.jsonl: nothing to compare
 
-    def run(arm, seed, f, done=True):
-        return {"run": f"{arm}-s{seed}", "fingerprint": f, "finished": done, "t": None,
+    def run(arm, seed, f, done=True, train=None):
+        return {"run": f"{arm}-s{seed}", "fingerprint": f, "train_fingerprint": train or f + "-train", "finished": done,
+                "t": None,
                 **{k: None for k in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization",
                                      "train_path_last_over_best", "val_trades_last_over_best")}}
 
@@ -228,3 +229,12 @@ def test_arms_that_trained_the_same_bits_are_named(tmp_path):
     note = ab.identical_note(rows)
     assert "Arms base and wd are bit for bit the same on seed(s) 0, 1" in note and "warm" not in note
     assert ab.identical_note(rows[2:3]) == ""
+    # the same train losses, another validation (E9's gate that never closed, beside the base): named apart
+    rows.append(ab.arm_row("e9", [run("e9", 0, "v0", train="a-train"), run("e9", 1, "v1", train="b-train")]))
+    assert ("base", "e9", ["0", "1"]) in ab.identical_arms(rows, "train_fingerprint")
+    assert ("base", "e9", ["0", "1"]) not in ab.identical_arms(rows)
+    note = ab.identical_note(rows)
+    assert "Arms base and e9 trained the same bits on seed(s) 0, 1 (every train loss)" in note
+    assert "Arms base and wd trained the same" not in note  # already named as the same in every way
+    assert ab.metrics_trajectory(tmp_path / "x-s0")["train_fingerprint"] == ab.metrics_trajectory(
+        tmp_path / "y-s0")["train_fingerprint"] != ab.metrics_trajectory(tmp_path / "z-s0")["train_fingerprint"]
