@@ -271,13 +271,12 @@ def metrics_trajectory(folder: Path) -> dict:
                     atoms = rec["atom_utilization"]
                 if rec.get("loss") is not None:
                     losses.append(rec["loss"])
-    fingerprint = train_fingerprint = None
-    if losses:  # repr of the floats as logged: equal curves give equal text, any differing bit another hash
-        fingerprint = hashlib.sha256(json.dumps([losses, val_sharpe]).encode()).hexdigest()[:16]
-        train_fingerprint = hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16]
+    def digest(x):  # repr of the floats as logged: equal curves give equal text, any differing bit another hash
+        return hashlib.sha256(json.dumps(x).encode()).hexdigest()[:16] if losses else None
+
     return {"val_sharpe": val_sharpe, "val_trades": val_trades, "train_path_sharpe": train_path,
-            "atom_utilization": _f(atoms), "epochs": epoch, "fingerprint": fingerprint,
-            "train_fingerprint": train_fingerprint}
+            "atom_utilization": _f(atoms), "epochs": epoch, "fingerprint": digest([losses, val_sharpe]),
+            "train_fingerprint": digest(losses)}
 
 
 def _trades_drift(sharpe, trades):
