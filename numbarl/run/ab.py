@@ -55,7 +55,9 @@ the grid checks each such folder's config.json against the config the arm's opti
 aside): a folder run with other options, or under a preset that has changed since (e.g. the `default` preset's
 precision), stops the grid with an error naming the folder and the fields that differ. Fields the saved config
 does not have (added to numbarl after the run) are not compared. A finished folder without config.json (a light
-copy, e.g. ``bin/gpu-ab``'s archives before the twelfth session) cannot be checked: the grid says how many.
+copy, e.g. ``bin/gpu-ab``'s archives before the twelfth session) cannot be checked, so it stops the grid too, naming
+the folders, unless ``--accept-unchecked`` takes such folders as they are: a preset default changed since they ran
+(the `default` preset's epsilon_end in the fifteenth session) would otherwise pass unseen.
 """
 
 from __future__ import annotations
@@ -204,11 +206,12 @@ def _plain(x):
     return [_plain(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
-def check_finished_runs(out: Path, preset: str, arms, extra: list[str], parallel: int = 4) -> tuple[list[str], int]:
+def check_finished_runs(out: Path, preset: str, arms, extra: list[str],
+                        parallel: int = 4) -> tuple[list[str], list[Path]]:
     """(errors, unchecked): an error per finished run folder, or started one that the grid would resume (it has
-    checkpoints/), whose config.json differs from what its arm resolves to now; unchecked counts finished folders
-    without config.json."""
-    todo, unchecked = [], 0
+    checkpoints/), whose config.json differs from what its arm resolves to now; unchecked lists the finished
+    folders without config.json."""
+    todo, unchecked = [], []
     for arm, opts, arm_seeds in arms:
         for seed in arm_seeds:
             folder = run_folder(out, arm, seed)
@@ -218,7 +221,8 @@ def check_finished_runs(out: Path, preset: str, arms, extra: list[str], parallel
             try:
                 saved = json.loads((folder / "config.json").read_text())
             except (OSError, ValueError):
-                unchecked += finished  # a folder to resume without its config.json fails in numbarl train itself
+                if finished:  # a folder to resume without its config.json fails in numbarl train itself
+                    unchecked.append(folder)
                 continue
             todo.append((folder, opts, seed, saved, finished))
 
@@ -434,6 +438,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=4, help="runs at once")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
     ap.add_argument("--train-arg", action="append", default=[], help="an option added to every run (repeat)")
+    ap.add_argument("--accept-unchecked", action="store_true",
+                    help="take finished run folders without config.json as they are (their settings cannot be "
+                         "checked; without this option they stop the grid)")
     a = ap.parse_args(argv)
     try:
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
@@ -461,9 +468,15 @@ def main(argv=None) -> int:
             print("error: " + "\n       ".join(errors) + "\n       remove those folders or give the arm another "
                   "name", file=sys.stderr)
             return 2
+        if unchecked and not a.accept_unchecked:
+            print(f"error: {len(unchecked)} finished run folder(s) have no config.json, so their settings cannot be "
+                  f"checked against what their arm gives now: {', '.join(str(f) for f in unchecked)}\n"
+                  "       pass --accept-unchecked to take them as they are (they may have run under an older "
+                  "preset), or remove them", file=sys.stderr)
+            return 2
         if unchecked:
-            print(f"ab: {unchecked} finished run folder(s) without config.json are taken as they are (their "
-                  "settings cannot be checked)", file=sys.stderr)
+            print(f"ab: {len(unchecked)} finished run folder(s) without config.json are taken as they are "
+                  "(--accept-unchecked: their settings cannot be checked)", file=sys.stderr)
         jobs = [(arm, opts, seed) for arm, opts, arm_seeds in arms for seed in arm_seeds]
         with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
             for folder, rc, secs in pool.map(lambda j: _train(out, a.preset, j[0], j[1], j[2], a.train_arg), jobs):

@@ -99,9 +99,13 @@ def test_grid_writes_one_table_and_continues(tmp_path):
     changed = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env={**__import__("os").environ, **env})
     assert changed.returncode == 2 and "eps-s0" in changed.stderr, changed.stdout + changed.stderr
     assert "train.epsilon_end: 0.3 -> 0.2" in changed.stderr and "base-s0" not in changed.stderr
-    cfg_path.unlink()  # a light copy (no config.json) is taken as it is, and the grid says so
+    cfg_path.unlink()  # a light copy (no config.json) stops the grid, naming it, unless --accept-unchecked
     light = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env={**__import__("os").environ, **env})
-    assert light.returncode == 0 and "1 finished run folder(s) without config.json" in light.stderr
+    assert light.returncode == 2 and "1 finished run folder(s) have no config.json" in light.stderr
+    assert "eps-s0" in light.stderr and "base-s0" not in light.stderr and "--accept-unchecked" in light.stderr
+    light = subprocess.run([*cmd, "--accept-unchecked"], capture_output=True, text=True, check=False, cwd=ROOT,
+                           env={**__import__("os").environ, **env})
+    assert light.returncode == 0 and "1 finished run folder(s) without config.json are taken" in light.stderr
     bad = subprocess.run([sys.executable, "-m", "numbarl", "ab", "--out", str(out), "--arm", "a/b"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
@@ -195,9 +199,9 @@ def test_a_resumable_folder_with_other_settings_stops_the_grid(tmp_path):
     saved = ab.resolved_config("tiny", ["--set", "train.epsilon_end=0.3"], 0, [])
     (folder / "config.json").write_text(json.dumps(saved))
     errors, unchecked = ab.check_finished_runs(out, "tiny", [("eps", ["--set", "train.epsilon_end=0.2"], [0])], [])
-    assert unchecked == 0 and len(errors) == 1
+    assert unchecked == [] and len(errors) == 1
     assert "started (the grid would resume it)" in errors[0] and "train.epsilon_end: 0.3 -> 0.2" in errors[0]
-    assert ab.check_finished_runs(out, "tiny", [("eps", ["--set", "train.epsilon_end=0.3"], [0])], []) == ([], 0)
+    assert ab.check_finished_runs(out, "tiny", [("eps", ["--set", "train.epsilon_end=0.3"], [0])], []) == ([], [])
     # a non-finite value is saved as null (JSON) and printed as inf: the same setting
     assert ab.config_differences({"agent": {"v_max": None}}, {"agent": {"v_max": float("inf")}}) == []
 
