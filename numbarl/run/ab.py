@@ -18,10 +18,14 @@ row per arm with, over its seeds:
   selection score survives out of sample): mean, sample std;
 * last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay; n/a when the
   last epoch made no trades): mean, min;
-* t, largest |t|: the t of the seed with the largest |t| of the test window, with its sign, t = daily
-  Sharpe x sqrt(test days / 252) (the null market's check: no seed above 2; a negative one is a losing
-  seed, not a false edge); ``ab.json`` also lists each run's t and the t of buying and
-  holding over the same window (``hold_t``: what a long-biased policy earns from the window's drift);
+* test t per seed: t = daily Sharpe x sqrt(test days / 252) of the test window (the null market's check: no
+  seed above 2; a negative one is a losing seed, not a false edge); ``ab.json`` also has the largest |t| with
+  its sign (``t_at_abs_max``);
+* hold t: the t of buying and holding over the same window, what a long-biased policy earns from the window's
+  drift (one number when every seed has the same window, else per seed). Where an arm's seeds share one window
+  path (the built-in market's seed is the data's, not the training's, unless an arm sets
+  ``data.synth_seed=...{seed}``), a line under the table says so: their test t are several policies on one
+  path, not independent draws of the null;
 * trade t per seed: per-trade Sharpe x sqrt(trades) of the test window (its trades as the sample:
   three test days give the daily t two degrees of freedom, ~100 trades give this one power);
 * atoms: the atom utilization of the last train record (share of atoms the projected targets use);
@@ -403,23 +407,47 @@ def identical_note(rows: list[dict]) -> str:
                           for a, b, seeds in identical_arms(rows, "train_fingerprint") if (a, b) not in pairs)
 
 
+def shared_window_note(rows: list[dict]) -> str:
+    """One line under the table naming the arms whose finished seeds (two or more) all scored a test window with
+    the same buy-and-hold t: one market path each, so their seeds' test t are not independent draws (empty when
+    there are none)."""
+    shared = []
+    for r in rows:
+        holds = [h for h, done in zip(r.get("hold_t_all", []), r.get("finished_all", [])) if done]
+        if len(holds) >= 2 and holds[0] is not None and all(h == holds[0] for h in holds):
+            shared.append(f"{r['arm']} (hold t {holds[0]:+.2f})")
+    if not shared:
+        return ""
+    return (f"\nOne test window path per arm, the same for each of its seeds: {', '.join(shared)}. Their test t are "
+            "several policies on one path, not independent draws of the market; a seed-dependent market "
+            "(--set data.synth_seed=...{seed}) gives independent ones.\n")
+
+
+def _hold(r) -> str:
+    holds = [h for h, done in zip(r.get("hold_t_all", []), r.get("finished_all", [])) if done]
+    if holds and all(h == holds[0] for h in holds):
+        return _c(holds[0], "+.2f")
+    return ", ".join(_c(h, "+.2f") for h in holds)
+
+
 def _c(x, spec=".2f"):
     return "n/a" if x is None else format(x, spec)
 
 
 def format_table(rows: list[dict]) -> str:
     head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
-            "| last/best val mean | min | t, largest \\|t\\| | trade t per seed | atoms | train-path last/best "
+            "| last/best val mean | min | test t per seed | hold t | trade t per seed | atoms | train-path last/best "
             "| val trades last/best |")
-    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 16) + "|"]
     for r in rows:
         per = ", ".join(_c(x) for x, done in zip(r["test_over_oracle_all"], r["finished_all"]) if done)
         trade_t = ", ".join(_c(x, ".1f") for x, done in zip(r["trade_t_all"], r["finished_all"]) if done)
+        test_t = ", ".join(_c(x) for x, done in zip(r["t_all"], r["finished_all"]) if done)
         runs = str(r["runs"]) + (f" (+{r['unfinished']} unfinished)" if r.get("unfinished") else "")
         lines.append(f"| {r['arm']} | {runs} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
-                     f"{_c(r['last_over_best_val_min'])} | {_c(r['t_at_abs_max'], '+.2f')} | "
+                     f"{_c(r['last_over_best_val_min'])} | {test_t} | {_hold(r)} | "
                      f"{trade_t} | {_c(r['atom_utilization_mean'])} | "
                      f"{_c(r['train_path_last_over_best_mean'])} | {_c(r['val_trades_last_over_best_mean'])} |")
     return "\n".join(lines)
@@ -485,7 +513,7 @@ def main(argv=None) -> int:
     for arm, _, arm_seeds in arms:
         runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in arm_seeds) if n is not None]
         rows.append(arm_row(arm, runs))
-    table = format_table(rows) + identical_note(rows)
+    table = format_table(rows) + identical_note(rows) + shared_window_note(rows)
     (out / "ab.md").write_text(table + "\n")
     (out / "ab.json").write_text(json.dumps(rows, indent=2))
     print(table)

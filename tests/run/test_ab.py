@@ -242,3 +242,25 @@ def test_arms_that_trained_the_same_bits_are_named(tmp_path):
     assert "Arms base and wd trained the same" not in note  # already named as the same in every way
     assert ab.metrics_trajectory(tmp_path / "x-s0")["train_fingerprint"] == ab.metrics_trajectory(
         tmp_path / "y-s0")["train_fingerprint"] != ab.metrics_trajectory(tmp_path / "z-s0")["train_fingerprint"]
+
+
+def test_arms_whose_seeds_share_one_test_path_are_named():
+    # the null market's check: five seeds on one market path (the same buy-and-hold t) are five policies on one
+    # path; the table lists each seed's test t and the window's buy-and-hold t, and a line under it says so
+    def run(arm, seed, t, hold, done=True):
+        return {"run": f"{arm}-s{seed}", "finished": done, "t": t, "hold_t": hold, "trade_t": None,
+                **{k: None for k in ("test_over_oracle", "val_test_gap", "last_over_best_val", "atom_utilization",
+                                     "train_path_last_over_best", "val_trades_last_over_best")}}
+
+    rows = [ab.arm_row("null", [run("null", 0, 0.5, 1.454), run("null", 1, -1.65, 1.454),
+                                run("null", 2, 2.2, 0.3, done=False)]),  # the unfinished seed is left out
+            ab.arm_row("own", [run("own", 0, 0.1, 0.2), run("own", 1, -0.4, -1.1)]),  # a market per seed
+            ab.arm_row("one", [run("one", 0, 1.0, 0.7)])]  # one seed: nothing to share
+    note = ab.shared_window_note(rows)
+    assert note.count("\n") == 2 and "null (hold t +1.45)" in note and "own" not in note and "one (" not in note
+    assert ab.shared_window_note(rows[1:]) == ""
+    table = ab.format_table(rows).splitlines()
+    assert "| test t per seed | hold t |" in table[0] and table[1].count("---") == 16
+    assert all(line.count(" | ") == 15 for line in table[2:])  # 16 columns in every row
+    assert "| 0.50, -1.65 | +1.45 |" in table[2] and "| 0.10, -0.40 | +0.20, -1.10 |" in table[3]
+    assert rows[1]["t_at_abs_max"] == -0.4  # ab.json keeps the largest |t| with its sign
