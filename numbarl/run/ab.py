@@ -383,8 +383,7 @@ def identical_arms(rows: list[dict], key: str = "fingerprint") -> list[tuple[str
     key "train_fingerprint": the train losses alone (the same training, validation perhaps scored otherwise)."""
     prints = []
     for r in rows:
-        fp = {_seed_of(run): f for run, f, done in zip(r.get("run_all", []), r.get(f"{key}_all", []),
-                                                      r.get("finished_all", [])) if done and f is not None}
+        fp = {_seed_of(run): f for run, f in zip(_done_values(r, "run"), _done_values(r, key)) if f is not None}
         prints.append((r["arm"], fp))
     pairs = []
     for i, (a, fa) in enumerate(prints):
@@ -407,27 +406,27 @@ def identical_note(rows: list[dict]) -> str:
                           for a, b, seeds in identical_arms(rows, "train_fingerprint") if (a, b) not in pairs)
 
 
+def _done_values(r: dict, key: str) -> list:
+    """The row's `key`_all values of its finished runs, in run order."""
+    return [x for x, done in zip(r.get(f"{key}_all", []), r.get("finished_all", [])) if done]
+
+
+def _shared_hold_t(r: dict):
+    """The buy-and-hold t that every finished run of the row scored (two or more runs), else None."""
+    holds = _done_values(r, "hold_t")
+    return holds[0] if len(holds) >= 2 and holds[0] is not None and all(h == holds[0] for h in holds) else None
+
+
 def shared_window_note(rows: list[dict]) -> str:
     """One line under the table naming the arms whose finished seeds (two or more) all scored a test window with
     the same buy-and-hold t: one market path each, so their seeds' test t are not independent draws (empty when
     there are none)."""
-    shared = []
-    for r in rows:
-        holds = [h for h, done in zip(r.get("hold_t_all", []), r.get("finished_all", [])) if done]
-        if len(holds) >= 2 and holds[0] is not None and all(h == holds[0] for h in holds):
-            shared.append(f"{r['arm']} (hold t {holds[0]:+.2f})")
+    shared = [f"{r['arm']} (hold t {_shared_hold_t(r):+.2f})" for r in rows if _shared_hold_t(r) is not None]
     if not shared:
         return ""
     return (f"\nOne test window path per arm, the same for each of its seeds: {', '.join(shared)}. Their test t are "
             "several policies on one path, not independent draws of the market; a seed-dependent market "
             "(--set data.synth_seed=...{seed}) gives independent ones.\n")
-
-
-def _hold(r) -> str:
-    holds = [h for h, done in zip(r.get("hold_t_all", []), r.get("finished_all", [])) if done]
-    if holds and all(h == holds[0] for h in holds):
-        return _c(holds[0], "+.2f")
-    return ", ".join(_c(h, "+.2f") for h in holds)
 
 
 def _c(x, spec=".2f"):
@@ -440,14 +439,16 @@ def format_table(rows: list[dict]) -> str:
             "| val trades last/best |")
     lines = [head, "|" + "|".join(["---"] * 16) + "|"]
     for r in rows:
-        per = ", ".join(_c(x) for x, done in zip(r["test_over_oracle_all"], r["finished_all"]) if done)
-        trade_t = ", ".join(_c(x, ".1f") for x, done in zip(r["trade_t_all"], r["finished_all"]) if done)
-        test_t = ", ".join(_c(x) for x, done in zip(r["t_all"], r["finished_all"]) if done)
+        per = ", ".join(_c(x) for x in _done_values(r, "test_over_oracle"))
+        trade_t = ", ".join(_c(x, ".1f") for x in _done_values(r, "trade_t"))
+        test_t = ", ".join(_c(x) for x in _done_values(r, "t"))
+        shared = _shared_hold_t(r)  # one number for one market path, else each run's
+        hold = _c(shared, "+.2f") if shared is not None else ", ".join(_c(h, "+.2f") for h in _done_values(r, "hold_t"))
         runs = str(r["runs"]) + (f" (+{r['unfinished']} unfinished)" if r.get("unfinished") else "")
         lines.append(f"| {r['arm']} | {runs} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
-                     f"{_c(r['last_over_best_val_min'])} | {test_t} | {_hold(r)} | "
+                     f"{_c(r['last_over_best_val_min'])} | {test_t} | {hold} | "
                      f"{trade_t} | {_c(r['atom_utilization_mean'])} | "
                      f"{_c(r['train_path_last_over_best_mean'])} | {_c(r['val_trades_last_over_best_mean'])} |")
     return "\n".join(lines)
