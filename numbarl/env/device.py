@@ -325,6 +325,17 @@ class DeviceEnv:
         )  # fmt: skip
         return self.outputs
 
+    def step_operands(self, risk_budget=None) -> tuple:
+        """The arguments of `telemetry_step_row` after (i, actions) and between preference and
+        (seed, counter), in its order: (st, grids, mk) and (risk_budget, k, lo, hi, seed, counter, out,
+        acc), for a learner's launch that runs the env step of env i in its own thread after choosing
+        its actions (numbarl.rl.policies.scheduled_epsilon_greedy_step); the same step as `step`."""
+        risk_budget = self.risk_budget_ones if risk_budget is None else risk_budget
+        _check("risk_budget", risk_budget, (1,), np.float32)
+        return ((self.state, self.grids, self.mk),
+                (risk_budget, self.k, np.int64(self.lo), np.int64(self.hi), self.seed_dev, self.counter, self.outputs,
+                 self.telemetry_acc))
+
     def advance(self, stream=None) -> None:
         rng.advance(self.counter, _s(stream))
 

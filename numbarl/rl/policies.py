@@ -35,6 +35,8 @@ from numbarl.cuda.runtime import cuda
 from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
 from numbarl.env.rows import greedy_action
 from numbarl.env.state import row_jit
+from numbarl.env.telemetry import telemetry_step_row
+from numbarl.rl.replay import write_row
 
 _cuda = cuda()
 
@@ -134,6 +136,28 @@ def scheduled_epsilon_greedy_kernel(q, mask, step, schedule, decay_steps, seed, 
     _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
 
 
+_telemetry_step_row = device_function(telemetry_step_row)
+_write_row = device_function(write_row)
+
+
+@_cuda.jit(cache=True)
+def scheduled_epsilon_greedy_step_kernel(q, mask, step, schedule, decay_steps, actions, preference, st, grids, mk,
+                                         risk_budget, k, lo, hi, seed, counter, out, acc, action_store, reward_store,
+                                         done_store, weight_store, mask_store, count):
+    """scheduled_epsilon_greedy_kernel, then in the same thread env i's step (the env's
+    `telemetry_step_row` on the actions just chosen) and its replay row (`write_row`: actions,
+    reward, done, weight 1, mask): the launches of ε-greedy, the env step and the replay's row write
+    in one. Each thread reads and writes env i's entries only, in the order the three launches did."""
+    i = _cuda.grid(1)
+    if i >= q.shape[0]:
+        return
+    eps = _scheduled_epsilon(step[0], schedule, decay_steps)
+    _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
+    _telemetry_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed[0], counter[0], out, acc)
+    _write_row(action_store, reward_store, done_store, weight_store, mask_store, count[0] % action_store.shape[0], i,
+               actions, out.reward, out.done, out.reward, False, mask, True)
+
+
 def _check_shapes(q, mask) -> None:
     if q.ndim != 3 or tuple(mask.shape) != tuple(q.shape):
         raise ValueError(f"q [N, n_branches, max_actions] and the env's mask must have one shape, "
@@ -173,3 +197,22 @@ def scheduled_epsilon_greedy(q, mask, step, schedule, decay_steps, seed, counter
         raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
     scheduled_epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](
         q, mask, step, schedule, decay_steps, seed, counter, actions, preference)
+
+
+def scheduled_epsilon_greedy_step(q, mask, step, schedule, decay_steps, actions, preference, env, replay, stream,
+                                  risk_budget=None):
+    """One launch for three: `scheduled_epsilon_greedy` into actions and preference, then
+    `env.step(actions, preference, risk_budget=risk_budget)` (a DeviceEnv), then the replay's row of this
+    step without the obs (`replay.write(obs, actions, reward, done, mask=mask, obs_written=True,
+    advance=False)`): the same values in every array, for a collect step with nothing between the
+    policy and the env step. seed and counter are the env's. Returns the env's outputs. Only
+    launches: capturable."""
+    n = _check_io(q, mask, actions, preference)
+    if np.dtype(schedule.dtype) != np.float32 or tuple(schedule.shape) != (2,):
+        raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
+    if n != env.n_envs or replay.n_envs != n:
+        raise ValueError(f"q has {n} envs, the env {env.n_envs} and the replay {replay.n_envs}")
+    (st, grids, mk), tail = env.step_operands(risk_budget)
+    scheduled_epsilon_greedy_step_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](
+        q, mask, step, schedule, decay_steps, actions, preference, st, grids, mk, *tail, *replay.row_stores())
+    return env.outputs

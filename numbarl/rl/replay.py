@@ -108,6 +108,7 @@ from numbarl.cuda import launch, rng
 from numbarl.cuda.registry import RNG_STREAMS
 from numbarl.cuda.runtime import Arena, cuda, stream
 from numbarl.rl.feedback.regimes import N_BUCKETS, RegimeBuckets, bucket_of
+from numbarl.env.state import row_jit
 
 BLOCK = 128
 SAMPLE_RNG_SLOT = RNG_STREAMS.claim("replay.sample", 200)  # the sampler's draw (numbarl.cuda.registry)
@@ -276,14 +277,12 @@ def write_obs_kernel(obs_store, count, obs):
     obs_store[count[0] % obs_store.shape[0], e, d] = obs[e, d]
 
 
-@_cuda.jit(cache=True)
-def write_row_kernel(action_store, reward_store, done_store, weight_store, mask_store, count,
-                     action, reward, done, weight, use_weight, mask, use_mask):
-    """Row count % n_slots ← this step's actions, reward, done, weight and mask: one thread per env."""
-    e = _cuda.grid(1)
-    if e >= action.shape[0]:
-        return
-    s = count[0] % action_store.shape[0]
+@row_jit
+def write_row(action_store, reward_store, done_store, weight_store, mask_store, s, e, action, reward, done, weight,
+              use_weight, mask, use_mask):
+    """Env e's fields of row s: its actions, reward, done, weight (1 without use_weight) and mask
+    (with use_mask). `write_row_kernel` runs it per env; the learner's fused collect launch
+    (numbarl.rl.policies.scheduled_epsilon_greedy_step) runs it after the env step of its thread."""
     for j in range(action.shape[1]):
         action_store[s, e, j] = action[e, j]
     reward_store[s, e] = reward[e]
@@ -296,6 +295,20 @@ def write_row_kernel(action_store, reward_store, done_store, weight_store, mask_
         for b in range(mask.shape[1]):
             for a in range(mask.shape[2]):
                 mask_store[s, e, b, a] = mask[e, b, a]
+
+
+_write_row = launch.device_function(write_row)
+
+
+@_cuda.jit(cache=True)
+def write_row_kernel(action_store, reward_store, done_store, weight_store, mask_store, count,
+                     action, reward, done, weight, use_weight, mask, use_mask):
+    """Row count % n_slots ← this step's actions, reward, done, weight and mask: one thread per env."""
+    e = _cuda.grid(1)
+    if e >= action.shape[0]:
+        return
+    _write_row(action_store, reward_store, done_store, weight_store, mask_store, count[0] % action_store.shape[0], e,
+               action, reward, done, weight, use_weight, mask, use_mask)
 
 
 @_cuda.jit(cache=True)
@@ -739,6 +752,15 @@ class Replay:
             action, reward, done, w, use_weight, m, mask is not None)
         if advance:
             advance_kernel[1, 1, stream](s["count"])
+
+    def row_stores(self):
+        """(action, reward, done, weight, mask, count) stores of the per-env fields, for a launch
+        that writes a step's row itself through `write_row` (the fused collect launch); count[0] % n_slots
+        is the row, and the obs are already there (`obs_ring`). Needs a buffer built with max_actions."""
+        if not self.max_actions:
+            raise ValueError("Replay.row_stores needs a buffer built with max_actions (the mask is part of the row)")
+        s = self.store
+        return s["action"], s["reward"], s["done"], s["weight"], s["mask"], s["count"]
 
     def obs_ring(self):
         """(obs store [n_slots, N, state_dim], count [1]): where a gather writes obs_t straight into

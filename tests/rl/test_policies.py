@@ -19,7 +19,9 @@ from numbarl.rl.policies import (
     epsilon_greedy_ref,
     scheduled_epsilon,
     scheduled_epsilon_greedy,
+    scheduled_epsilon_greedy_step,
 )
+from numbarl.rl.replay import Replay
 
 _cuda = cuda()
 
@@ -132,6 +134,83 @@ def test_scheduled_rate_in_every_thread_equals_the_explicit_rate(rng, step):
                              actions, preference, stream())
     np.testing.assert_array_equal(actions.copy_to_host(), want)
     np.testing.assert_array_equal(preference.copy_to_host(), want_pref)
+
+
+def _collect_setup(seed):
+    """A device env mid-run (positions, cursors moved by two random steps) and an empty replay with
+    its obs row written by the gather, as the learner's collect step has them before choosing."""
+    m = 21
+    data = synthetic_market(40, 5, seed=seed)
+    params = EnvParams()
+    env = DeviceEnv(data, params, m, seed=seed)
+    env.reset()
+    r = np.random.default_rng(seed)
+    for _ in range(2):
+        env.gather()
+        env.arena.load({"actions": np.stack([r.integers(0, s, m) for s in params.branch_sizes], 1).astype(np.int32),
+                        "preference": r.standard_normal(m).astype(np.float32)})
+        env.step()
+        env.advance()
+    replay = Replay(capacity=4 * m, n_envs=m, state_dim=env.state_dim, n_branches=params.n_branches, batch_size=8,
+                    n_step=1, seed=1, max_actions=params.max_actions).allocate()
+    replay.store.load({"count": np.array([5], np.int64)})
+    obs, mask = env.gather(ring=replay.obs_ring())
+    return env, replay, obs, mask
+
+
+def _collect_host(env, replay):
+    out = {f"env.{k}": v for k, v in env.arena.to_host().items()}
+    out["env.telemetry"] = env.telemetry_acc.copy_to_host()
+    out.update({f"replay.{k}": v for k, v in replay.store.to_host().items()})
+    return out
+
+
+@pytest.mark.parametrize("step", [3, 40])
+def test_fused_collect_launch_equals_the_three_launches(step):
+    """scheduled_epsilon_greedy_step (ε-greedy, the env step and the replay row in one launch, the
+    learner's collect step without a risk head) against scheduled_epsilon_greedy, env.step and
+    replay.write(obs_written=True, advance=False) from the same state: every array of the env, its
+    telemetry and the replay bit for bit (ε 0.9 → 0.2 over 20 steps: exploratory and greedy draws)."""
+    got = []
+    for fused in (False, True):
+        env, replay, obs, mask = _collect_setup(seed=4)
+        q = np.random.default_rng(8).standard_normal((env.n_envs, 4, env.params.max_actions)).astype(np.float32)
+        q_dev, args = _cuda.to_device(q), (_cuda.to_device(np.array([step], np.int64)),
+                                           _cuda.to_device(np.array([0.9, 0.2], np.float32)),
+                                           _cuda.to_device(np.array([20], np.int64)))
+        actions, preference = env.arena["actions"], env.arena["preference"]
+        if fused:
+            scheduled_epsilon_greedy_step(q_dev, mask, *args, actions, preference, env, replay, stream())
+        else:
+            scheduled_epsilon_greedy(q_dev, mask, *args, env.seed_dev, env.counter, actions, preference, stream())
+            out = env.step(actions, preference, stream=stream())
+            replay.write(obs, actions, out.reward, out.done, stream(), mask=mask, obs_written=True, advance=False)
+        stream().synchronize()
+        got.append(_collect_host(env, replay))
+    want, have = got
+    assert want.keys() == have.keys()
+    for k in want:
+        np.testing.assert_array_equal(have[k], want[k], err_msg=k)
+    row = int(want["replay.count"][0]) % replay.store["action"].shape[0]
+    assert (want["replay.action"][row] == want["env.actions"]).all() and want["replay.mask"][row].any()
+    assert np.isfinite(want["replay.reward"][row]).all() and (want["replay.weight"][row] == 1).all()
+
+
+def test_fused_collect_launch_names_mismatched_sizes():
+    env, _, _, mask = _collect_setup(seed=2)
+    other = Replay(capacity=4 * 3, n_envs=3, state_dim=env.state_dim, n_branches=4, batch_size=2, n_step=1,
+                   max_actions=env.params.max_actions).allocate()
+    q = _cuda.to_device(np.zeros((env.n_envs, 4, env.params.max_actions), np.float32))
+    args = (_cuda.to_device(np.array([0], np.int64)), _cuda.to_device(np.array([0.9, 0.2], np.float32)),
+            _cuda.to_device(np.array([20], np.int64)))
+    with pytest.raises(ValueError, match="the replay 3"):
+        scheduled_epsilon_greedy_step(q, mask, *args, env.arena["actions"], env.arena["preference"], env, other,
+                                      stream())
+    no_mask = Replay(capacity=4 * env.n_envs, n_envs=env.n_envs, state_dim=env.state_dim, n_branches=4, batch_size=2,
+                     n_step=1).allocate()
+    with pytest.raises(ValueError, match="max_actions"):
+        scheduled_epsilon_greedy_step(q, mask, *args, env.arena["actions"], env.arena["preference"], env, no_mask,
+                                      stream())
 
 
 def test_exploration_is_uniform_over_the_allowed_actions():

@@ -227,7 +227,7 @@ from numbarl.rl.optim import (
     TargetConfig,
     nonfinite_flag_dev,
 )
-from numbarl.rl.policies import scheduled_epsilon, scheduled_epsilon_greedy
+from numbarl.rl.policies import scheduled_epsilon, scheduled_epsilon_greedy, scheduled_epsilon_greedy_step
 from numbarl.rl.replay import Replay
 from numbarl.rl.schedules import ScheduleConfig
 
@@ -1471,13 +1471,18 @@ class DQNAgent(Agent):
         if self.ens_gate is not None:  # epistemic gate (agent.epistemic_theta)
             self.ens_gate.on_mask(self.trunk.output("act"), obs, mask, stream, tag="act")
         preference = env.arena["preference"]                           # C51: Q(long) - Q(short)
-        scheduled_epsilon_greedy(q, mask, sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
-                                 env.seed_dev, env.counter, t.actions, preference, stream)
-        if self.risk_sizer is not None:  # risk head: a flat env's new entry at size × ρ, snapped down (executed)
+        step, schedule, decay = sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"]
+        if self.risk_sizer is None:  # ε-greedy, the env step and the replay's row (obs already there): one launch
+            out = scheduled_epsilon_greedy_step(q, mask, step, schedule, decay, t.actions, preference, env, self.replay,
+                                                stream, risk_budget=self._risk_budget(stream))  # R18: ρ (or 1)
+        else:
+            scheduled_epsilon_greedy(q, mask, step, schedule, decay, env.seed_dev, env.counter, t.actions, preference,
+                                     stream)
+            # risk head: a flat env's new entry at size × ρ, snapped down (executed)
             self.risk_sizer.on_actions(self.trunk.output("act"), obs, t.actions, env.grids.sizes, stream, tag="act")
-        out = env.step(t.actions, preference, stream=stream,           # fills, reward, done, reset
-                       risk_budget=self._risk_budget(stream))          # R18: ρ = IQN readiness² (or 1)
-        self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask, obs_written=True, advance=False)
+            out = env.step(t.actions, preference, stream=stream,       # fills, reward, done, reset
+                           risk_budget=self._risk_budget(stream))      # R18: ρ = IQN readiness² (or 1)
+            self.replay.write(obs, t.actions, out.reward, out.done, stream, mask=mask, obs_written=True, advance=False)
         # ε, the collect-step count, the replay's write count and the env's RNG counter: one launch
         collect_tail_kernel[1, 1, stream](sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"],
                                           sc["epsilon"], self.stats.device, self.replay.count, env.counter)
