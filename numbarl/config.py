@@ -226,6 +226,10 @@ class AgentConfig:
     the normalized L2 between a linear predictor (optimizer group 'head.pc') of the online trunk features of obs
     and the target network's trunk features of the n-step next_obs (masked at episode ends); an auxiliary loss
     (every agent.aux_frequency train steps) whose gradient reaches the trunk. 0 = off (nothing of it is built)."""
+    reward_centering: float = 0.0
+    """Reward centering (numbarl/rl/reward_center.py; Naik et al. 2024): the rate β of a running average r̄ of the
+    rewards, updated every train step from the sampled batch's first rewards, and subtracted from every sampled
+    reward, so the values lose their r̄/(1 − γ) offset (the learning side of the origin's Q-mean centering). 0 = off."""
     obs_noise: float = 0.0
     """Observation noise (numbarl/rl/obs_noise.py): std σ of Gaussian noise added, in every train step, to the market
     features (most are z-scored, so σ is in feature standard deviations) of each observation the learner reads: obs,
@@ -475,6 +479,7 @@ class AgentConfig:
         check_known_names(self.regime_gate_cols, "regime_gate_cols")
         check_known_names(self.regime_dropout_col, "regime_dropout_col", many=False)
         _check("agent", "obs_noise", self.obs_noise, lo=0.0, hi=10.0)
+        _check("agent", "reward_centering", self.reward_centering, lo=0.0, hi=1.0)
         _check("agent", "regime_dropout_lo", self.regime_dropout_lo, lo=0.0, hi=0.95)  # regime dropout
         _check("agent", "regime_dropout_hi", self.regime_dropout_hi, lo=0.0, hi=0.95)
         if self.regime_dropout_hi < self.regime_dropout_lo:
@@ -586,7 +591,8 @@ class AgentConfig:
                         "lock_aware_target": self.lock_aware_target, "weight_decay_groups": bool(self.weight_decay_groups),
                         "curiosity_weight": self.curiosity,  # ICM: the c51 agent's hooks only
                         "temporal": bool(self.temporal),  # temporal input: the c51 agent's passes
-                        "isv": self.isv, "isv_routing": self.isv_routing}  # ISV: the c51 agent's train step
+                        "isv": self.isv, "isv_routing": self.isv_routing,  # ISV: the c51 agent's train step
+                        "reward_centering": self.reward_centering > 0}  # the c51 agent's replay batch
             on = [f"agent.{name}" for name, value in c51_only.items() if value]
             if on:
                 raise ConfigError(f"agent.kind = '{self.kind}' does not have {', '.join(on)} (c51 components); turn them off")
@@ -776,6 +782,11 @@ class Config:
             if feedback_on(self.train):
                 raise ConfigError(f"agent.kind = '{self.agent.kind}' does not run the validation feedback loop (train.e1_* .. "
                                   "train.e9_* act on the c51 agent's replay, loss and epsilon); turn them off")
+        if self.agent.reward_centering > 0 and self.train.e1_q_reality > 0:
+            raise ConfigError(f"agent.reward_centering = {self.agent.reward_centering} and train.e1_q_reality = "
+                              f"{self.train.e1_q_reality} both offset the sampled returns, and E1 measures the centered "
+                              "values against the realized (uncentered) returns, so it would undo the centering: "
+                              "set one of them to 0")
         if self.train.e3_refit_support and not (self.train.e3_dynamic_gamma and self.agent.support == "fit"):
             raise ConfigError("train.e3_refit_support = true refits the support when E3 moves gamma: it needs "
                               f"train.e3_dynamic_gamma = true (got {self.train.e3_dynamic_gamma}) and agent.support = "

@@ -40,7 +40,8 @@ the env's protection: ρ = 1 is today's step exactly (bit for bit), ρ = 0 no pr
     Kelly cap fraction   frac_ρ = 1 − ρ (1 − frac), frac = clip(kelly_lambda f*, kelly_floor, 1)
                          (ρ = 0: max size, no cap; ρ = 1: frac), `kelly_size`
     DSR reward term      r_dsr = ρ · (dsr_scale · D)  (ρ = 0: no DSR term); the EMAs A, B are
-                         updated from every closed trade whatever ρ is
+                         updated from every closed trade whatever ρ is; D = 0 until they hold
+                         dsr_warmup earlier trades (EnvParams.dsr_warmup_trades)
 
 Evaluated as frac + (1 − ρ)(1 − frac) and (dsr_scale · D) · ρ, so ρ = 1 adds an exact 0 and
 multiplies by an exact 1: the old arithmetic, also with FMA contraction on the GPU. ρ outside
@@ -362,7 +363,10 @@ def reset_start(seed, lane, counter, slot, lo, hi, episode_length):
 # ---------------------------------------------------------------------------------------------
 @njit(cache=True)
 def _book(trade, realized, count, kw, kl, ksw, ksl, da, db, k):
-    """Account a closed trade: realized P&L (exit side fee), counts, Kelly sums, DSR EMAs."""
+    """Account a closed trade: realized P&L (exit side fee), counts, Kelly sums, DSR EMAs. The trade's
+    D is 0 while the EMAs hold fewer than k.dsr_warmup earlier trades (kw + kl: every booked trade is a
+    win or a loss, and both persist across episodes as the EMAs do); the EMAs learn from it either way."""
+    held = kw + kl
     realized = realized + trade.pnl + k.fee * abs(trade.size)  # the entry fee was realized at entry
     if trade.pnl > _F0:
         kw += 1
@@ -371,6 +375,8 @@ def _book(trade, realized, count, kw, kl, ksw, ksl, da, db, k):
         kl += 1
         ksl -= trade.pnl
     d, da, db = dsr_update(da, db, trade.pnl / k.tick_value, k.dsr_eta)
+    if held < k.dsr_warmup:
+        d = _F0
     return realized, count + 1, kw, kl, ksw, ksl, da, db, d
 
 

@@ -88,6 +88,7 @@ class StepConsts(NamedTuple):
     max_size: np.float64
     dsr_eta: np.float64
     dsr_scale: np.float64  # the DSR term's weight, times the step's risk budget ρ (not a constant: not here)
+    dsr_warmup: np.int64  # D = 0 for a trade closed before the env's DSR EMAs hold this many trades
     obs_hold_bars: np.float64
     kelly_lambda: np.float64  # fractional-Kelly multiplier of the size cap (0: no cap, the step is unchanged)
     kelly_floor: np.float64  # smallest cap as a fraction of max_size (no history or no edge)
@@ -180,6 +181,11 @@ class EnvParams:
     dsr_reward_scale: float = 0.0
     """Weight of the trade-level differential Sharpe ratio term (Moody & Saffell 2001); 0 = off.
     The term is multiplied by the step's risk budget ρ (numbarl/env/core.py; 1 without agent.iqn)."""
+    dsr_warmup_trades: int = 100
+    """The DSR term is 0 for an env's closed trade until its EMAs already hold this many trades (they
+    still learn from every trade). With few trades the EMA variance B − A² is about η·r₁² and D runs to
+    thousands (sixteenth session: a fitted support of ±570 at dsr_reward_scale 0.01); 100 = 1/dsr_eta at
+    its default. 0 = from the second trade, Moody & Saffell's plain rule."""
 
     # --- sizing ---
     kelly_lambda: float = 0.0
@@ -214,6 +220,7 @@ class EnvParams:
             "vol_horizon_bars": (1, 10**6),
             "latency_bars": (0, 10**4),
             "churn_threshold_bars": (0, 10**7),
+            "dsr_warmup_trades": (0, 2**30),
             "episode_length": (1, 2**30),
             "max_episode_bars": (1, 2**30),
         }
@@ -346,6 +353,7 @@ class EnvParams:
             max_size=np.float64(np.float32(self.max_size)),
             dsr_eta=np.float64(self.dsr_eta),
             dsr_scale=np.float64(self.dsr_reward_scale),
+            dsr_warmup=np.int64(self.dsr_warmup_trades),
             obs_hold_bars=np.float64(self.obs_hold_bars),
             kelly_lambda=np.float64(self.kelly_lambda),
             kelly_floor=np.float64(self.kelly_floor),

@@ -271,6 +271,14 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_support.py",),
         "support_fits", "> 0"),
     Component(
+        "reward_centering", "running average reward r̄ (rate β, from each train batch's first rewards) taken off every "
+        "sampled reward, so the values lose their r̄/(1 − γ) offset: the learning side of Q-mean centering (its "
+        "selection side would change no argmax and is not built)",
+        "agent.reward_centering=0.01",
+        "Naik, Wan, Tomar & Sutton 2024 (Reward Centering), simple centering; numbarl/rl/reward_center.py",
+        ("tests/rl/test_reward_center.py",),
+        "reward_center", "!= 0"),
+    Component(
         "adaptive_atoms", "learned C51 atom positions: spacings softplus(s) between the fixed support ends, "
         "ascent on the entropy of the batch-mean projected target; non-uniform projection once they move",
         "agent.adaptive_atoms=true",
@@ -393,6 +401,14 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/env/test_core.py", "tests/env/test_telemetry.py"),
         "train_path.kelly_capped_frac", "> 0", agent_kinds=("c51", "ppo", "dt")),
     # --- end the env's fractional-Kelly size cap --------------------------------------------------------
+    # --- the env's differential Sharpe reward term (env.dsr_reward_scale; numbarl/env/core.py) --------------
+    Component(
+        "dsr_reward", "trade-level differential Sharpe ratio as a reward term: D of each closed trade from its env's EMAs "
+        "of trade P&L in ticks (0 until they hold env.dsr_warmup_trades trades), times the risk budget ρ",
+        "env.dsr_reward_scale=0.1",
+        "Moody & Saffell 2001, Eq. 15 (numbarl/env/core.py: dsr_update, dsr_term, _book)",
+        ("tests/env/test_core.py", "tests/env/test_risk_budget.py"),
+        "reward.dsr.std", "> 0", agent_kinds=("c51", "ppo", "dt")),
     # --- the env's mark-to-market reward term (env.pnl_reward_scale; numbarl/env/core.py:pnl_reward) ----------
     Component(
         "pnl_reward", "mark-to-market net P&L reward term in the shared step: scale x the step's change of realized + "

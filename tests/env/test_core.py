@@ -229,11 +229,30 @@ def test_dsr_update_hand_computed():
     assert a2 == pytest.approx(0.65) and b2 == pytest.approx(1.525)
     assert core.dsr_update(0.0, 0.0, 1.0, 0.1)[0] == 0.0  # no variance yet
     # as a reward term: weight on the closed trade's DSR
-    k = consts(dsr_reward_scale=2.0, dsr_eta=0.1)
+    k = consts(dsr_reward_scale=2.0, dsr_eta=0.1, dsr_warmup_trades=0)
     s = long_position()._replace(dsr_a=0.5, dsr_b=1.25)
     s2, out, t1, _ = step(s, DIR_FLAT, k=k)
     d, a2, b2 = core.dsr_update(0.5, 1.25, t1.pnl / 0.5, 0.1)
     assert out.reward == pytest.approx(2.0 * d) and s2.dsr_a == pytest.approx(a2) and s2.dsr_b == pytest.approx(b2)
+
+
+def test_dsr_term_waits_for_the_warmup_trades():
+    """EnvParams.dsr_warmup_trades = 3: a closed trade's D is 0 while the env's EMAs hold fewer than 3
+    earlier trades (Kelly wins + losses: 0, 1, 2), the plain D from the third on; the EMAs move every time.
+    Hand case of the start-up it guards against: after one 0.1-tick trade (η = 0.01) a 5-tick trade has
+    D ≈ −12,183, with no warm-up the reward term of a 0.01 weight is ≈ −122."""
+    d_plain = core.dsr_update(0.001, 0.0001, 5.0, 0.01)[0]
+    assert d_plain == pytest.approx(-12183.0, rel=1e-3)
+    k = consts(dsr_reward_scale=2.0, dsr_eta=0.1, dsr_warmup_trades=3)
+    for wins, losses, gated in ((0, 0, True), (1, 1, True), (2, 0, True), (2, 1, False), (7, 5, False)):
+        s = long_position()._replace(dsr_a=0.5, dsr_b=1.25, kelly_wins=wins, kelly_losses=losses)
+        s2, out, t1, _ = step(s, DIR_FLAT, k=k)
+        d, a2, b2 = core.dsr_update(0.5, 1.25, t1.pnl / 0.5, 0.1)
+        assert d != 0.0 and s2.dsr_a == a2 and s2.dsr_b == b2
+        assert out.r_dsr == (0.0 if gated else 2.0 * d), (wins, losses)
+        assert s2.kelly_wins + s2.kelly_losses == wins + losses + 1
+    with pytest.raises(ValueError, match="dsr_warmup_trades"):
+        EnvParams(dsr_warmup_trades=-1)
 
 
 def test_target_and_stop_exits_in_step():

@@ -42,6 +42,7 @@ def small_params(rng, **kw):
         churn_penalty_scale=0.05,
         conviction_weight=0.3,
         dsr_reward_scale=0.1,
+        dsr_warmup_trades=2,  # both sides of the DSR's start-up rule
         slippage_ticks=0.5,
     )
     base.update(kw)

@@ -41,7 +41,7 @@ def _close(name, got, want):
 
 
 def _params(**kw):
-    base = dict(episode_length=60, max_episode_bars=150, fill_delay=1, churn_penalty_scale=0.05, conviction_weight=0.3, dsr_reward_scale=0.1, slippage_ticks=0.5)
+    base = dict(episode_length=60, max_episode_bars=150, fill_delay=1, churn_penalty_scale=0.05, conviction_weight=0.3, dsr_reward_scale=0.1, dsr_warmup_trades=2, slippage_ticks=0.5)
     base.update(kw)
     return EnvParams(**base)
 

@@ -16,7 +16,7 @@ from numbarl.env.reference import CpuEnv
 QUIET = dict(sizes=(1.0, 2.0, 4.0), fee_per_contract=0.5, contract_multiplier=2.0, tick_size=0.25,
              trade_reward_scale=0.0, micro_reward_scale=0.0, holding_cost_rate=0.0, churn_penalty_scale=0.0,
              opportunity_cost_scale=0.0, conviction_weight=0.0, kelly_lambda=0.5, kelly_floor=0.25,
-             dsr_reward_scale=0.1, latency_bars=0, slippage_ticks=0.0)
+             dsr_reward_scale=0.1, dsr_warmup_trades=0, latency_bars=0, slippage_ticks=0.0)
 TICK_VALUE = 0.5
 
 
@@ -221,13 +221,13 @@ def test_dqn_agent_with_iqn_passes_readiness_squared(make_market, rng):
                       iqn_quantiles=3, iqn_embed=4)
     agent = DQNAgent(cfg, env.state_dim, params.branch_sizes, 2, 3, eval_batch=1)
     seen = []
-    env_step = env.step
+    operands = env.step_operands  # the collect step's one launch takes the env step's operands from here
 
-    def spy(*args, risk_budget=None, **kw):  # the array the env step reads, at the time it reads it
+    def spy(risk_budget=None):  # the array the env step reads, at the time its launch is queued
         seen.append(None if risk_budget is None else risk_budget.copy_to_host()[0])
-        return env_step(*args, risk_budget=risk_budget, **kw)
+        return operands(risk_budget)
 
-    env.step = spy
+    env.step_operands = spy
     env.reset(2, s)
     for state in ((-1.0, -1.0), (2.0, 1.0), (3.0, 2.0), (1.0, 4.0)):  # no IQN step yet, readiness 1/2, 1/3, 0
         agent.iqn_state.load({"readiness_state": np.array(state, np.float64)})

@@ -43,6 +43,7 @@ def _params(**kw):
         "churn_penalty_scale": 0.05,
         "conviction_weight": 0.3,
         "dsr_reward_scale": 0.1,
+        "dsr_warmup_trades": 2,
         "pnl_reward_scale": 0.01,  # every reward term on: the sum of the contributions is the reward
         "slippage_ticks": 0.5,
         "holding_cost_rate": 1e-3,

@@ -60,12 +60,12 @@ def tiny_agent(state_dim: int, sizes, n_envs: int, seed: int = 1, **fields):
     return DQNAgent(AgentConfig(**{**base, **fields}), state_dim, sizes, n_envs, seed=seed)
 
 
-def collect_graph_and_eager_runs(cfg, n_envs, outputs, steps=4, setup=None, **agent_kw):
+def collect_graph_and_eager_runs(cfg, n_envs, outputs, steps=4, setup=None, params=None, **agent_kw):
     """The collect step of a DQNAgent(cfg) on a DeviceEnv of n_envs (a synthetic market, sizes 0.25/0.5/1.0)
     run `steps` times eagerly and, in a second agent and env built alike, as a captured graph (after one
     eager warm-up step each). setup(agent): before the first step; outputs(agent, env) -> {name: host
     array}; returns [eager, graph] with the replay store and the env arena added (compare with
-    assert_bitwise)."""
+    assert_bitwise). params: the env's EnvParams (default: those sizes, every other field at its default)."""
     from numbarl.bench.train import _market
     from numbarl.cuda import graph as cuda_graph
     from numbarl.cuda.runtime import stream
@@ -73,7 +73,7 @@ def collect_graph_and_eager_runs(cfg, n_envs, outputs, steps=4, setup=None, **ag
     from numbarl.env.params import EnvParams
     from numbarl.rl.agents.dqn import DQNAgent
 
-    params = EnvParams(sizes=(0.25, 0.5, 1.0), size_step=0.25)
+    params = EnvParams(sizes=(0.25, 0.5, 1.0), size_step=0.25) if params is None else params
     host = _market(2000, 8, 1)
     runs = []
     for mode in ("eager", "graph"):

@@ -29,6 +29,7 @@ RUNS = {
                "--set", "agent.isv=true",  # ISV signals
                "--set", "agent.lock_aware_target=true",
                "--set", "agent.lr_warmup_steps=1000", "--set", "agent.weight_decay=0.01",
+               "--set", "agent.reward_centering=0.01",  # (E1, in the periodic run, excludes it)
                "--set", "agent.cql_alpha=0.5", "--set", "agent.atom_entropy_max=0.01",
                "--set", "agent.iqn=true", "--set", "agent.risk_budget=true", "--set", "agent.iqn_quantiles=4", "--set", "agent.iqn_embed=8",
                "--set", "agent.iql=true", "--set", "agent.iql_hidden=8",
@@ -64,6 +65,7 @@ RUNS = {
     # (adaptive atom positions, agent.adaptive_atoms, also bind the extra horizons' losses to their live support)
     "mh": ["--set", "agent.n_step=3", "--set", "agent.horizons=1,3,4", "--set", "env.kelly_lambda=0.5",
            "--set", "env.pnl_reward_scale=0.01",  # the mark-to-market reward term beside the trade and micro terms
+           "--set", "env.dsr_reward_scale=0.1", "--set", "env.dsr_warmup_trades=0",  # DSR from an env's second trade
            "--set", "agent.adaptive_atoms=true", "--set", "agent.adaptive_atoms_warmup=0",
            "--set", "agent.aux_frequency=1"],  # the atoms step on aux steps; the run has few train steps
     # PPO (agent.kind = "ppo"): an update after every second collect step
@@ -104,7 +106,7 @@ ON_RUN = {"target_periodic": "periodic", "lr_cosine_restarts": "periodic", "e1_q
           "e4_trade_autopsy": "periodic", "e6_winner_distillation": "periodic", "e8_curriculum": "periodic",
           "e7_hindsight_labels": "periodic", "support_fit": "periodic", "freeze_reset": "periodic",
           "spectral_norm": "periodic", "cvar_gate": "cvar", "ensemble": "cvar", "temporal_mamba": "cvar", "isv_routing": "cvar", "obs_noise": "cvar",
-          "multi_horizon_c51": "mh", "kelly_sizing": "mh", "pnl_reward": "mh",
+          "multi_horizon_c51": "mh", "kelly_sizing": "mh", "pnl_reward": "mh", "dsr_reward": "mh",
           "adaptive_atoms": "mh"}
 ON_RUN.update({c.name: c.agent_kinds[0] for c in components.COMPONENTS if "c51" not in c.agent_kinds})  # its kind's run
 ON_RUN.update({c.name: "polyak" for c in components.COMPONENTS if c.name not in ON_RUN})
@@ -185,3 +187,45 @@ def test_log_records_carry_the_diagnostics(live_runs):
     assert rec["support_v_min"] == -10.0 and rec["support_v_max"] == 10.0 and rec["support_fits"] == 0
     # IQN (agent.iqn): its optimizer group's gradient norm and its readiness in [0, 1]
     assert "grad_norm.head.iqn" in rec and 0.0 <= rec["iqn_readiness"] <= 1.0 and rec["iqn_loss_ema"] > 0.0
+
+
+# issue 14's components all on in one tiny run (the config refuses the ensemble with the adaptive atoms: those have
+# the mh run). With IQN on, the CVaR gate's budget is the IQN readiness², which stays 0 until the quantile loss falls
+# under its first value: in a run this short the gate runs open (its blocking is the cvar run's, without IQN), and the
+# test checks that it runs on that budget. agent.risk_budget (the same ρ on the env's Kelly cap and DSR term) has its
+# own check in the polyak run: here ρ = 0 would switch both off.
+ALL_ON = ["--set", "agent.target_update=polyak", "--set", "agent.n_step=3",
+          "--set", "agent.horizons=1,3,4", "--set", "agent.iqn=true", "--set", "agent.iqn_quantiles=4",
+          "--set", "agent.iqn_embed=8", "--set", "agent.iql=true", "--set", "agent.iql_hidden=8",
+          "--set", "agent.cql_alpha=0.5", "--set", "agent.confidence_weight=0.5",
+          "--set", "agent.spectral_norm=trunk.fc0,head.value", "--set", "agent.ensemble_heads=2",
+          "--set", "agent.epistemic_theta=0.01", "--set", "agent.cvar_alpha=0.1", "--set", "agent.cvar_floor=0",
+          "--set", "env.kelly_lambda=0.5", "--set", "env.dsr_reward_scale=0.1", "--set", "env.dsr_warmup_trades=0",
+          "--set", "agent.aux_frequency=1"]
+ALL_ON_COMPONENTS = ("iqn", "iql", "cql", "multi_horizon_c51", "recursive_confidence", "spectral_norm",
+                     "ensemble", "kelly_sizing", "dsr_reward")
+
+
+def test_issue14_components_live_all_together(tmp_path):
+    """Issue 14's protection stack and value heads switched on together in one tiny run: each component's key
+    finite and meeting its condition in the last record that carries it (alone, each has its run above); the
+    CVaR gate computes finite tails on the IQN readiness budget."""
+    folder = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NUMBARL_CACHE", str(tmp_path / "cache"))
+        r = CliRunner().invoke(train_cmd, [*FAST, *ALL_ON, "--out", str(folder)], catch_exceptions=True)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    kinds = {"train": [rec for rec in records if rec["kind"] == "train" and rec.get("train_step", 0) > 0],
+             "train_path": [rec for rec in records if rec["kind"] == "train_path"]}
+    dead = {}
+    for name in ALL_ON_COMPONENTS:
+        c = components.by_name()[name]
+        recs = kinds["train_path" if c.liveness.startswith(KEY_PREFIXES) else "train"]
+        value = recs[-1].get(c.liveness) if recs else None
+        if not c.is_live(value):
+            dead[name] = (c.liveness, value)
+    assert not dead, f"not live with everything on: {dead}"
+    last = kinds["train"][-1]
+    assert np.isfinite(last["cvar_mean"]) and last["cvar_mean"] < 0  # the gate ran on every collect step's tails
+    assert last["cvar_budget"] == pytest.approx(last["iqn_readiness"] ** 2) and np.isfinite(last["cvar_blocked_frac"])

@@ -209,6 +209,7 @@ from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_dropout import RegimeDropout  # agent.regime_dropout
 from numbarl.rl.obs_columns import resolve_obs_columns  # the regime columns
 from numbarl.rl.obs_noise import ObsNoise  # agent.obs_noise
+from numbarl.rl.reward_center import RewardCenter  # agent.reward_centering
 from numbarl.rl.optim import (
     STAT_CLIP_SCALE,
     STAT_CLIPPED,
@@ -611,6 +612,7 @@ class DQNAgent(Agent):
     pc_head = None  # the predictive-coding predictor (agent.predictive_weight)
     rdrop = None  # regime dropout on the online pass's trunk output (agent.regime_dropout)
     obs_noise = None  # Gaussian noise on the training batch's market features (agent.obs_noise)
+    reward_center = None  # the running average reward taken off the sampled returns (agent.reward_centering)
     conf_head = None  # the recursive-confidence head (agent.confidence_weight)
     conf_gate = None  # its selectivity gate on new entries (agent.confidence_floor)
     risk_head = None  # the risk-budget head (agent.risk_head_weight)
@@ -866,6 +868,10 @@ class DQNAgent(Agent):
         if self.rdrop is not None:  # regime dropout (agent.regime_dropout): the dropped share's stat
             self._slot_rdrop = self.stats_layout.slot("regime_dropout_frac")
             self._rdrop_reducer = Reducer(self.cfg.batch_size * self.trunk.out_dim)
+        if self.cfg.reward_centering > 0:  # reward centering (agent.reward_centering): r̄ and the value offset
+            self.reward_center = RewardCenter(self.cfg.batch_size, self.cfg.reward_centering,
+                                              self.stats_layout.slot("reward_center"),
+                                              self.stats_layout.slot("reward_center_offset"))
         if self.obs_noise is not None:  # observation noise (agent.obs_noise): the mean noise² added to obs
             self._slot_obs_noise = self.stats_layout.slot("obs_noise_var")
             self._obs_noise_reducer = Reducer(self.obs_noise.sq.size)
@@ -1528,6 +1534,8 @@ class DQNAgent(Agent):
             self.temporal.gather_batch(self.replay, stream)
         if self.obs_noise is not None:  # observation noise: on every copy of an observation the learner reads
             self._perturb_batch(stream)
+        if self.reward_center is not None:  # reward centering: r̄ from the batch, every window's returns less it
+            self.reward_center.apply(self.replay, self.stats.device, stream)
         if self.feedback is not None:  # E1: the sampled returns less the reward offset
             self.feedback.on_sample(self.replay.batch, stream)
 
@@ -1792,6 +1800,8 @@ class DQNAgent(Agent):
             out["icm/scale"] = self.icm_loss.scale.copy_to_host()
         if self.isv is not None:  # ISV (agent.isv): the signals and their update counts
             out.update(self.isv.state_arrays())
+        if self.reward_center is not None:  # reward centering (agent.reward_centering): r̄ and its update count
+            out.update(self.reward_center.state_arrays())
         if self.risk_labels is not None:  # risk-budget head: the outcome labels beside the replay, the size grid
             out.update({f"risk/{k}": v for k, v in self.risk_labels.state_arrays().items()})
             out["risk_grid/base_rate"] = self.risk_loss.base_rate.copy_to_host()  # the sizing's ρ̄ (a policy array)
@@ -1836,6 +1846,8 @@ class DQNAgent(Agent):
             self.spectral.load_arrays(arrays)
         if self.isv is not None:  # ISV (agent.isv)
             self._load_isv(arrays)
+        if self.reward_center is not None:  # reward centering (agent.reward_centering)
+            self.reward_center.load_state(arrays)
         if self.risk_labels is not None:  # risk-budget head: labels and entry rows, the size grid
             self.risk_labels.load_state({k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("risk/")})
             self._load_risk_grid(arrays)
