@@ -525,6 +525,90 @@ def iqn_loss_and_grads(values: dict, target_values: dict, h, h_next, tau, tau_ta
 
 
 # ---------------------------------------------------------------------------------------------
+# the ensemble's extra C51 heads (agent.ensemble_heads; numbarl/rl/nets/ensemble.py)
+# ---------------------------------------------------------------------------------------------
+def ensemble_heads_loss_and_grads(h, h_next, h_target, params, target, names, masks, actions, rewards, dones,
+                                  discounts, support, branch_sizes):
+    """The extra heads the PyTorch way: V and A as x @ W + b with numbarl's weights, dueling logits per branch,
+    the online argmax on the next trunk features, the target head's probabilities at it, the dense projection,
+    the cross-entropy at the taken actions, each head's loss the mean over the batch of its bootstrap mask times the
+    mean over branches, and Σ_m L_m.backward(). params/target: {name: array} (numbarl's parameter names);
+    names: per extra head {"w_value", "b_value", "w_adv", "b_adv"} → its parameter names; masks [M, B].
+    Returns (∂L/∂h [B, H], per head {"w_value", "b_value", "w_adv", "b_adv"} gradients), float32 on the CPU."""
+    torch = _torch()
+    f = torch.nn.functional
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)))  # noqa: E731
+    keys = ("w_value", "b_value", "w_adv", "b_adv")
+    h_t = t(h).requires_grad_(True)
+    sup = t(support)
+    offsets = np.concatenate([[0], np.cumsum(branch_sizes)[:-1]])
+    z = len(support)
+
+    def logits_of(x, wv, bv, wa, ba):
+        v, a = x @ wv + bv, x @ wa + ba
+        out = []
+        for off, k in zip(offsets, branch_sizes):
+            a_k = a[:, off * z:(off + k) * z].view(-1, k, z)
+            out.append(v.unsqueeze(1) + a_k - a_k.mean(dim=1, keepdim=True))
+        return out
+
+    total, leaves = 0.0, []
+    for m, n in enumerate(names):
+        ws = [t(params[n[k]]).requires_grad_(True) for k in keys]
+        leaves.append(ws)
+        with torch.no_grad():
+            nxt = logits_of(t(h_next), *[t(params[n[k]]) for k in keys])
+            tgt = logits_of(t(h_target), *[t(target[n[k]]) for k in keys])
+        ce = []
+        for k, lo in enumerate(logits_of(h_t, *ws)):
+            with torch.no_grad():
+                a_star = (f.softmax(nxt[k], -1) * sup).sum(-1).argmax(1)
+                p = f.softmax(tgt[k], -1)[torch.arange(len(a_star)), a_star]
+                m_target = project_distribution(t(rewards), t(dones), t(discounts), p, sup)
+            taken = lo[torch.arange(lo.shape[0]), torch.as_tensor(np.asarray(actions)[:, k].astype(np.int64))]
+            ce.append(-(m_target * f.log_softmax(taken, -1)).sum(-1))
+        total = total + (torch.stack(ce, 1).mean(1) * t(masks[m])).mean()
+    total.backward()
+    grads = [{k: x.grad.numpy() for k, x in zip(keys, ws)} for ws in leaves]
+    return h_t.grad.numpy(), grads
+
+
+# ---------------------------------------------------------------------------------------------
+# adaptive atom positions (agent.adaptive_atoms; numbarl/rl/losses/atoms.py)
+# ---------------------------------------------------------------------------------------------
+def atom_entropy_and_grad(spacing_raw, v_min: float, v_max: float, rewards, dones, discounts, probs,
+                          m_floor: float = 1e-12, device="cpu"):
+    """J(s) = H(m̄), the entropy of the batch-mean projected target on the support z(s), and ∂J/∂s by autograd
+    (float64): z = v_min + (v_max − v_min)·c/c_{Z−1}, c = [0, cumsum(softplus(s))]; each row's target atoms
+    x = clip(r + γ z, z_0, z_{Z−1}) split between the support atoms around them (Algorithm 1 on any spacing), the
+    masses scattered with index_add; J = −Σ m̄ log max(m̄, m_floor) (an empty atom adds 0 to J and its floored
+    log to the gradient, as numbarl's analytic gradient takes it). probs [B, n_branches, Z] (the target net's
+    distribution at a*), rewards/dones/discounts [B]. Returns (J, ∂J/∂s [Z−1])."""
+    torch = _torch()
+    dev, f64 = torch.device(device), torch.float64
+    s = torch.as_tensor(np.asarray(spacing_raw, np.float64), device=dev).requires_grad_(True)
+    p = torch.as_tensor(np.asarray(probs, np.float64), device=dev)
+    batch, n_branches, n_atoms = p.shape
+    p = p.reshape(batch * n_branches, n_atoms)
+    gamma = np.asarray(discounts, np.float64) * (1.0 - np.asarray(dones, np.float64))
+    r = torch.as_tensor(np.repeat(np.asarray(rewards, np.float64), n_branches), device=dev)[:, None]
+    g = torch.as_tensor(np.repeat(gamma, n_branches), device=dev)[:, None]
+    c = torch.cat([torch.zeros(1, dtype=f64, device=dev), torch.cumsum(torch.nn.functional.softplus(s), 0)])
+    z = v_min + (v_max - v_min) * c / c[-1]
+    x = torch.minimum(torch.maximum(r + g * z[None, :], z[0]), z[-1])
+    lower = torch.searchsorted(z.detach(), x.detach().contiguous(), right=True) - 1  # z_l <= x < z_u
+    l = torch.clamp(lower, max=n_atoms - 2)
+    w_u = (x - z[l]) / (z[l + 1] - z[l])
+    m = torch.zeros(n_atoms, dtype=f64, device=dev)
+    m = m.index_add(0, l.reshape(-1), (p * (1.0 - w_u)).reshape(-1)).index_add(0, (l + 1).reshape(-1),
+                                                                                 (p * w_u).reshape(-1))
+    m = m / p.shape[0]
+    j = -(m * torch.log(torch.clamp(m, min=m_floor))).sum()
+    j.backward()
+    return float(j.detach().cpu()), s.grad.detach().cpu().numpy()
+
+
+# ---------------------------------------------------------------------------------------------
 # CQL(H) regularizer (agent.cql_alpha; numbarl/rl/losses/cql.py)
 # ---------------------------------------------------------------------------------------------
 def cql_loss_and_grads(logits, actions, support, branch_sizes, device="cpu"):

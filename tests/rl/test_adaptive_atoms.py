@@ -149,6 +149,23 @@ def test_analytic_gradient_matches_central_differences(rng):
     assert np.max(np.abs(grad)) > 1e-3  # not a vacuous zero
 
 
+def test_torch_peer_matches_the_analytic_gradient(rng):
+    """The PyTorch peer (autograd through softplus, the cumulative support, the clip and the scattered
+    projection) against the float64 analytic J and ∂J/∂s, on a moved and on the uniform support, with done rows."""
+    pytest.importorskip("torch")
+    from numbarl.rl.torch_peer import atom_entropy_and_grad
+
+    x = _inputs(rng, 6)
+    probs, _ = _at_best(x)
+    for s in (_moved_spacing(rng), np.full(N_ATOMS - 1, atoms.SPACING_INIT)):
+        args = (V_MIN, V_MAX, x["rewards"], x["dones"], x["discounts"], probs)
+        j, _, grad = atoms.support_entropy_grad_ref(s, *args)
+        j_peer, grad_peer = atom_entropy_and_grad(s, *args)
+        assert j_peer == pytest.approx(j, rel=1e-12)
+        _close(grad_peer, grad, 1e-12, 1e-9, "peer dJ/ds")
+        assert np.max(np.abs(grad)) > 1e-3
+
+
 def test_ascent_step_hand_computed():
     s = np.array([0.1, -0.2, 0.3])
     g = np.array([0.5, -1.0, 2.0])
@@ -190,7 +207,16 @@ def test_device_step_matches_reference(rng, moved):
     step()
     probs, _ = _at_best(x)
     j, dz, ds = atoms.support_entropy_grad_ref(s0, V_MIN, V_MAX, x["rewards"], x["dones"], x["discounts"], probs)
+    try:  # the PyTorch peer (optional: torch is a test extra) gives the same J and step, autograd's
+        from numbarl.rl.torch_peer import atom_entropy_and_grad
+
+        j_peer, ds_peer = atom_entropy_and_grad(s0, V_MIN, V_MAX, x["rewards"], x["dones"], x["discounts"], probs)
+    except ImportError:
+        j_peer, ds_peer = j, ds
     got_stats = stats.copy_to_host()
+    assert got_stats[0] == pytest.approx(j_peer, rel=1e-5)
+    got_ds = (state.spacing_raw.copy_to_host() - s0) / lr  # the device's ∂J/∂s, from its step
+    np.testing.assert_allclose(got_ds, ds_peer, atol=1e-6 + 1e-4 * np.max(np.abs(ds_peer)))
     assert got_stats[0] == pytest.approx(j, rel=1e-5)
     np.testing.assert_allclose(state.arena["dj_dz"].copy_to_host(), dz, atol=1e-6 + 1e-4 * np.max(np.abs(dz)))
     s1 = atoms.spacing_step_ref(s0, ds, lr)

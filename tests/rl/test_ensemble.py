@@ -172,50 +172,6 @@ def _reference_step(agent, params, target):
     return h, masks, out, (actions, rewards, dones, discounts)
 
 
-def _torch_extra_heads(h, h_next, h_target, params, target, names, masks, batch_arrays, support):
-    """The extra heads the PyTorch way: nn.Linear V and A with numbarl's weights, dueling logits, the online
-    argmax on next, the target head's probabilities, the dense projection, masked cross-entropy, Σ_m L_m.backward()."""
-    torch = pytest.importorskip("torch")
-    from torch.nn import functional as F
-
-    from numbarl.rl.torch_peer import project_distribution
-
-    t = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)))
-    actions, rewards, dones, discounts = batch_arrays
-    h_t = t(h).requires_grad_(True)
-    sup = t(support)
-    offsets = np.concatenate([[0], np.cumsum(SIZES)[:-1]])
-    z = support.size
-    total, leaves = 0.0, []
-
-    def logits_of(x, wv, bv, wa, ba):
-        v, a = x @ wv + bv, x @ wa + ba
-        out = []
-        for off, k in zip(offsets, SIZES):
-            a_k = a[:, off * z:(off + k) * z].view(-1, k, z)
-            out.append(v.unsqueeze(1) + a_k - a_k.mean(dim=1, keepdim=True))
-        return out
-
-    for m, n in enumerate(names):
-        ws = [t(params[n[k]]).requires_grad_(True) for k in ("w_value", "b_value", "w_adv", "b_adv")]
-        leaves.append(ws)
-        with torch.no_grad():
-            nxt = logits_of(t(h_next), *[t(params[n[k]]) for k in ("w_value", "b_value", "w_adv", "b_adv")])
-            tgt = logits_of(t(h_target), *[t(target[n[k]]) for k in ("w_value", "b_value", "w_adv", "b_adv")])
-        ce = []
-        for k, lo in enumerate(logits_of(h_t, *ws)):
-            with torch.no_grad():
-                a_star = (F.softmax(nxt[k], -1) * sup).sum(-1).argmax(1)
-                p = F.softmax(tgt[k], -1)[torch.arange(len(a_star)), a_star]
-                m_target = project_distribution(t(rewards), t(dones), t(discounts), p, sup)
-            taken = lo[torch.arange(lo.shape[0]), torch.as_tensor(actions[:, k].astype(np.int64))]
-            ce.append(-(m_target * F.log_softmax(taken, -1)).sum(-1))
-        total = total + (torch.stack(ce, 1).mean(1) * t(masks[m])).mean()
-    total.backward()
-    grads = [{k: x.grad.numpy() for k, x in zip(("w_value", "b_value", "w_adv", "b_adv"), ws)} for ws in leaves]
-    return h_t.grad.numpy(), grads
-
-
 def test_train_step_matches_reference_finite_differences_and_torch(rng):
     from numbarl.rl.agents.dqn import DQNAgent
 
@@ -259,9 +215,13 @@ def test_train_step_matches_reference_finite_differences_and_torch(rng):
     stats = agent.read_stats(s)
     assert stats["ensemble_std"] == pytest.approx(float(u.mean()), rel=1e-4) and stats["ensemble_std"] > 0
     # the PyTorch peer (autograd through the same heads and losses)
-    dh_torch, g_torch = _torch_extra_heads(h, agent.trunk.output("next").copy_to_host(),
-                                           agent.trunk.output("target").copy_to_host(), params, target,
-                                           [r["names"] for r in ref], masks, batch_arrays, agent.head.support_host)
+    pytest.importorskip("torch")
+    from numbarl.rl.torch_peer import ensemble_heads_loss_and_grads
+
+    dh_torch, g_torch = ensemble_heads_loss_and_grads(h, agent.trunk.output("next").copy_to_host(),
+                                                      agent.trunk.output("target").copy_to_host(), params, target,
+                                                      [r["names"] for r in ref], masks, *batch_arrays,
+                                                      agent.head.support_host, SIZES)
     assert np.max(np.abs(dh_extra - dh_torch)) <= 1e-5 * np.max(np.abs(dh_torch))
     for m, r in enumerate(ref):
         for key in ("w_value", "b_value", "w_adv", "b_adv"):
