@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from numbarl.cli import train_cmd
-from numbarl.cuda.runtime import cuda
+from numbarl.cuda.runtime import cuda, stream
 from numbarl.env.params import DIR_FLAT, DIR_LONG, DIR_SHORT, EnvParams
 from numbarl.rl.feedback import kernels, loop
 from numbarl.rl.feedback.regimes import RegimeBuckets, N_BUCKETS
@@ -100,6 +100,27 @@ def test_reward_offset_kernel_matches_reference(rng):
     want = kernels.reward_offset_ref(reward, discount, 0.7)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert not np.array_equal(got, reward)
+
+
+def test_e1_offsets_every_window_of_the_batch(rng):
+    """E1 on a batch with an extra horizon: the main window and the horizon's returns each lowered by the offset
+    times (1 − their own discount), as the replay's n-step scan with every reward lowered would give."""
+    from types import SimpleNamespace
+
+    from numbarl.rl.feedback.loop import FeedbackLoop
+
+    n = 9
+    windows = [SimpleNamespace(reward=rng.normal(size=n).astype(np.float32),
+                               discount=(0.9 ** rng.integers(1, 6, size=n)).astype(np.float32)) for _ in range(2)]
+    dev = [SimpleNamespace(reward=_cuda.to_device(w.reward), discount=_cuda.to_device(w.discount)) for w in windows]
+    batch = SimpleNamespace(reward=dev[0].reward, discount=dev[0].discount, horizons=[dev[1]])
+    loop = SimpleNamespace(hindsight=None, e1=0.5, dev={"offset": _cuda.to_device(np.array([0.7], np.float32))})
+    s = stream()
+    FeedbackLoop.on_sample(loop, batch, s)
+    s.synchronize()
+    for w, d in zip(windows, dev):
+        np.testing.assert_allclose(d.reward.copy_to_host(), kernels.reward_offset_ref(w.reward, w.discount, 0.7),
+                                   rtol=0, atol=1e-6)
 
 
 def test_regime_buckets_and_gate_kernels_match_numpy(rng):
@@ -277,7 +298,6 @@ def test_split_advantage_groups_keep_the_step_bitwise_and_scale_each_branch():
     """With the advantage GEMM split into one optimizer group per branch and every rate equal, the
     Adam step is bit for bit the unsplit one; a branch's own rate moves only its columns."""
     from numbarl.config import PRESETS
-    from numbarl.cuda.runtime import stream
     from numbarl.rl.agents.dqn import DQNAgent
 
     cfg = PRESETS["tiny"].agent

@@ -7,6 +7,8 @@ E1 reward offset (in the train step's SAMPLE phase, after the replay drew the ba
 i.e. every reward of the n-step window lowered by c, the same as subtracting c from the reward in
 the replay's n-step scan (``discount`` = gamma^m is the batch's own), so every value shifts by
 -offset (= -c / (1 - gamma)). ``offset`` is a device float32 scalar the loop writes between epochs.
+Every window of the batch gets it (the main one and each extra horizon's, gamma^m each its own), and
+reward centering (numbarl/rl/reward_center.py) calls the same kernel with its own offset.
 
 E9 tradability gate: where the regime bucket of an env's observation is gated (gate[b] = 1) and
 the env is flat, the entries (short, long) are taken away; holding and exits are never gated.

@@ -289,13 +289,15 @@ class FeedbackLoop:
 
     # -- device hooks the agent calls inside its step functions (capturable) ----------------------
     def on_sample(self, batch, stream) -> None:
-        """E1: lower the sampled n-step returns by the offset; E7: the batch's labels (train step,
-        after SAMPLE)."""
+        """E1: lower the sampled returns of every window (the main one and each extra horizon's, each by its
+        own discount) by the offset; E7: the batch's labels (train step, after SAMPLE)."""
         if self.hindsight is not None:
             self.hindsight.gather(batch, stream)
         if self.e1 > 0:
             n = batch.reward.shape[0]
-            kernels.reward_offset_kernel[(n + 255) // 256, 256, stream](batch.reward, batch.discount, self.dev["offset"])
+            for window in [batch, *batch.horizons]:
+                kernels.reward_offset_kernel[(n + 255) // 256, 256, stream](window.reward, window.discount,
+                                                                           self.dev["offset"])
 
     @property
     def weighted(self) -> bool:
