@@ -177,6 +177,11 @@ def _check_io(q, mask, actions, preference) -> int:
     return n
 
 
+def _check_schedule(schedule) -> None:
+    if np.dtype(schedule.dtype) != np.float32 or tuple(schedule.shape) != (2,):
+        raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
+
+
 def epsilon_greedy(q, mask, epsilon, seed, counter, actions, preference, stream) -> None:
     """Enqueue epsilon-greedy actions from q [N, n_branches, max_actions] float32 over the env's
     mask (uint8, same shape) into actions [N, n_branches] int32 and preference [N] float32.
@@ -193,8 +198,7 @@ def scheduled_epsilon_greedy(q, mask, step, schedule, decay_steps, seed, counter
     [1], float32 [2], int64 [1]), computed inside the launch; the same actions and preference as
     epsilon_greedy with epsilon = [that rate]. Only launches: capturable."""
     n = _check_io(q, mask, actions, preference)
-    if np.dtype(schedule.dtype) != np.float32 or tuple(schedule.shape) != (2,):
-        raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
+    _check_schedule(schedule)
     scheduled_epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](
         q, mask, step, schedule, decay_steps, seed, counter, actions, preference)
 
@@ -208,8 +212,7 @@ def scheduled_epsilon_greedy_step(q, mask, step, schedule, decay_steps, actions,
     policy and the env step. seed and counter are the env's. Returns the env's outputs. Only
     launches: capturable."""
     n = _check_io(q, mask, actions, preference)
-    if np.dtype(schedule.dtype) != np.float32 or tuple(schedule.shape) != (2,):
-        raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
+    _check_schedule(schedule)
     if n != env.n_envs or replay.n_envs != n:
         raise ValueError(f"q has {n} envs, the env {env.n_envs} and the replay {replay.n_envs}")
     (st, grids, mk), tail = env.step_operands(risk_budget)

@@ -32,7 +32,7 @@ import numpy as np
 
 from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.runtime import Arena, cuda
-from numbarl.rl.feedback.kernels import reward_offset_kernel
+from numbarl.rl.feedback.kernels import reward_offset_kernel, reward_offset_ref
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -54,7 +54,7 @@ def center_ref(reward_store, index, rbar: float, beta: float, gamma: float, wind
     first = np.where(index >= 0, flat[np.maximum(index, 0)], 0.0)
     rbar = float(rbar) + float(beta) * (float(np.mean(first)) - float(rbar))
     offset = rbar / (1.0 - float(gamma))
-    return rbar, offset, [np.asarray(r, np.float64) - offset * (1.0 - np.asarray(d, np.float64)) for r, d in windows]
+    return rbar, offset, [reward_offset_ref(r, d, offset) for r, d in windows]
 
 
 # ---------------------------------------------------------------------------------------------

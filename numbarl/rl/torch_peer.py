@@ -525,6 +525,29 @@ def iqn_loss_and_grads(values: dict, target_values: dict, h, h_next, tau, tau_ta
 
 
 # ---------------------------------------------------------------------------------------------
+# reward centering (agent.reward_centering; numbarl/rl/reward_center.py)
+# ---------------------------------------------------------------------------------------------
+def reward_center_step(reward_store, index, rbar: float, beta: float, gamma: float, windows, device="cpu"):
+    """One simple-reward-centering step the PyTorch way (Naik et al. 2024): the batch's first rewards gathered
+    from the replay's flat rewards (0 for an empty row, index −1), r̄ += β (mean − r̄) in float64, and every
+    window's returns lowered by r̄/(1 − γ)·(1 − γ^m) in float32. windows: a list of (R [B], discount [B]).
+    Returns (r̄, the centered returns of each window)."""
+    torch = _torch()
+    dev = torch.device(device)
+    flat = torch.as_tensor(np.asarray(reward_store, np.float32), device=dev).reshape(-1)
+    idx = torch.as_tensor(np.asarray(index, np.int64), device=dev)
+    first = torch.where(idx >= 0, flat[idx.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=dev))
+    rbar = float(rbar) + float(beta) * (float(first.double().mean()) - float(rbar))
+    offset = torch.tensor(rbar / (1.0 - float(gamma)), dtype=torch.float32, device=dev)
+    out = []
+    for r, d in windows:
+        r_t = torch.as_tensor(np.asarray(r, np.float32), device=dev)
+        d_t = torch.as_tensor(np.asarray(d, np.float32), device=dev)
+        out.append((r_t - offset * (1.0 - d_t)).cpu().numpy())
+    return rbar, out
+
+
+# ---------------------------------------------------------------------------------------------
 # the ensemble's extra C51 heads (agent.ensemble_heads; numbarl/rl/nets/ensemble.py)
 # ---------------------------------------------------------------------------------------------
 def ensemble_heads_loss_and_grads(h, h_next, h_target, params, target, names, masks, actions, rewards, dones,

@@ -1,5 +1,5 @@
 """Reward centering (agent.reward_centering, numbarl/rl/reward_center.py): the float64 reference by hand, the
-device step against it on a sampled replay batch (main window and an extra horizon), r̄ carried across steps and
+device step against it and the PyTorch peer on a sampled replay batch (main window and an extra horizon), r̄ carried across steps and
 through a checkpoint, and a constant reward centered to zero."""
 
 import numpy as np
@@ -58,14 +58,24 @@ def test_device_step_matches_the_reference_over_two_steps(rng, horizons):
         batch = rep.sample(counter, s)
         s.synchronize()
         windows = [(w.reward.copy_to_host(), w.discount.copy_to_host()) for w in [batch, *batch.horizons]]
-        rbar, offset, want = center_ref(rep.store["reward"].copy_to_host(), batch.index.copy_to_host(), rbar, 0.25,
-                                        0.9, windows)
+        store, index = rep.store["reward"].copy_to_host(), batch.index.copy_to_host()
+        try:  # the PyTorch peer (optional: torch is a test extra), from the same r̄ as the reference
+            from numbarl.rl.torch_peer import reward_center_step
+
+            peer = reward_center_step(store, index, rbar, 0.25, 0.9, windows)
+        except ImportError:
+            peer = None
+        rbar, offset, want = center_ref(store, index, rbar, 0.25, 0.9, windows)
         center.apply(rep, stats, s)
         s.synchronize()
         state = center.arena["state"].copy_to_host()
         assert state[0] == pytest.approx(rbar, rel=1e-6) and state[1] == step + 1
-        for w, ref in zip([batch, *batch.horizons], want):
+        for i, (w, ref) in enumerate(zip([batch, *batch.horizons], want)):
             np.testing.assert_allclose(w.reward.copy_to_host(), ref, rtol=1e-6, atol=1e-6)
+            if peer is not None:
+                np.testing.assert_allclose(w.reward.copy_to_host(), peer[1][i], rtol=1e-6, atol=1e-6)
+        if peer is not None:
+            assert peer[0] == pytest.approx(rbar, rel=1e-12)
         host = stats.copy_to_host()
         assert host[slots[0]] == pytest.approx(rbar, rel=1e-6) and host[slots[1]] == pytest.approx(offset, rel=1e-6)
     assert abs(rbar) > 0.01  # the rewards' mean is 0.3: r̄ moved
