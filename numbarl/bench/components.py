@@ -291,6 +291,9 @@ class Liveness:
             elif c.liveness.startswith(KEY_PREFIXES):
                 live = value is not None and c.is_live(value)
                 how = "env telemetry zeroed before the timed replays"
+                if value is None:  # no env wrote the term in ~60 collect steps
+                    how += ("; undefined after them: a start-up rule can hold a term at 0 for longer "
+                            "(env.dsr_warmup_trades: each env's first trades)")
             else:  # not reset, and moved by validation (at epoch ends) only: neither proof nor disproof
                 live, how = None, "feedback state, moves only at epoch ends: unproven here"
             out.append({"component": c.name, "key": c.liveness, "live_when": c.live_when, "value": value,
