@@ -210,7 +210,8 @@ class AgentConfig:
     confidence_floor: float = 0.0
     """Recursive confidence's selectivity gate (numbarl/rl/nets/confidence.py:ConfidenceGate): a flat env may not
     enter (direction long / short) where c(s) < this, in the collect step and the backtest scores; holding and
-    exits stay allowed. 0 = no gate (needs agent.confidence_weight > 0; in [0, 1))."""
+    exits stay allowed; off over the trainer's replay prefill (DQNAgent.arm_entry_gates). 0 = no gate (needs
+    agent.confidence_weight > 0; in [0, 1))."""
     risk_head_weight: float = 0.0
     """Risk-budget head (issue 15, T7; numbarl/rl/nets/risk_head.py, numbarl/rl/losses/risk_head.py): weight of the
     binary cross-entropy of rho(s) = sigmoid(h.w + b) on the online trunk features against the outcome of the trade
@@ -311,8 +312,8 @@ class AgentConfig:
     'trunk.fc1,head.value' ('trunk.1' = 'trunk.fc1'); empty = off."""
     cvar_alpha: float = 0.0
     """Tail level alpha of the CVaR entry gate (numbarl/rl/cvar_gate.py): a flat env may not enter a side
-    whose direction-branch CVaR_alpha is below -agent.cvar_floor (scaled by the IQN readiness budget);
-    0 = off (e.g. 0.1)."""
+    whose direction-branch CVaR_alpha is below -agent.cvar_floor (scaled by the IQN readiness budget); off over
+    the trainer's replay prefill (DQNAgent.arm_entry_gates); 0 = off (e.g. 0.1)."""
     cvar_floor: float = 1.0
     """CVaR entry gate: the tolerated tail loss in reward units (>= 0): entry gated when
     budget * CVaR_alpha < -cvar_floor."""
@@ -327,7 +328,8 @@ class AgentConfig:
     epistemic_theta: float = 0.0
     """Epistemic entry gate: a flat env may not enter a side d (long / short) where budget * u(s, d) > theta,
     u = the std over the ensemble's heads of the direction-branch Q(s, d) (budget 1, or the IQN readiness^2
-    with agent.iqn), in the collect step and the backtest scores; holding and exits stay allowed.
+    with agent.iqn), in the collect step and the backtest scores; holding and exits stay allowed; off over the
+    trainer's replay prefill, where the untrained heads disagree (DQNAgent.arm_entry_gates).
     0 = no gate (needs agent.ensemble_heads >= 2)."""
     # --- end ensemble and the epistemic gate ------------------------------------------------------------
     # --- temporal input (numbarl/rl/temporal.py, numbarl/rl/nets/mamba.py; issue 15) ------------------

@@ -27,7 +27,8 @@ float32 [1] the env step reads (the DQN agent's collect step, agent.iqn).
 
 Where it acts (as the E9 gate of numbarl/rl/feedback/kernels.py does):
 * collect: on the env's mask, after the acting pass and before the policy chooses (exploration
-  included), so the replay stores the mask the behaviour policy saw;
+  included), so the replay stores the mask the behaviour policy saw; not over the trainer's replay
+  prefill (the agent's device switch, `gate_switch`, off until the first train step);
 * backtests: on the greedy scores (agent.scores), the gated entries' Q set to the lowest float32.
 
 Probabilities without a probs output: the acting ("act") and evaluation ("eval") passes declare
@@ -195,10 +196,11 @@ def risk_budget_kernel(readiness_state, risk_budget, stats, slot):
 
 
 @_cuda.jit(cache=True)
-def cvar_mask_kernel(value, adv, lse, support, n0, inv_n0, alpha, floor, readiness_state, use_budget, obs,
+def cvar_mask_kernel(value, adv, lse, support, n0, inv_n0, alpha, floor, readiness_state, use_budget, armed, obs,
                      position_col, mask, cvar, blocked, flat, budget_out):
     """The gate on the env's mask [N, n_branches, max_actions] (module docstring); per env the two
-    CVaRs, blocked[i] = 1 where a flat env's entry was gated, flat[i] = 1 where env i is flat."""
+    CVaRs, blocked[i] = 1 where a flat env's entry was gated, flat[i] = 1 where env i is flat;
+    armed[0] == 0 (the trainer's prefill): nothing gated."""
     i = _cuda.grid(1)
     if i >= obs.shape[0]:
         return
@@ -210,7 +212,7 @@ def cvar_mask_kernel(value, adv, lse, support, n0, inv_n0, alpha, floor, readine
     c_long = side_cvar(value, adv, lse, support, i, DIR_LONG, n0, inv_n0, alpha)
     cvar[i, 0] = c_short
     cvar[i, 1] = c_long
-    sides = gated_sides_dev(-(budget * c_short), -(budget * c_long), floor) if is_flat else 0
+    sides = gated_sides_dev(-(budget * c_short), -(budget * c_long), floor) if is_flat and armed[0] != 0 else 0
     gate_mask_dev(mask, i, sides)
     blocked[i] = 1 if sides else 0
     flat[i] = 1 if is_flat else 0
@@ -267,16 +269,31 @@ def cvar_stats_kernel(cvar, blocked, flat, budget, stats, slot_frac, slot_mean, 
 # ---------------------------------------------------------------------------------------------
 # the gate
 # ---------------------------------------------------------------------------------------------
+def gate_switch(role: str = "agent.entry_gates"):
+    """A device uint8 [1] entry-gate switch, on (1). The mask kernels of the CVaR, epistemic and confidence
+    gates read it in the collect step (a captured graph), so the trainer can turn the gates off over the
+    replay's prefill and on for the training that follows without a second capture (DQNAgent.arm_entry_gates:
+    an untrained head's gate would take the random prefill's entries away, and the value support is fitted to
+    the prefill's returns). The backtest's score kernels do not read it: a backtest is always gated."""
+    arena = Arena(role)
+    arena.add("armed", (1,), np.uint8)
+    arena.allocate()
+    arena.load({"armed": np.ones(1, np.uint8)})
+    return arena["armed"]
+
+
 class CvarGate:
     """The CVaR entry gate of one C51 head (module docstring).
 
     head: numbarl.rl.nets.c51_head.BranchedDuelingC51Head whose passes "act" and "eval" declare
     "q" (value, adv and lse are read); n_envs: the collect batch; position_col: the observation
     column of the signed position; readiness_state: the IQN head's device (L_first, L_ema) float64
-    [2], or None (budget 1).
+    [2], or None (budget 1); armed: the agent's device uint8 [1] entry-gate switch (`gate_switch`), or
+    None (a switch of the gate's own, on).
     """
 
-    def __init__(self, head, alpha: float, floor: float, n_envs: int, position_col: int, readiness_state=None):
+    def __init__(self, head, alpha: float, floor: float, n_envs: int, position_col: int, readiness_state=None,
+                 armed=None):
         if not 0.0 < float(alpha) <= 1.0:
             raise ValueError(f"agent.cvar_alpha must be in (0, 1] for the gate (got {alpha})")
         if float(floor) < 0.0:
@@ -298,6 +315,7 @@ class CvarGate:
         self.dev.allocate()
         self.use_budget = readiness_state is not None
         self.readiness = readiness_state if readiness_state is not None else self.dev["no_readiness"]
+        self.armed = armed if armed is not None else gate_switch(f"{self.dev.role}.armed")
 
     def _pass(self, tag: str):
         head = self.head
@@ -310,8 +328,8 @@ class CvarGate:
         n = obs.shape[0]
         cvar_mask_kernel[launch.blocks(n, BLOCK), min(BLOCK, n), stream](
             value, adv, lse, self.head.support, self.n0, self.inv_n0, self.alpha, self.floor, self.readiness,
-            self.use_budget, obs, self.position_col, mask, self.dev["cvar"], self.dev["blocked"], self.dev["flat"],
-            self.dev["budget"])
+            self.use_budget, self.armed, obs, self.position_col, mask, self.dev["cvar"], self.dev["blocked"],
+            self.dev["flat"], self.dev["budget"])
 
     def on_scores(self, obs, q, stream, tag: str = "eval") -> None:
         """After the evaluation pass of tag: gated entries scored lowest in the greedy scores q."""

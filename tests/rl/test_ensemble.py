@@ -90,7 +90,8 @@ def test_gate_blocks_exactly_the_entries_above_theta():
     blocked, flat = _cuda.to_device(np.zeros(n, np.uint8)), _cuda.to_device(np.zeros(n, np.uint8))
     budget = _cuda.to_device(np.zeros(1, np.float32))
     no_ready = _cuda.to_device(np.zeros(2))
-    epistemic_mask_kernel[1, n, s](dev["score"], theta, no_ready, False, dev["obs"], np.int64(pos), dev["mask"],
+    on = _cuda.to_device(np.ones(1, np.uint8))
+    epistemic_mask_kernel[1, n, s](dev["score"], theta, no_ready, False, on, dev["obs"], np.int64(pos), dev["mask"],
                                    blocked, flat, budget)
     got = dev["mask"].copy_to_host()
     gated = gate_ref(score, obs[:, pos] == 0, theta)
@@ -114,11 +115,18 @@ def test_gate_blocks_exactly_the_entries_above_theta():
     for state, want_gated in ((np.array([-1.0, -1.0]), np.zeros((n, 2), bool)),
                               (np.array([2.0, 1.0]), gate_ref(score, obs[:, pos] == 0, theta, budget=0.25))):
         d_mask = _cuda.to_device(mask)
-        epistemic_mask_kernel[1, n, s](dev["score"], theta, _cuda.to_device(state), True, dev["obs"], np.int64(pos),
-                                       d_mask, blocked, flat, budget)
+        epistemic_mask_kernel[1, n, s](dev["score"], theta, _cuda.to_device(state), True, on, dev["obs"],
+                                       np.int64(pos), d_mask, blocked, flat, budget)
         m = d_mask.copy_to_host()
         np.testing.assert_array_equal(m[:, 0, [DIR_SHORT, DIR_LONG]] == 0, want_gated)
     assert budget.copy_to_host()[0] == np.float32(0.25)
+    # the agent's switch off (the trainer's prefill): nothing gated, the flat envs still recorded
+    d_mask, off = _cuda.to_device(mask), _cuda.to_device(np.zeros(1, np.uint8))
+    epistemic_mask_kernel[1, n, s](dev["score"], theta, no_ready, False, off, dev["obs"], np.int64(pos), d_mask,
+                                   blocked, flat, budget)
+    np.testing.assert_array_equal(d_mask.copy_to_host(), mask)
+    np.testing.assert_array_equal(blocked.copy_to_host(), [0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(flat.copy_to_host(), [1, 1, 1, 0, 1])
 
 
 def test_config_switches_and_errors():

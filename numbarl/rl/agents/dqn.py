@@ -624,6 +624,7 @@ class DQNAgent(Agent):
     cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
     ens_heads = ()  # the ensemble's extra C51 heads (agent.ensemble_heads)
     ens_gate = None  # the epistemic entry gate (agent.epistemic_theta)
+    entry_gates_armed = None  # the entry gates' device on/off switch (arm_entry_gates), with any of them on
     mh = None  # the multi-horizon C51 loss (agent.horizons)
     atoms = None  # the adaptive support's spacings (agent.adaptive_atoms)
     extra_horizons = ()  # the horizons other than n_step (agent.horizons)
@@ -1037,7 +1038,8 @@ class DQNAgent(Agent):
             from numbarl.rl.nets.confidence import ConfidenceGate
 
             position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
-            self.conf_gate = ConfidenceGate(self.conf_head, cfg.confidence_floor, self.n_envs, position_col)
+            self.conf_gate = ConfidenceGate(self.conf_head, cfg.confidence_floor, self.n_envs, position_col,
+                                            armed=self._entry_gate_switch())
             self._slot_conf_gated = self.stats_layout.slot("confidence_gated_frac")
             self._conf_gate_reducer = Reducer(self.n_envs)
 
@@ -1151,7 +1153,7 @@ class DQNAgent(Agent):
             position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
             readiness = self.iqn_state["readiness_state"] if self.iqn_head is not None else None
             self.ens_gate = EpistemicGate([self.head, *self.ens_heads], cfg.epistemic_theta, self.n_envs,
-                                          self._ens_eval_batch, position_col, readiness)
+                                          self._ens_eval_batch, position_col, readiness, armed=self._entry_gate_switch())
             self._slots_ens_gate = [self.stats_layout.slot(n) for n in
                                     ("epistemic_blocked_frac", "epistemic_score_mean", "epistemic_budget")]
 
@@ -1277,7 +1279,8 @@ class DQNAgent(Agent):
             # the observation's signed-position column: the first portfolio feature after the market's
             position_col = self.state_dim - len(PORTFOLIO_FEATURES) + PORTFOLIO_FEATURES.index("position")
             readiness = self.iqn_state["readiness_state"] if self.iqn_head is not None else None
-            self.cvar_gate = CvarGate(self.head, cfg.cvar_alpha, cfg.cvar_floor, self.n_envs, position_col, readiness)
+            self.cvar_gate = CvarGate(self.head, cfg.cvar_alpha, cfg.cvar_floor, self.n_envs, position_col, readiness,
+                                      armed=self._entry_gate_switch())
             self._slots_cvar = [self.stats_layout.slot(n) for n in ("cvar_blocked_frac", "cvar_mean", "cvar_budget")]
 
     def _spectral_grad(self, stream) -> None:
@@ -1308,6 +1311,27 @@ class DQNAgent(Agent):
     def support_range(self) -> tuple[float, float]:
         """(v_min, v_max) of the support in force (the config's, or the fitted one)."""
         return self.head.v_min, self.head.v_max
+
+    # --- the entry gates' switch (CVaR, epistemic, confidence) -------------------------------------------
+    def _entry_gate_switch(self):
+        """The device uint8 [1] every entry gate's mask kernel reads (one per agent, on when built)."""
+        if self.entry_gates_armed is None:
+            from numbarl.rl.cvar_gate import gate_switch
+
+            self.entry_gates_armed = gate_switch()
+        return self.entry_gates_armed
+
+    def arm_entry_gates(self, armed: bool, stream) -> None:
+        """Turn the entry gates on the collect step's mask (agent.cvar_alpha, agent.epistemic_theta,
+        agent.confidence_floor) on or off; nothing without one. The trainer turns them off over the replay's
+        prefill, the collect steps before the first train step: there the heads the gates read are untrained
+        (an ensemble's disagreement, a CVaR or a confidence at initialization), and a gate at full budget (no
+        IQN readiness) would take the random prefill's entries away, the returns the value support is fitted to
+        with them (agent.support = "fit"). The backtest's greedy scores are always gated."""
+        if self.entry_gates_armed is None:
+            return
+        stream.synchronize()  # the collect steps before this write have read the old value
+        self.entry_gates_armed.copy_to_device(np.array([1 if armed else 0], np.uint8))
 
     def set_support(self, v_min: float, v_max: float) -> None:
         """Write the support linspace(v_min, v_max, Z) everywhere the steps read it: the head's

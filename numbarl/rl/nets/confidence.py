@@ -43,6 +43,7 @@ import numpy as np
 from numbarl.cuda import launch
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
+from numbarl.rl.cvar_gate import gate_switch
 from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.module import Sequential
 
@@ -126,12 +127,13 @@ def _gated_dev(z, obs, i, position_col, floor):
 
 
 @_cuda.jit(cache=True)
-def confidence_mask_kernel(z, obs, position_col, floor, mask, gated):
-    """One thread per env: a gated env's entries off its mask [N, n_branches, max_actions]; gated[i] = 0 / 1."""
+def confidence_mask_kernel(z, obs, position_col, floor, armed, mask, gated):
+    """One thread per env: a gated env's entries off its mask [N, n_branches, max_actions]; gated[i] = 0 / 1;
+    armed[0] == 0 (the trainer's prefill): nothing gated."""
     i = _cuda.grid(1)
     if i >= obs.shape[0]:
         return
-    if _gated_dev(z, obs, i, position_col, floor):
+    if armed[0] != 0 and _gated_dev(z, obs, i, position_col, floor):
         mask[i, BR_DIRECTION, DIR_SHORT] = 0
         mask[i, BR_DIRECTION, DIR_LONG] = 0
         gated[i] = _ONE
@@ -153,15 +155,17 @@ def confidence_scores_kernel(z, obs, position_col, floor, q):
 class ConfidenceGate:
     """No new entry where the confidence head says c(s) < floor (module docstring). head: the
     :class:`ConfidenceHead` whose passes "act" and "eval" are declared (backward=False); position_col: the
-    observation column of the signed position."""
+    observation column of the signed position; armed: the agent's device uint8 [1] entry-gate switch
+    (numbarl/rl/cvar_gate.py: gate_switch), or None (one of the gate's own, on)."""
 
-    def __init__(self, head: ConfidenceHead, floor: float, n_envs: int, position_col: int):
+    def __init__(self, head: ConfidenceHead, floor: float, n_envs: int, position_col: int, armed=None):
         if not 0.0 < float(floor) < 1.0:
             raise ValueError(f"agent.confidence_floor must be in (0, 1) for the gate (got {floor})")
         self.head, self.floor, self.position_col = head, np.float32(floor), np.int64(position_col)
         self.dev = Arena("agent.confidence_gate")
         self.dev.add("gated", (int(n_envs),), np.float32)
         self.dev.allocate()
+        self.armed = armed if armed is not None else gate_switch(f"{self.dev.role}.armed")
 
     @property
     def gated(self):
@@ -173,7 +177,7 @@ class ConfidenceGate:
         z = self.head.forward(h, stream, tag=tag)
         n = obs.shape[0]
         confidence_mask_kernel[launch.blocks(n, GATE_BLOCK), min(GATE_BLOCK, n), stream](
-            z, obs, self.position_col, self.floor, mask, self.dev["gated"])
+            z, obs, self.position_col, self.floor, self.armed, mask, self.dev["gated"])
 
     def on_scores(self, h, obs, q, stream, tag: str = "eval") -> None:
         """After the evaluation pass (trunk output h [P, H]): gated entries scored lowest in q."""

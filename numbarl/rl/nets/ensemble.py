@@ -76,6 +76,7 @@ from numbarl.rl.cvar_gate import (
     cvar_stats_kernel,
     gate_mask_dev,
     gate_scores_dev,
+    gate_switch,
     gated_sides_dev,
 )
 from numbarl.rl.cvar_gate import (
@@ -208,10 +209,11 @@ def epistemic_score_kernel(dir_q, score):
 
 
 @_cuda.jit(cache=True)
-def epistemic_mask_kernel(score, theta, readiness_state, use_budget, obs, position_col, mask, blocked, flat,
+def epistemic_mask_kernel(score, theta, readiness_state, use_budget, armed, obs, position_col, mask, blocked, flat,
                           budget_out):
     """The gate on the env's mask [N, n_branches, max_actions]: a flat env loses entry side s where
-    budget · score[i, s] > θ; blocked[i] = 1 where it lost one, flat[i] = 1 where env i is flat."""
+    budget · score[i, s] > θ; blocked[i] = 1 where it lost one, flat[i] = 1 where env i is flat;
+    armed[0] == 0 (the trainer's prefill): nothing gated."""
     i = _cuda.grid(1)
     if i >= obs.shape[0]:
         return
@@ -219,7 +221,7 @@ def epistemic_mask_kernel(score, theta, readiness_state, use_budget, obs, positi
     if i == 0:
         budget_out[0] = budget
     is_flat = obs[i, position_col] == _ZERO
-    sides = gated_sides_dev(budget * score[i, 0], budget * score[i, 1], theta) if is_flat else 0
+    sides = gated_sides_dev(budget * score[i, 0], budget * score[i, 1], theta) if is_flat and armed[0] != 0 else 0
     gate_mask_dev(mask, i, sides)
     blocked[i] = 1 if sides else 0
     flat[i] = 1 if is_flat else 0
@@ -294,10 +296,12 @@ class EpistemicGate:
 
     heads: [head 0, extras...] whose passes "act" and "eval" declare "q"; n_envs / eval_batch: the
     collect and backtest batches; position_col: the observation column of the signed position;
-    readiness_state: the IQN head's device (L_first, L_ema) float64 [2], or None (budget 1).
+    readiness_state: the IQN head's device (L_first, L_ema) float64 [2], or None (budget 1); armed: the agent's
+    device uint8 [1] entry-gate switch (numbarl/rl/cvar_gate.py: gate_switch), or None (one of the gate's own, on).
     """
 
-    def __init__(self, heads, theta: float, n_envs: int, eval_batch: int, position_col: int, readiness_state=None):
+    def __init__(self, heads, theta: float, n_envs: int, eval_batch: int, position_col: int, readiness_state=None,
+                 armed=None):
         if not float(theta) > 0.0:
             raise ValueError(f"agent.epistemic_theta must be > 0 for the gate (got {theta})")
         if max(SIDES) >= heads[0].branch_sizes[0]:
@@ -316,6 +320,7 @@ class EpistemicGate:
         self.dev.allocate()
         self.use_budget = readiness_state is not None
         self.readiness = readiness_state if readiness_state is not None else self.dev["no_readiness"]
+        self.armed = armed if armed is not None else gate_switch(f"{self.dev.role}.armed")
 
     def _score(self, h, tag: str, stream):
         """The extra heads on the trunk output h of tag's pass (head 0 ran in it), then u of both sides."""
@@ -331,8 +336,8 @@ class EpistemicGate:
         score = self._score(h, tag, stream)
         n = obs.shape[0]
         epistemic_mask_kernel[launch.blocks(n, BLOCK), min(BLOCK, n), stream](
-            score, self.theta, self.readiness, self.use_budget, obs, self.position_col, mask, self.dev["blocked"],
-            self.dev["flat"], self.dev["budget"])
+            score, self.theta, self.readiness, self.use_budget, self.armed, obs, self.position_col, mask,
+            self.dev["blocked"], self.dev["flat"], self.dev["budget"])
 
     def on_scores(self, h, obs, q, stream, tag: str = "eval") -> None:
         """After the evaluation pass (trunk output h [P, H]): gated entries scored lowest in q."""
