@@ -269,8 +269,8 @@ def cvar_stats_kernel(cvar, blocked, flat, budget, stats, slot_frac, slot_mean, 
 # ---------------------------------------------------------------------------------------------
 # the gate
 # ---------------------------------------------------------------------------------------------
-def gate_switch(role: str = "agent.entry_gates"):
-    """A device uint8 [1] entry-gate switch, on (1). The mask kernels of the CVaR, epistemic and confidence
+def gate_switch(role: str = "agent.entry_gates") -> Arena:
+    """The arena of a device uint8 [1] entry-gate switch, "armed", on (1). The mask kernels of the CVaR, epistemic and confidence
     gates read it in the collect step (a captured graph), so the trainer can turn the gates off over the
     replay's prefill and on for the training that follows without a second capture (DQNAgent.arm_entry_gates:
     an untrained head's gate would take the random prefill's entries away, and the value support is fitted to
@@ -279,7 +279,7 @@ def gate_switch(role: str = "agent.entry_gates"):
     arena.add("armed", (1,), np.uint8)
     arena.allocate()
     arena.load({"armed": np.ones(1, np.uint8)})
-    return arena["armed"]
+    return arena
 
 
 class CvarGate:
@@ -315,7 +315,8 @@ class CvarGate:
         self.dev.allocate()
         self.use_budget = readiness_state is not None
         self.readiness = readiness_state if readiness_state is not None else self.dev["no_readiness"]
-        self.armed = armed if armed is not None else gate_switch(f"{self.dev.role}.armed")
+        self._switch = None if armed is not None else gate_switch(f"{self.dev.role}.armed")  # owns the memory
+        self.armed = armed if armed is not None else self._switch["armed"]
 
     def _pass(self, tag: str):
         head = self.head

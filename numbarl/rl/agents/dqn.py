@@ -624,7 +624,7 @@ class DQNAgent(Agent):
     cvar_gate = None  # the CVaR entry gate (agent.cvar_alpha)
     ens_heads = ()  # the ensemble's extra C51 heads (agent.ensemble_heads)
     ens_gate = None  # the epistemic entry gate (agent.epistemic_theta)
-    entry_gates_armed = None  # the entry gates' device on/off switch (arm_entry_gates), with any of them on
+    entry_gates = None  # the arena of the entry gates' device on/off switch (arm_entry_gates), with any gate on
     mh = None  # the multi-horizon C51 loss (agent.horizons)
     atoms = None  # the adaptive support's spacings (agent.adaptive_atoms)
     extra_horizons = ()  # the horizons other than n_step (agent.horizons)
@@ -1315,11 +1315,16 @@ class DQNAgent(Agent):
     # --- the entry gates' switch (CVaR, epistemic, confidence) -------------------------------------------
     def _entry_gate_switch(self):
         """The device uint8 [1] every entry gate's mask kernel reads (one per agent, on when built)."""
-        if self.entry_gates_armed is None:
+        if self.entry_gates is None:
             from numbarl.rl.cvar_gate import gate_switch
 
-            self.entry_gates_armed = gate_switch()
-        return self.entry_gates_armed
+            self.entry_gates = gate_switch()
+        return self.entry_gates["armed"]
+
+    @property
+    def entry_gates_armed(self):
+        """The entry gates' device switch (uint8 [1], 1 = on), or None without a gate."""
+        return None if self.entry_gates is None else self.entry_gates["armed"]
 
     def arm_entry_gates(self, armed: bool, stream) -> None:
         """Turn the entry gates on the collect step's mask (agent.cvar_alpha, agent.epistemic_theta,

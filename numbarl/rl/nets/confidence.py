@@ -165,7 +165,8 @@ class ConfidenceGate:
         self.dev = Arena("agent.confidence_gate")
         self.dev.add("gated", (int(n_envs),), np.float32)
         self.dev.allocate()
-        self.armed = armed if armed is not None else gate_switch(f"{self.dev.role}.armed")
+        self._switch = None if armed is not None else gate_switch(f"{self.dev.role}.armed")  # owns the memory
+        self.armed = armed if armed is not None else self._switch["armed"]
 
     @property
     def gated(self):

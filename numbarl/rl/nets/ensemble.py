@@ -320,7 +320,8 @@ class EpistemicGate:
         self.dev.allocate()
         self.use_budget = readiness_state is not None
         self.readiness = readiness_state if readiness_state is not None else self.dev["no_readiness"]
-        self.armed = armed if armed is not None else gate_switch(f"{self.dev.role}.armed")
+        self._switch = None if armed is not None else gate_switch(f"{self.dev.role}.armed")  # owns the memory
+        self.armed = armed if armed is not None else self._switch["armed"]
 
     def _score(self, h, tag: str, stream):
         """The extra heads on the trunk output h of tag's pass (head 0 ran in it), then u of both sides."""
