@@ -32,7 +32,7 @@ import numpy as np
 
 from numbarl.cuda.reduce import Reducer
 from numbarl.cuda.runtime import Arena, cuda
-from numbarl.rl.feedback.kernels import reward_offset_kernel, reward_offset_ref
+from numbarl.rl.feedback.kernels import offset_every_window, reward_offset_ref
 
 _cuda = cuda()  # the backend (GPU or simulator), selected once
 
@@ -109,13 +109,11 @@ class RewardCenter:
         n = batch.reward.shape[0]
         if n != a["first"].shape[0]:
             raise ValueError(f"reward centering: planned for a batch of {a['first'].shape[0]}, got {n}")
-        grid = ((n + 255) // 256, 256, stream)
-        first_reward_kernel[grid](replay.store["reward"].reshape(-1), batch.index, a["first"])
+        first_reward_kernel[(n + 255) // 256, 256, stream](replay.store["reward"].reshape(-1), batch.index, a["first"])
         self.reducer.mean(a["first"], a["mean"], stream)
         center_update_kernel[1, 1, stream](a["mean"], a["state"], self.beta, replay.store["gamma"], a["offset"], stats,
                                            *self.slots)
-        for window in [batch, *batch.horizons]:
-            reward_offset_kernel[grid](window.reward, window.discount, a["offset"])
+        offset_every_window(batch, a["offset"], stream)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {"reward_center/state": self.arena["state"].copy_to_host()}

@@ -260,7 +260,7 @@ class FoldTrainer:
         self.telemetry = TrainPathTelemetry(self.env, market.bars_per_day)  # the agent's step functions, by graph name
         self.graphs = {}  # each captured on its first use (the capture's warm-up run is that step)
         self.collect_steps = 0  # host mirror of the device collect counter (for scheduling only)
-        self.entry_gates_armed = True  # the agent's entry gates (a new agent's are on: arm_entry_gates)
+        self.gates_on = True  # the agent's entry gates (a new agent's are on: arm_entry_gates)
         self.epoch = 0
         self.best_sharpe = -math.inf
         self.best_tag = None
@@ -352,7 +352,7 @@ class FoldTrainer:
         timed_at, timed_steps = t0, self.collect_steps  # the ETA's step timing, at each log sync
         for _ in range(t.collect_steps_per_epoch):
             # COLLECT (the entry gates off over the replay's prefill)
-            self.arm_entry_gates(self.collect_steps >= self.prefill_end)
+            self.arm_entry_gates(self.collect_steps >= self.agent.train_starts_after(t.learning_starts))
             self.collect_once()
             # TRAIN (what the agent runs after this collect step: a train step, or nothing yet)
             for name in self.agent.after_collect(self.collect_steps, t.learning_starts, t.train_every):
@@ -386,18 +386,12 @@ class FoldTrainer:
         self.progress.done("step", self.collect_steps - timed_steps, time.perf_counter() - timed_at)
         self.epoch += 1
 
-    @property
-    def prefill_end(self) -> int:
-        """The collect steps before the first train step (the agent's after_collect rule)."""
-        prefill = getattr(self.agent, "prefill_steps", 0)
-        return max(int(self.cfg.train.learning_starts), int(prefill))
-
     def arm_entry_gates(self, armed: bool) -> None:
         """The agent's entry gates on or off (DQNAgent.arm_entry_gates), written only when it changes."""
         arm = getattr(self.agent, "arm_entry_gates", None)
-        if arm is not None and armed != self.entry_gates_armed:
+        if arm is not None and armed != self.gates_on:
             arm(armed, self.stream)
-            self.entry_gates_armed = armed
+            self.gates_on = armed
 
     def fit_support(self, when: str = "") -> dict | None:
         """The value support fitted to the replay's n-step returns (agent.support = 'fit'; the agent's

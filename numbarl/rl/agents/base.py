@@ -95,6 +95,11 @@ class Agent:
         """Collect steps needed before the first training graph may run."""
         return 0
 
+    def train_starts_after(self, learning_starts: int) -> int:
+        """The collect steps before the first train step (the replay's prefill): train.learning_starts or
+        the agent's own prefill_steps, the larger."""
+        return max(int(learning_starts), int(self.prefill_steps))
+
     def scores(self, obs, out, stream) -> None:
         """Greedy per-branch action scores [P, n_branches, max_actions] for a backtest's policies."""
         raise TypeError(f"{type(self).__name__} does not define scores")

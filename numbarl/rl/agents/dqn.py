@@ -1477,7 +1477,7 @@ class DQNAgent(Agent):
         with auxiliary losses every aux_every-th of them (collect step k * train_every with k a
         multiple of aux_every: a rule of the step number alone, so a resume keeps the rhythm) is
         the train step that also runs them."""
-        ready = collect_steps >= max(int(learning_starts), self.prefill_steps)
+        ready = collect_steps >= self.train_starts_after(learning_starts)
         if not (ready and collect_steps % int(train_every) == 0):
             return ()
         if self.aux_every > 1 and (collect_steps // int(train_every)) % self.aux_every == 0:

@@ -39,6 +39,14 @@ def reward_offset_kernel(reward, discount, offset):
         reward[b] = np.float32(reward[b] - offset[0] * (_ONE - discount[b]))
 
 
+def offset_every_window(batch, offset, stream) -> None:
+    """reward_offset_kernel on every window of a sampled batch: the main one and each extra horizon's, each by its
+    own discount (E1's offset; reward centering's r̄/(1 − γ)). Capturable: launches only."""
+    n = batch.reward.shape[0]
+    for window in [batch, *batch.horizons]:
+        reward_offset_kernel[(n + 255) // 256, 256, stream](window.reward, window.discount, offset)
+
+
 @_cuda.jit(cache=True)
 def gate_mask_kernel(obs, mask, position_col, edges, gate, col_a, col_b, blocked):
     """E9 on the env's mask [N, n_branches, max_actions]: no entry in a gated bucket while flat.

@@ -294,10 +294,7 @@ class FeedbackLoop:
         if self.hindsight is not None:
             self.hindsight.gather(batch, stream)
         if self.e1 > 0:
-            n = batch.reward.shape[0]
-            for window in [batch, *batch.horizons]:
-                kernels.reward_offset_kernel[(n + 255) // 256, 256, stream](window.reward, window.discount,
-                                                                           self.dev["offset"])
+            kernels.offset_every_window(batch, self.dev["offset"], stream)
 
     @property
     def weighted(self) -> bool:
