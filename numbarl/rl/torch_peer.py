@@ -177,13 +177,7 @@ def _net_class():
 
         def forward(self, obs):
             h = self.trunk(obs)
-            v = self.value(h)  # [B, Z]
-            a = self.adv(h)  # [B, ΣA·Z]
-            logits = []
-            for off, n in zip(self.offsets, self.spec.branch_sizes):
-                a_k = a[:, off * self.n_atoms:(off + n) * self.n_atoms].view(-1, n, self.n_atoms)  # [B, A_k, Z]
-                logits.append(v.unsqueeze(1) + a_k - a_k.mean(dim=1, keepdim=True))
-            return logits  # list over branches of [B, A_k, Z]
+            return dueling_logits(self.value(h), self.adv(h), self.spec.branch_sizes)  # list over branches
 
         def numbarl_params(self):
             """(numbarl name, torch parameter, transpose?) for every parameter."""
@@ -202,6 +196,17 @@ def _net_class():
 
     _CLASSES["net"] = BranchedDuelingC51Net
     return BranchedDuelingC51Net
+
+
+def dueling_logits(v, a, branch_sizes) -> list:
+    """Per-branch dueling logits from V [B, Z] and A [B, ΣA·Z]: V + A_k − mean over the branch's actions of A_k,
+    a list over branches of [B, A_k, Z]."""
+    n_atoms, off, out = v.shape[-1], 0, []
+    for n in branch_sizes:
+        a_k = a[:, off * n_atoms:(off + n) * n_atoms].view(-1, n, n_atoms)  # [B, A_k, Z]
+        out.append(v.unsqueeze(1) + a_k - a_k.mean(dim=1, keepdim=True))
+        off += n
+    return out
 
 
 def project_distribution(rewards, dones, discounts, next_probs, support):
@@ -559,38 +564,23 @@ def ensemble_heads_loss_and_grads(h, h_next, h_target, params, target, names, ma
     names: per extra head {"w_value", "b_value", "w_adv", "b_adv"} → its parameter names; masks [M, B].
     Returns (∂L/∂h [B, H], per head {"w_value", "b_value", "w_adv", "b_adv"} gradients), float32 on the CPU."""
     torch = _torch()
-    f = torch.nn.functional
     t = lambda a: torch.as_tensor(np.ascontiguousarray(np.asarray(a, np.float32)))  # noqa: E731
     keys = ("w_value", "b_value", "w_adv", "b_adv")
     h_t = t(h).requires_grad_(True)
-    sup = t(support)
-    offsets = np.concatenate([[0], np.cumsum(branch_sizes)[:-1]])
-    z = len(support)
 
     def logits_of(x, wv, bv, wa, ba):
-        v, a = x @ wv + bv, x @ wa + ba
-        out = []
-        for off, k in zip(offsets, branch_sizes):
-            a_k = a[:, off * z:(off + k) * z].view(-1, k, z)
-            out.append(v.unsqueeze(1) + a_k - a_k.mean(dim=1, keepdim=True))
-        return out
+        return dueling_logits(x @ wv + bv, x @ wa + ba, branch_sizes)
 
+    batch = {"obs": h_t, "next_obs": t(h_next), "actions": torch.as_tensor(np.asarray(actions, np.int64)),
+             "rewards": t(rewards), "dones": t(dones), "discounts": t(discounts)}
     total, leaves = 0.0, []
-    for m, n in enumerate(names):
+    for m, n in enumerate(names):  # each extra head: c51_loss on the trunk features, its bootstrap mask as weights
         ws = [t(params[n[k]]).requires_grad_(True) for k in keys]
         leaves.append(ws)
-        with torch.no_grad():
-            nxt = logits_of(t(h_next), *[t(params[n[k]]) for k in keys])
-            tgt = logits_of(t(h_target), *[t(target[n[k]]) for k in keys])
-        ce = []
-        for k, lo in enumerate(logits_of(h_t, *ws)):
-            with torch.no_grad():
-                a_star = (f.softmax(nxt[k], -1) * sup).sum(-1).argmax(1)
-                p = f.softmax(tgt[k], -1)[torch.arange(len(a_star)), a_star]
-                m_target = project_distribution(t(rewards), t(dones), t(discounts), p, sup)
-            taken = lo[torch.arange(lo.shape[0]), torch.as_tensor(np.asarray(actions)[:, k].astype(np.int64))]
-            ce.append(-(m_target * f.log_softmax(taken, -1)).sum(-1))
-        total = total + (torch.stack(ce, 1).mean(1) * t(masks[m])).mean()
+        target_logits = logits_of(t(h_target), *[t(target[n[k]]) for k in keys])
+        loss, _ = c51_loss(lambda x, ws=ws: logits_of(x, *ws), lambda _x, tl=target_logits: tl,
+                           {**batch, "weights": t(masks[m])}, t(support))
+        total = total + loss
     total.backward()
     grads = [{k: x.grad.numpy() for k, x in zip(keys, ws)} for ws in leaves]
     return h_t.grad.numpy(), grads
