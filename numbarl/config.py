@@ -208,8 +208,9 @@ class AgentConfig:
     confidence_epsilon: float = 1e-6
     """Recursive confidence: |R_n| below this carries no verdict on the conviction (bootstrapped target)."""
     confidence_floor: float = 0.0
-    """Recursive confidence's selectivity gate (numbarl/rl/nets/confidence.py:ConfidenceGate): a flat env may not
-    enter (direction long / short) where c(s) < this, in the collect step and the backtest scores; holding and
+    """Recursive confidence's selectivity gate (numbarl/rl/nets/confidence.py:ConfidenceGate): a flat env's greedy
+    choice may not enter (direction long / short) where c(s) < this, in the collect step (exploratory draws are
+    not gated) and the backtest scores; holding and
     exits stay allowed; off over the trainer's replay prefill (DQNAgent.arm_entry_gates). 0 = no gate (needs
     agent.confidence_weight > 0; in [0, 1))."""
     risk_head_weight: float = 0.0
@@ -311,8 +312,9 @@ class AgentConfig:
     one power iteration per train step (numbarl/rl/nets/spectral_norm.py, Miyato et al. 2018), e.g.
     'trunk.fc1,head.value' ('trunk.1' = 'trunk.fc1'); empty = off."""
     cvar_alpha: float = 0.0
-    """Tail level alpha of the CVaR entry gate (numbarl/rl/cvar_gate.py): a flat env may not enter a side
-    whose direction-branch CVaR_alpha is below -agent.cvar_floor (scaled by the IQN readiness budget); off over
+    """Tail level alpha of the CVaR entry gate (numbarl/rl/cvar_gate.py): a flat env's greedy choice may not enter
+    a side whose direction-branch CVaR_alpha is below -agent.cvar_floor (scaled by the IQN readiness budget;
+    ε-greedy's exploratory draws are not gated); off over
     the trainer's replay prefill (DQNAgent.arm_entry_gates); 0 = off (e.g. 0.1)."""
     cvar_floor: float = 1.0
     """CVaR entry gate: the tolerated tail loss in reward units (>= 0): entry gated when
@@ -326,7 +328,8 @@ class AgentConfig:
     counter RNG; auxiliary losses (every agent.aux_frequency train steps) whose trunk gradient adds to the
     C51 head's. 0 or 1 = off; 2..16 (5 proposed)."""
     epistemic_theta: float = 0.0
-    """Epistemic entry gate: a flat env may not enter a side d (long / short) where budget * u(s, d) > theta,
+    """Epistemic entry gate: a flat env's greedy choice may not enter a side d (long / short) where
+    budget * u(s, d) > theta (exploratory draws are not gated),
     u = the std over the ensemble's heads of the direction-branch Q(s, d) (budget 1, or the IQN readiness^2
     with agent.iqn), in the collect step and the backtest scores; holding and exits stay allowed; off over the
     trainer's replay prefill, where the untrained heads disagree (DQNAgent.arm_entry_gates).

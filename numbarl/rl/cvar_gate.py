@@ -26,9 +26,16 @@ Kelly size cap and DSR reward term (numbarl/env/core.py): `risk_budget_kernel` w
 float32 [1] the env step reads (the DQN agent's collect step, agent.iqn).
 
 Where it acts (as the E9 gate of numbarl/rl/feedback/kernels.py does):
-* collect: on the env's mask, after the acting pass and before the policy chooses (exploration
-  included), so the replay stores the mask the behaviour policy saw; not over the trainer's replay
-  prefill (the agent's device switch, `gate_switch`, off until the first train step);
+* collect: on a copy of the env's mask that only the greedy choice reads (the agent's
+  `gate_switch` arena, "greedy_mask"), after the acting pass and before the policy chooses; the
+  exploratory draws of ε-greedy take the env's own mask, so a gate never takes an entry away from
+  exploration, and the replay stores the greedy choice's mask (its next-state masks are what a
+  lock-aware target reads). Not over the trainer's replay prefill (the switch, off until the first
+  train step). Why exploration is left ungated (eighteenth session, docs/RESULTS.md): with the gate
+  on exploration as well, a gate that closes every entry early (an untrained, wide distribution)
+  leaves only zero returns in the replay; the IQN loss on them settles, the readiness climbs to ~1,
+  the budget with it, and the gate stays shut: five of five seeds traded nothing in validation for
+  their first five to eight epochs;
 * backtests: on the greedy scores (agent.scores), the gated entries' Q set to the lowest float32.
 
 Probabilities without a probs output: the acting ("act") and evaluation ("eval") passes declare
@@ -269,14 +276,18 @@ def cvar_stats_kernel(cvar, blocked, flat, budget, stats, slot_frac, slot_mean, 
 # ---------------------------------------------------------------------------------------------
 # the gate
 # ---------------------------------------------------------------------------------------------
-def gate_switch(role: str = "agent.entry_gates") -> Arena:
+def gate_switch(role: str = "agent.entry_gates", mask_shape=None) -> Arena:
     """The arena of a device uint8 [1] entry-gate switch, "armed", on (1). The mask kernels of the CVaR, epistemic and confidence
     gates read it in the collect step (a captured graph), so the trainer can turn the gates off over the
     replay's prefill and on for the training that follows without a second capture (DQNAgent.arm_entry_gates:
     an untrained head's gate would take the random prefill's entries away, and the value support is fitted to
-    the prefill's returns). The backtest's score kernels do not read it: a backtest is always gated."""
+    the prefill's returns). The backtest's score kernels do not read it: a backtest is always gated.
+    mask_shape (N, n_branches, max_actions): also "greedy_mask" uint8 of that shape, the collect step's copy of
+    the env's mask that the gates narrow for the greedy choice (exploration draws from the env's own)."""
     arena = Arena(role)
     arena.add("armed", (1,), np.uint8)
+    if mask_shape is not None:
+        arena.add("greedy_mask", tuple(int(d) for d in mask_shape), np.uint8)
     arena.allocate()
     arena.load({"armed": np.ones(1, np.uint8)})
     return arena

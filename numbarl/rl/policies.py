@@ -10,12 +10,14 @@ Epsilon-greedy per branch (``epsilon_greedy``), independently for each branch b 
     greedy_b   = first argmax_a q[i, b, a] over {a : mask[i, b, a] = 1}   (NaN never wins;
                  numbarl.env.rows.greedy_action, which the backtest runs too)
     explore_b  = uniform(seed, lane=i, counter, SLOT_EXPLORE + b) < epsilon_i
-    actions[i, b] = explore_b ? the r-th allowed action, r = randint(seed, i, counter,
-                                SLOT_RANDOM + b, #allowed) : greedy_b
+    actions[i, b] = explore_b ? the r-th action allowed by explore[i, b, :], r = randint(seed, i,
+                                counter, SLOT_RANDOM + b, #allowed) : greedy_b
     preference[i] = q[i, direction, long] - q[i, direction, short]       (C51: the gap of the
                                                                            expected returns)
 
-so exploration respects the mask as the greedy choice does. Greedy is epsilon 0 (the coin is
+so exploration respects a mask as the greedy choice does: ``explore`` is ``mask`` unless the
+caller passes another (the DQN learner's entry gates narrow the greedy choice's mask only and let
+exploration draw from the env's own: numbarl/rl/cvar_gate.py). Greedy is epsilon 0 (the coin is
 drawn and never wins). RNG keys: the env's seed and step counter (numbarl/cuda/rng.py), lane =
 env; the slots keep the numbers they had when this code lived in the env (0-3 and 4-7), so
 recorded runs reproduce bit for bit.
@@ -51,19 +53,20 @@ SLOT_RANDOM = RNG_STREAMS.claim("explore.action", 4, width=4)  # + branch: rando
 # the row function (CPU reference loop and kernel)
 # ---------------------------------------------------------------------------------------------
 @row_jit
-def epsilon_greedy_row(q, mask, i, epsilon, seed, counter, actions, preference):
-    """actions[i, :] and preference[i] of env i (see the module docstring)."""
+def epsilon_greedy_row(q, mask, explore, i, epsilon, seed, counter, actions, preference):
+    """actions[i, :] and preference[i] of env i (see the module docstring): greedy over mask, the
+    exploratory draw over explore (the same array for a plain ε-greedy)."""
     for b in range(actions.shape[1]):
         chosen = greedy_action(q, mask, i, b)
         if rng.uniform(seed, i, counter, SLOT_EXPLORE + b) < epsilon:
             n_valid = 0
-            for a in range(mask.shape[2]):
-                if mask[i, b, a] != 0:
+            for a in range(explore.shape[2]):
+                if explore[i, b, a] != 0:
                     n_valid += 1
             r = rng.randint(seed, i, counter, SLOT_RANDOM + b, n_valid)
             seen = 0
-            for a in range(mask.shape[2]):
-                if mask[i, b, a] == 0:
+            for a in range(explore.shape[2]):
+                if explore[i, b, a] == 0:
                     continue
                 if seen == r:
                     chosen = a
@@ -88,22 +91,25 @@ def scheduled_epsilon(t, schedule, decay_steps):
 # reference: the same row function in a CPU loop
 # ---------------------------------------------------------------------------------------------
 @row_jit
-def _epsilon_greedy_loop(q, mask, epsilon, seed, counter, actions, preference):
+def _epsilon_greedy_loop(q, mask, explore, epsilon, seed, counter, actions, preference):
     n_eps = epsilon.shape[0]
     for i in range(q.shape[0]):
         eps = epsilon[i] if n_eps > 1 else epsilon[0]
-        epsilon_greedy_row(q, mask, i, eps, seed, counter, actions, preference)
+        epsilon_greedy_row(q, mask, explore, i, eps, seed, counter, actions, preference)
 
 
-def epsilon_greedy_ref(q, mask, epsilon, seed, counter) -> tuple[np.ndarray, np.ndarray]:
-    """(actions [N, n_branches] int32, preference [N] float32) on the CPU; epsilon: a scalar or [N]."""
+def epsilon_greedy_ref(q, mask, epsilon, seed, counter, explore=None) -> tuple[np.ndarray, np.ndarray]:
+    """(actions [N, n_branches] int32, preference [N] float32) on the CPU; epsilon: a scalar or [N];
+    explore: the exploratory draw's mask (None: mask)."""
     q = np.ascontiguousarray(q, np.float32)
     mask = np.ascontiguousarray(mask, np.uint8)
     _check_shapes(q, mask)
+    explore = mask if explore is None else np.ascontiguousarray(explore, np.uint8)
+    _check_shapes(q, explore)
     eps = np.atleast_1d(np.asarray(epsilon, np.float32))
     actions = np.empty(q.shape[:2], np.int32)
     preference = np.empty(q.shape[0], np.float32)
-    _epsilon_greedy_loop(q, mask, eps, np.uint64(seed), np.int64(counter), actions, preference)
+    _epsilon_greedy_loop(q, mask, explore, eps, np.uint64(seed), np.int64(counter), actions, preference)
     return actions, preference
 
 
@@ -119,21 +125,21 @@ def epsilon_greedy_kernel(q, mask, epsilon, seed, counter, actions, preference):
     if i >= q.shape[0]:
         return
     eps = epsilon[i] if epsilon.shape[0] > 1 else epsilon[0]
-    _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
+    _epsilon_greedy_row(q, mask, mask, i, eps, seed[0], counter[0], actions, preference)
 
 
 _scheduled_epsilon = device_function(scheduled_epsilon)
 
 
 @_cuda.jit(cache=True)
-def scheduled_epsilon_greedy_kernel(q, mask, step, schedule, decay_steps, seed, counter, actions, preference):
+def scheduled_epsilon_greedy_kernel(q, mask, explore, step, schedule, decay_steps, seed, counter, actions, preference):
     """epsilon_greedy_kernel with the rate of collect step step[0] computed in every thread (no
     one-thread schedule kernel before it; whoever advances step[0] does so after this launch)."""
     i = _cuda.grid(1)
     if i >= q.shape[0]:
         return
     eps = _scheduled_epsilon(step[0], schedule, decay_steps)
-    _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
+    _epsilon_greedy_row(q, mask, explore, i, eps, seed[0], counter[0], actions, preference)
 
 
 _telemetry_step_row = device_function(telemetry_step_row)
@@ -141,7 +147,7 @@ _write_row = device_function(write_row)
 
 
 @_cuda.jit(cache=True)
-def scheduled_epsilon_greedy_step_kernel(q, mask, step, schedule, decay_steps, actions, preference, st, grids, mk,
+def scheduled_epsilon_greedy_step_kernel(q, mask, explore, step, schedule, decay_steps, actions, preference, st, grids, mk,
                                          risk_budget, k, lo, hi, seed, counter, out, acc, action_store, reward_store,
                                          done_store, weight_store, mask_store, count):
     """scheduled_epsilon_greedy_kernel, then in the same thread env i's step (the env's
@@ -152,7 +158,7 @@ def scheduled_epsilon_greedy_step_kernel(q, mask, step, schedule, decay_steps, a
     if i >= q.shape[0]:
         return
     eps = _scheduled_epsilon(step[0], schedule, decay_steps)
-    _epsilon_greedy_row(q, mask, i, eps, seed[0], counter[0], actions, preference)
+    _epsilon_greedy_row(q, mask, explore, i, eps, seed[0], counter[0], actions, preference)
     _telemetry_step_row(st, i, actions, grids, mk, preference, risk_budget, k, lo, hi, seed[0], counter[0], out, acc)
     _write_row(action_store, reward_store, done_store, weight_store, mask_store, count[0] % action_store.shape[0], i,
                actions, out.reward, out.done, out.reward, False, mask, True)
@@ -177,6 +183,16 @@ def _check_io(q, mask, actions, preference) -> int:
     return n
 
 
+def _explore_mask(q, mask, explore):
+    """The exploratory draw's mask: mask itself, or a uint8 array of its shape."""
+    if explore is None:
+        return mask
+    if tuple(explore.shape) != tuple(q.shape) or np.dtype(explore.dtype) != np.uint8:
+        raise ValueError(f"explore (the exploratory draw's mask) must be uint8 {list(q.shape)} like the mask, "
+                         f"got {explore.dtype} {list(explore.shape)}")
+    return explore
+
+
 def _check_schedule(schedule) -> None:
     if np.dtype(schedule.dtype) != np.float32 or tuple(schedule.shape) != (2,):
         raise ValueError(f"schedule must be float32 [2] (start, end), got {schedule.dtype} {list(schedule.shape)}")
@@ -193,29 +209,34 @@ def epsilon_greedy(q, mask, epsilon, seed, counter, actions, preference, stream)
     epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](q, mask, epsilon, seed, counter, actions, preference)
 
 
-def scheduled_epsilon_greedy(q, mask, step, schedule, decay_steps, seed, counter, actions, preference, stream) -> None:
+def scheduled_epsilon_greedy(q, mask, step, schedule, decay_steps, seed, counter, actions, preference, stream,
+                             explore=None) -> None:
     """epsilon_greedy at the rate `scheduled_epsilon(step[0], schedule, decay_steps)` (device int64
     [1], float32 [2], int64 [1]), computed inside the launch; the same actions and preference as
-    epsilon_greedy with epsilon = [that rate]. Only launches: capturable."""
+    epsilon_greedy with epsilon = [that rate]. explore: the exploratory draw's mask (None: mask;
+    the module docstring). Only launches: capturable."""
     n = _check_io(q, mask, actions, preference)
+    explore = _explore_mask(q, mask, explore)
     _check_schedule(schedule)
     scheduled_epsilon_greedy_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](
-        q, mask, step, schedule, decay_steps, seed, counter, actions, preference)
+        q, mask, explore, step, schedule, decay_steps, seed, counter, actions, preference)
 
 
 def scheduled_epsilon_greedy_step(q, mask, step, schedule, decay_steps, actions, preference, env, replay, stream,
-                                  risk_budget=None):
+                                  risk_budget=None, explore=None):
     """One launch for three: `scheduled_epsilon_greedy` into actions and preference, then
     `env.step(actions, preference, risk_budget=risk_budget)` (a DeviceEnv), then the replay's row of this
     step without the obs (`replay.write(obs, actions, reward, done, mask=mask, obs_written=True,
     advance=False)`): the same values in every array, for a collect step with nothing between the
-    policy and the env step. seed and counter are the env's. Returns the env's outputs. Only
+    policy and the env step. seed and counter are the env's. explore: the exploratory draw's mask (None:
+    mask; the replay stores mask, the one the greedy choice saw). Returns the env's outputs. Only
     launches: capturable."""
     n = _check_io(q, mask, actions, preference)
+    explore = _explore_mask(q, mask, explore)
     _check_schedule(schedule)
     if n != env.n_envs or replay.n_envs != n:
         raise ValueError(f"q has {n} envs, the env {env.n_envs} and the replay {replay.n_envs}")
     (st, grids, mk), tail = env.step_operands(risk_budget)
     scheduled_epsilon_greedy_step_kernel[blocks(n, BLOCK), min(BLOCK, n), stream](
-        q, mask, step, schedule, decay_steps, actions, preference, st, grids, mk, *tail, *replay.row_stores())
+        q, mask, explore, step, schedule, decay_steps, actions, preference, st, grids, mk, *tail, *replay.row_stores())
     return env.outputs

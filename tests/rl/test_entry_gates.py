@@ -1,7 +1,8 @@
 """The entry gates' switch (DQNAgent.arm_entry_gates, numbarl/rl/cvar_gate.py: gate_switch): with the CVaR,
 epistemic and confidence gates all on and strict enough to gate every flat env's entries on an untrained net,
 a collect step with the switch off gates nothing (the replay keeps the full mask, the stats say 0), the same
-step with it on gates (the captured graph reads the switch, so one capture serves both), and the backtest's
+step with it on gates the greedy choice's mask and leaves exploration the env's (the captured graph reads the
+switch, so one capture serves both), and the backtest's
 greedy scores stay gated either way. The trainer turns the switch off over the replay's prefill: a tiny run
 with a gate fits the value support to the same prefill returns as the same run without it, and gates from the
 first train step on."""
@@ -53,7 +54,12 @@ def test_the_switch_turns_every_entry_gate_off_and_on_in_one_captured_graph():
     graph = capture(lambda st: agent.collect_step(env, st), s)  # the capture runs the step once: gates on
     s.synchronize()
     assert all(n > 0 for n in _gated(agent))  # every gate takes the flat envs' entries (step 0: all flat)
-    assert (_flat_mask_rows(agent, 0) == 0).all()
+    assert (_flat_mask_rows(agent, 0) == 0).all()  # the replay keeps the greedy choice's (gated) mask
+    # ε is 1 at step 0 (schedule 1.0 -> 0.05 over 8 steps): every draw explores, over the env's own mask, so
+    # the gated envs still enter (direction short / long) although no greedy choice may
+    directions = env.transition.actions.copy_to_host()[:, 0]
+    assert np.isin(directions, [DIR_SHORT, DIR_LONG]).any(), directions
+    assert env.transition.mask.copy_to_host()[:, 0, [DIR_SHORT, DIR_LONG]].all()  # the env's mask: untouched
     agent.arm_entry_gates(False, s)
     graph.replay(s)
     s.synchronize()

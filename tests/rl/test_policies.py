@@ -196,6 +196,55 @@ def test_fused_collect_launch_equals_the_three_launches(step):
     assert np.isfinite(want["replay.reward"][row]).all() and (want["replay.weight"][row] == 1).all()
 
 
+def test_a_narrower_greedy_mask_leaves_exploration_on_the_env_mask():
+    """The entry gates' split (numbarl/rl/cvar_gate.py): greedy over a mask whose direction entries are off,
+    exploration over the env's own. With ε 1 every branch draws over `explore` (the same draws as a plain
+    ε-greedy on it: the same RNG slots and counts), with ε 0 nothing enters; the fused collect launch equals
+    the unfused one with the split, and its replay row stores the greedy choice's mask."""
+    env, replay, obs, mask = _collect_setup(seed=6)
+    n, q_host = env.n_envs, np.random.default_rng(3).standard_normal((env.n_envs, 4, env.params.max_actions))
+    q_host[:, 0, [DIR_SHORT, DIR_LONG]] += 5.0  # the greedy choice would enter wherever it may
+    q_host = q_host.astype(np.float32)
+    env_mask = mask.copy_to_host()
+    greedy_mask = env_mask.copy()
+    greedy_mask[:, 0, [DIR_SHORT, DIR_LONG]] = 0  # every entry gated for the greedy choice
+    seed, counter = int(env.seed_dev.copy_to_host()[0]), int(env.counter.copy_to_host()[0])
+    explored, _ = epsilon_greedy_ref(q_host, greedy_mask, 1.0, seed, counter, explore=env_mask)
+    plain, _ = epsilon_greedy_ref(q_host, env_mask, 1.0, seed, counter)
+    np.testing.assert_array_equal(explored, plain)
+    assert np.isin(explored[:, 0], [DIR_SHORT, DIR_LONG]).any()
+    greedy, _ = epsilon_greedy_ref(q_host, greedy_mask, 0.0, seed, counter, explore=env_mask)
+    assert not np.isin(greedy[:, 0], [DIR_SHORT, DIR_LONG]).any()
+    got = []
+    for fused in (False, True):
+        env, replay, obs, mask = _collect_setup(seed=6)
+        gm = _cuda.to_device(greedy_mask)
+        q_dev, args = _cuda.to_device(q_host), (_cuda.to_device(np.array([5], np.int64)),
+                                                _cuda.to_device(np.array([0.9, 0.2], np.float32)),
+                                                _cuda.to_device(np.array([20], np.int64)))
+        actions, preference = env.arena["actions"], env.arena["preference"]
+        if fused:
+            scheduled_epsilon_greedy_step(q_dev, gm, *args, actions, preference, env, replay, stream(), explore=mask)
+        else:
+            scheduled_epsilon_greedy(q_dev, gm, *args, env.seed_dev, env.counter, actions, preference, stream(),
+                                     explore=mask)
+            want_actions, _ = epsilon_greedy_ref(q_host, greedy_mask, scheduled_epsilon(np.int64(5), np.array(
+                [0.9, 0.2], np.float32), np.array([20], np.int64)), seed, counter, explore=env_mask)
+            np.testing.assert_array_equal(actions.copy_to_host(), want_actions)
+            out = env.step(actions, preference, stream=stream())
+            replay.write(obs, actions, out.reward, out.done, stream(), mask=gm, obs_written=True, advance=False)
+        stream().synchronize()
+        got.append(_collect_host(env, replay))
+    for k in got[0]:
+        np.testing.assert_array_equal(got[1][k], got[0][k], err_msg=k)
+    row = int(got[0]["replay.count"][0]) % replay.store["action"].shape[0]
+    np.testing.assert_array_equal(got[0]["replay.mask"][row], greedy_mask)
+    with pytest.raises(ValueError, match="explore"):
+        scheduled_epsilon_greedy(q_dev, gm, *args, env.seed_dev, env.counter, actions, preference, stream(),
+                                 explore=env.arena["obs"])
+    assert n == got[0]["env.actions"].shape[0]
+
+
 def test_fused_collect_launch_names_mismatched_sizes():
     env, _, _, mask = _collect_setup(seed=2)
     other = Replay(capacity=4 * 3, n_envs=3, state_dim=env.state_dim, n_branches=4, batch_size=2, n_step=1,

@@ -79,7 +79,7 @@ are those without them):
   weight, adds into dh after the IQN / IQL heads' (the gradient ledger). On the other train steps its
   gradients are zeroed. Stats: confidence_loss (unweighted), confidence_mean, confidence_boot_frac.
   With agent.confidence_floor > 0 the gate (numbarl/rl/nets/confidence.py:ConfidenceGate) takes a flat env's
-  entries away where c(s) < floor: on the env's mask after the acting pass (collect) and on the greedy scores
+  entries away where c(s) < floor: on the greedy choice's mask after the acting pass (collect) and on the greedy scores
   (agent.scores), the head run on those passes' trunk outputs. Stats (diagnostics): confidence_gated_frac.
 * ``agent.risk_head_weight`` > 0 (issue 15, T7, risk budget): a head ρ(s) = σ(h·w + b) on the online trunk
   output (numbarl/rl/nets/risk_head.py, optimizer group 'head.risk'), an auxiliary loss: the binary
@@ -115,8 +115,9 @@ are those without them):
   the n-step batch's reward (ICM's intrinsic reward, E1's reward offset) reaches the n_step horizon
   only; the other horizons read the replay's raw returns. Stats:
   mh_trend_mean, mh_weight_longest, mh_ce_longest and mh_ce.h<h> per horizon.
-* ``agent.cvar_alpha`` > 0: the CVaR entry gate (numbarl/rl/cvar_gate.py) on the env's mask after
-  the acting pass (collect) and on the greedy scores (agent.scores): no entry on a side whose
+* ``agent.cvar_alpha`` > 0: the CVaR entry gate (numbarl/rl/cvar_gate.py) on the greedy choice's mask
+  after the acting pass (collect: a copy of the env's mask, which ε-greedy's exploratory draws keep) and on
+  the greedy scores (agent.scores): no entry on a side whose
   direction-branch CVaR_α is below −agent.cvar_floor (budget 1, or the IQN readiness² with
   agent.iqn). Stats (diagnostics): cvar_blocked_frac, cvar_mean, cvar_budget.
 * ``agent.ensemble_heads`` = M >= 2: a bootstrapped ensemble (numbarl/rl/nets/ensemble.py, Osband et al.
@@ -126,7 +127,7 @@ are those without them):
   weights; BACKWARD adds their dh after the other auxiliary heads' (the gradient ledger). On the other train
   steps their gradients are zeroed. Stats: ensemble_std (batch mean of the std over the M heads of the
   direction-branch Q at the taken direction). With agent.epistemic_theta > 0 the epistemic gate takes a flat
-  env's entry side d away where budget · u(s, d) > θ, on the env's mask after the acting pass (collect) and
+  env's entry side d away where budget · u(s, d) > θ, on the greedy choice's mask after the acting pass (collect) and
   on the greedy scores (agent.scores), budget as the CVaR gate's. Stats (diagnostics):
   epistemic_blocked_frac, epistemic_score_mean, epistemic_budget.
 * ``agent.temporal = "mamba"`` (issue 15): a Mamba2 scan over the observations of the last
@@ -1318,7 +1319,7 @@ class DQNAgent(Agent):
         if self.entry_gates is None:
             from numbarl.rl.cvar_gate import gate_switch
 
-            self.entry_gates = gate_switch()
+            self.entry_gates = gate_switch(mask_shape=(self.n_envs, len(self.branch_sizes), self.max_actions))
         return self.entry_gates["armed"]
 
     @property
@@ -1499,7 +1500,11 @@ class DQNAgent(Agent):
         if self.feedback is not None:                                  # E9 gate on the mask (feedback loop)
             self.feedback.on_mask(obs, mask, stream)
         q = self.forward(obs, stream, tag="act").q                     # [N, n_branches, max_actions]
-        if self.cvar_gate is not None:                                 # CVaR entry gate on the mask (agent.cvar_alpha)
+        explore = None  # the exploratory draws' mask: the env's (None: the same as the greedy choice's)
+        if self.entry_gates is not None:  # entry gates: on a copy of the mask that only the greedy choice reads
+            explore, mask = mask, self.entry_gates["greedy_mask"]
+            elementwise.copy(explore, mask, stream)
+        if self.cvar_gate is not None:                                 # CVaR entry gate (agent.cvar_alpha)
             self.cvar_gate.on_mask(obs, mask, stream, tag="act")
         if self.conf_gate is not None:  # confidence gate (agent.confidence_floor)
             self.conf_gate.on_mask(self.trunk.output("act"), obs, mask, stream, tag="act")
@@ -1509,10 +1514,11 @@ class DQNAgent(Agent):
         step, schedule, decay = sc["collect_step"], sc["epsilon_schedule"], sc["epsilon_decay_steps"]
         if self.risk_sizer is None:  # ε-greedy, the env step and the replay's row (obs already there): one launch
             out = scheduled_epsilon_greedy_step(q, mask, step, schedule, decay, t.actions, preference, env, self.replay,
-                                                stream, risk_budget=self._risk_budget(stream))  # R18: ρ (or 1)
+                                                stream, risk_budget=self._risk_budget(stream),  # R18: ρ (or 1)
+                                                explore=explore)
         else:
             scheduled_epsilon_greedy(q, mask, step, schedule, decay, env.seed_dev, env.counter, t.actions, preference,
-                                     stream)
+                                     stream, explore=explore)
             # risk head: a flat env's new entry at size × ρ, snapped down (executed)
             self.risk_sizer.on_actions(self.trunk.output("act"), obs, t.actions, env.grids.sizes, stream, tag="act")
             out = env.step(t.actions, preference, stream=stream,       # fills, reward, done, reset

@@ -24,8 +24,9 @@ manner of numbarl/rl/cvar_gate.py. Where env i is flat (its observation's positi
 
     σ(z_i) < agent.confidence_floor        (z_i the head on the acting / evaluation pass's trunk output)
 
-its entries (direction short and long) are taken away: off the env's mask in the collect step (after the
-acting pass, before the policy: exploration included, and the replay stores the mask the policy saw) and
+its entries (direction short and long) are taken away: off the greedy choice's copy of the env's mask in the
+collect step (after the acting pass, before the policy; exploration draws from the env's own mask, and the
+replay stores the greedy choice's: numbarl/rl/cvar_gate.py) and
 scored lowest in the backtest's greedy scores (agent.scores). Holding, exits and the other branches are
 never gated. Thread mapping: one thread per env (policy); the diagnostics' share of gated envs is a
 fixed-order mean (numbarl.cuda.reduce.Reducer).

@@ -38,10 +38,11 @@ The gate (agent.epistemic_theta = θ > 0): where env i is flat (its observation'
 
 budget = 1, or with agent.iqn the IQN readiness² (the exploration risk budget, as the CVaR gate:
 numbarl/rl/cvar_gate.py; budget 0 gates nothing). Holding and closing are never gated. Per side, so
-the entry the policy would choose (greedy or exploring) is blocked exactly when its own u exceeds
-θ. Where it acts is where the CVaR gate acts: the env's mask after the acting pass (collect, before
-the policy, so the replay stores the mask the behaviour policy saw) and the greedy scores of a
-backtest (agent.scores: validation and test), gated entries scored the lowest float32.
+the entry the greedy policy would choose is blocked exactly when its own u exceeds θ. Where it acts
+is where the CVaR gate acts: the greedy choice's copy of the env's mask after the acting pass
+(collect, before the policy; exploration draws from the env's own mask, and the replay stores the
+greedy choice's) and the greedy scores of a backtest (agent.scores: validation and test), gated
+entries scored the lowest float32.
 
 Statistics: ``ensemble_std`` (train, aux steps) = batch mean of u(obs_b, d_b) at the sample's taken
 direction d_b on the online pass; with the gate (diagnostics, the last collect step)
