@@ -11,7 +11,24 @@ with ``--write-tuning FILE`` writes the fastest candidate of every plan whose ga
 ``--min-gain`` (noise), for ``NUMBARL_GEMM_TUNING=FILE`` (a later process's plans take them; the
 same file gives the same algorithms, so the same bits, run after run).
 
-    python -m numbarl.bench.gemm [--candidates 16] [--compute fp32,tf32] [--write-tuning F] [--json F]
+``--split-tf32`` (issue 17: the fp32 train step is bound by the same SIMT sgemm JAX runs) also measures, for
+every fp32 plan, a split ("3xTF32") product on its geometry: both operands split by
+``numbarl.cuda.kernels.elementwise.split_tf32`` into hi (TF32) + lo, then three TF32 tensor-core GEMMs
+accumulated into C, lo_a·hi_b + hi_a·lo_b first and hi_a·hi_b last (the dropped lo·lo term is ~2⁻²² of the
+product). Per plan: the three GEMMs' time (one captured graph, CUDA events), each operand's split, and the
+norm-relative error against a float64 product of the same operands (max |C − ref| / max |ref|) of the fp32 GEMM,
+one TF32 GEMM and the split product. The totals say what the train step's GEMMs would cost with the split,
+before an integration (weights split once per step, activations and gradients at their producers) decides it.
+
+``--ld-pad 8`` times every plan's product twice more, without its epilogue: on buffers with the plan's own
+leading dimensions and on buffers whose leading dimensions are rounded up to a multiple of 8 floats (32 bytes;
+the logical shapes unchanged). The C51 head's advantage GEMMs are 714 = 14 actions × 51 atoms wide, so their
+rows are 8-byte aligned only; the TF32 tensor-core kernels ran them at ~2.2× the time per FLOP of the 512-wide
+trunk GEMMs (docs/bench/bench-gemm.json, fifth session), the fp32 SIMT kernels at ~1.08×. The difference per
+plan says what padded head buffers would save before the layout is changed.
+
+    python -m numbarl.bench.gemm [--candidates 16] [--compute fp32,tf32] [--split-tf32] [--ld-pad 8]
+                                 [--write-tuning F] [--json F]
 """
 
 from __future__ import annotations
@@ -87,6 +104,93 @@ def _time_plan(plan, bufs, s, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _time_graph(fn, s, iters: int, repeats: int) -> float:
+    """Median µs per replay of fn(s) captured as one CUDA graph (fn runs once eagerly first)."""
+    from numbarl.cuda.graph import capture
+    from numbarl.cuda.runtime import cuda
+
+    c = cuda()
+    graph = capture(fn, s)
+    s.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = c.event(timing=True), c.event(timing=True)
+        start.record(s)
+        for _ in range(iters):
+            graph.replay(s)
+        end.record(s)
+        end.synchronize()
+        times.append(c.event_elapsed_time(start, end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def split_tf32_gemm(A, B, C, trans_a, trans_b, parts, s) -> None:
+    """C = op(A)·op(B) as three TF32 GEMMs of split operands (module docstring); parts = (hi_a, lo_a, hi_b, lo_b)
+    views of A's and B's shapes already holding split_tf32 of them."""
+    from numbarl.cuda import blas
+
+    hi_a, lo_a, hi_b, lo_b = parts
+    blas.gemm(lo_a, hi_b, C, trans_a, trans_b, beta=0.0, compute="tf32", stream=s)
+    blas.gemm(hi_a, lo_b, C, trans_a, trans_b, beta=1.0, compute="tf32", stream=s)
+    blas.gemm(hi_a, hi_b, C, trans_a, trans_b, beta=1.0, compute="tf32", stream=s)
+
+
+def _split_row(plan, bufs, s, args) -> dict:
+    """The split product on one fp32 plan's geometry: times (µs) and norm-relative errors (module docstring)."""
+    from numbarl.cuda import blas
+    from numbarl.cuda.kernels.elementwise import split_tf32
+    from numbarl.cuda.runtime import cuda
+
+    c = cuda()
+    (M, N, K, *_ld, trans_a, trans_b) = plan.key[:9]
+    A, B, C = bufs[:3]
+    a = A[:, :(M if trans_a else K)]
+    b = B[:, :(K if trans_b else N)]
+    out = C[:, :N]
+    halves = [c.device_array(A.shape, np.float32) for _ in range(2)] + [c.device_array(B.shape, np.float32)
+                                                                        for _ in range(2)]
+    parts = tuple(h[:, :v.shape[1]] for h, v in zip(halves, (a, a, b, b)))
+    split_a = _time_graph(lambda st: split_tf32(A, halves[0], halves[1], st), s, args.iters, args.repeats)
+    split_b = _time_graph(lambda st: split_tf32(B, halves[2], halves[3], st), s, args.iters, args.repeats)
+    gemms = _time_graph(lambda st: split_tf32_gemm(a, b, out, trans_a, trans_b, parts, st), s, args.iters,
+                        args.repeats)
+    ha, hb = a.copy_to_host().astype(np.float64), b.copy_to_host().astype(np.float64)
+    ref = (ha.T if trans_a else ha) @ (hb.T if trans_b else hb)
+    scale = float(np.abs(ref).max()) or 1.0
+    errors = {}
+    for name, compute in (("fp32", "fp32"), ("tf32", "tf32"), ("split_tf32", None)):
+        if compute is None:
+            split_tf32_gemm(a, b, out, trans_a, trans_b, parts, s)
+        else:
+            blas.gemm(a, b, out, trans_a, trans_b, compute=compute, stream=s)
+        s.synchronize()
+        errors[name] = float(np.abs(out.copy_to_host() - ref).max()) / scale
+    return {"gemms_us": gemms, "split_a_us": split_a, "split_b_us": split_b, "error": errors}
+
+
+def _ld_row(plan, compute: str, s, args, rng) -> dict:
+    """The plan's product without its epilogue on its own leading dimensions and on ones rounded up to a
+    multiple of args.ld_pad floats (module docstring): µs of each, one captured graph each."""
+    from numbarl.cuda import blas
+    from numbarl.cuda.runtime import cuda
+
+    c = cuda()
+    (M, N, K, lda, ldb, ldc, _ldaux, trans_a, trans_b) = plan.key[:9]
+    shapes = ((K if trans_a else M, M if trans_a else K), (N if trans_b else K, K if trans_b else N), (M, N))
+
+    def pad(ld):
+        return -(-int(ld) // args.ld_pad) * args.ld_pad
+
+    out = {"ld": [int(lda), int(ldb), int(ldc)], "ld_padded": [pad(lda), pad(ldb), pad(ldc)]}
+    for key, lds in (("us_ld", out["ld"]), ("us_padded", out["ld_padded"])):
+        views = [c.to_device((rng.standard_normal((rows, ld)) * 0.05).astype(np.float32))[:, :cols]
+                 for (rows, cols), ld in zip(shapes, lds)]
+        a, b, out_c = views
+        out[key] = _time_graph(lambda st, a=a, b=b, o=out_c: blas.gemm(a, b, o, trans_a, trans_b, compute=compute,
+                                                                      stream=st), s, args.iters, args.repeats)
+    return out
+
+
 def _agent_steps(compute: str, args):
     from numbarl.bench.train import _market
     from numbarl.config import AgentConfig
@@ -143,6 +247,10 @@ def run(args) -> dict:
                          "candidates": len(found), "us": times, "first_us": times[0], "best_us": times[best],
                          "best_index": best, "chosen_index": chosen, "gain": gain,
                          "saving_us": {k: calls[k] * (times[0] - times[chosen]) for k in calls}})
+            if args.split_tf32 and compute == "fp32":
+                rows[-1]["split_tf32"] = _split_row(plan, bufs, s, args)
+            if args.ld_pad:
+                rows[-1]["ld_pad"] = _ld_row(plan, compute, s, args, rng)
             if chosen:
                 tuning[blas.plan_key_text(key)] = {"index": chosen, "algo": blas.algo_text(found[chosen]),
                                                    "first_us": times[0], "us": times[chosen], "plan": plan.describe()}
@@ -152,6 +260,18 @@ def run(args) -> dict:
                               "tuned": sum(r["calls"]["train"] * r["us"][r["chosen_index"]] for r in rows)},
             "collect_gemm_us": {"first": sum(r["calls"]["collect"] * r["first_us"] for r in rows),
                                 "tuned": sum(r["calls"]["collect"] * r["us"][r["chosen_index"]] for r in rows)}}
+        if args.ld_pad:
+            for step in ("train", "collect"):
+                results["computes"][compute][f"{step}_ld_pad_saving_us"] = sum(
+                    r["calls"][step] * (r["ld_pad"]["us_ld"] - r["ld_pad"]["us_padded"]) for r in rows)
+        if args.split_tf32 and compute == "fp32":
+            for step in ("train", "collect"):
+                results["computes"][compute][f"{step}_split_tf32_us"] = {
+                    "gemms": sum(r["calls"][step] * r["split_tf32"]["gemms_us"] for r in rows),
+                    # an upper bound: both operands split at every call (an integration splits weights once per
+                    # step and activations / gradients at their producers)
+                    "splits": sum(r["calls"][step] * (r["split_tf32"]["split_a_us"] + r["split_tf32"]["split_b_us"])
+                                  for r in rows)}
         del agent, env
     results["tuning"] = {"identity": results["identity"], "plans": tuning}
     return results
@@ -168,6 +288,27 @@ def table(results: dict) -> str:
             c = row["calls"]
             lines.append(f"  {c['train']:>4}/{c['collect']:<4}  {row['candidates']:>3}  {row['first_us']:9.1f}  "
                          f"{row['best_us']:9.1f}  {row['best_index']:>3}  {row['gain']:6.1%}  {row['plan']}")
+        if "train_ld_pad_saving_us" in r:
+            lines.append("\n  leading dimensions padded (no epilogue): µs on the plan's lds -> on padded lds")
+            for row in r["plans"]:
+                x = row["ld_pad"]
+                lines.append(f"  {x['us_ld']:9.1f} -> {x['us_padded']:9.1f}  lds {x['ld']} -> {x['ld_padded']}  "
+                             f"{row['plan']}")
+            lines.append(f"  saving per train step {r['train_ld_pad_saving_us']:.1f} µs, per collect step "
+                         f"{r['collect_ld_pad_saving_us']:.1f} µs")
+        if "train_split_tf32_us" in r:
+            lines.append("\n  split TF32 (3 GEMMs) per fp32 plan: µs of the GEMMs, of each operand's split, and the "
+                         "norm-relative error vs float64 of fp32 / one TF32 GEMM / the split product")
+            for row in r["plans"]:
+                x = row["split_tf32"]
+                e = x["error"]
+                lines.append(f"  {row['first_us']:9.1f} -> {x['gemms_us']:9.1f}  (+ {x['split_a_us']:.1f}, "
+                             f"{x['split_b_us']:.1f})  err {e['fp32']:.1e} / {e['tf32']:.1e} / {e['split_tf32']:.1e}  "
+                             f"{row['plan']}")
+            for step in ("train", "collect"):
+                t = r[f"{step}_split_tf32_us"]
+                lines.append(f"  {step} step GEMMs: fp32 {r[f'{step}_gemm_us']['first']:.1f} µs, split TF32 "
+                             f"{t['gemms']:.1f} µs + splits at most {t['splits']:.1f} µs")
     return "\n".join(lines)
 
 
@@ -180,6 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timings per candidate, median (default: %(default)s)")
     p.add_argument("--min-gain", type=float, default=0.03,
                    help="a candidate replaces the first only when this much faster (default: %(default)s)")
+    p.add_argument("--split-tf32", action="store_true",
+                   help="also time and check a split (3xTF32) product on every fp32 plan (module docstring)")
+    p.add_argument("--ld-pad", type=int, default=0, metavar="FLOATS",
+                   help="also time every plan on leading dimensions rounded up to this multiple (0 = off; e.g. 8)")
     p.add_argument("--write-tuning", default=None, metavar="PATH", help="write the tuning file (NUMBARL_GEMM_TUNING)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--batch", type=int, default=16384, help="transitions per train step (default: %(default)s)")
@@ -191,6 +336,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.candidates < 1 or args.iters < 1 or args.repeats < 1:
         print("error: --candidates, --iters and --repeats must be >= 1. Nothing was written.", file=sys.stderr)
+        return 2
+    if args.ld_pad < 0 or args.ld_pad == 1:
+        print(f"error: --ld-pad {args.ld_pad}: give a multiple in floats >= 2 (e.g. 8), or 0 for off. Nothing was "
+              "written.", file=sys.stderr)
         return 2
     if set(args.compute.split(",")) - {"fp32", "tf32"}:
         print(f"error: --compute {args.compute!r}: choose fp32 and/or tf32. Nothing was written.", file=sys.stderr)

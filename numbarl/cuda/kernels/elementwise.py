@@ -6,6 +6,7 @@ so all are safe inside a graph capture; arrays are numba device arrays)::
     fill(x, value, stream)                    # x[:] = value (any dtype)
     fill_bytes_zero(buf, stream)              # every byte of a contiguous array = 0
     copy(src, dst, stream)                    # dst[:] = src (same dtype and size)
+    split_tf32(x, hi, lo, stream)             # hi = x rounded to TF32 (10-bit mantissa), lo = x - hi
     scale(x, alpha, stream)                   # x *= alpha
     axpy(alpha, x, y, stream)                 # y += alpha * x
     axpby(alpha, x, beta, y, stream)          # y = alpha * x + beta * y  (Polyak: alpha=tau, beta=1-tau)
@@ -286,6 +287,24 @@ def copy_kernel(src, dst):
         i += stride
 
 
+_TF32_ROUND = np.uint32(0x0FFF)  # half an ulp of TF32 minus one, in the 13 low mantissa bits it drops
+_TF32_KEEP = np.uint32(0xFFFFE000)  # sign, exponent and the 10 mantissa bits TF32 keeps
+_U13, _U1 = np.uint32(13), np.uint32(1)
+
+
+@_cuda.jit(cache=True)
+def split_tf32_kernel(x, xu, hi, hiu, lo):
+    """hi = x rounded to the nearest TF32 (ties to even, on the bits: xu / hiu are uint32 views of x / hi),
+    lo = x - hi (exact in float32: hi and x share the exponent or are one binade apart)."""
+    i = _cuda.grid(1)
+    stride = _cuda.gridsize(1)
+    while i < x.size:
+        b = xu[i]
+        hiu[i] = (b + _TF32_ROUND + ((b >> _U13) & _U1)) & _TF32_KEEP
+        lo[i] = x[i] - hi[i]
+        i += stride
+
+
 @_cuda.jit(cache=True)
 def scale_kernel(x, alpha):
     i = _cuda.grid(1)
@@ -474,6 +493,29 @@ def copy(src, dst, stream):
         raise TypeError(f"copy: dtypes differ ({s1.dtype} -> {d1.dtype})")
     _same_size("copy", s1, d1)
     copy_kernel[grid_for(d1.size), BLOCK, stream](s1, d1)
+
+
+def split_tf32_ref(x) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) of split_tf32 on the host: the same bit arithmetic in numpy (finite inputs)."""
+    x = np.ascontiguousarray(x, np.float32)
+    b = x.view(np.uint32)
+    hi = ((b + _TF32_ROUND + ((b >> _U13) & _U1)) & _TF32_KEEP).astype(np.uint32).view(np.float32)
+    return hi, (x - hi).astype(np.float32)
+
+
+def split_tf32(x, hi, lo, stream):
+    """hi = x rounded to TF32 (its low 13 mantissa bits zero, round to nearest even), lo = x − hi: the two
+    operands of a split ("3xTF32") product, x·y ≈ hi_x·hi_y + hi_x·lo_y + lo_x·hi_y, whose three TF32 tensor-core
+    GEMMs reach close to float32 accuracy (the dropped lo·lo term is ~2⁻²² of x·y; numbarl.bench.gemm --split-tf32).
+    float32 arrays of one size, C-contiguous; finite x (an x within half a TF32 ulp of the float32 maximum rounds to
+    inf)."""
+    x1, h1, l1 = _flat(x, "split_tf32"), _flat(hi, "split_tf32"), _flat(lo, "split_tf32")
+    for a in (x1, h1, l1):
+        if a.dtype != np.float32:
+            raise TypeError(f"split_tf32: arrays must be float32, got {a.dtype}")
+    _same_size("split_tf32", x1, h1)
+    _same_size("split_tf32", x1, l1)
+    split_tf32_kernel[grid_for(x1.size), BLOCK, stream](x1, x1.view(np.uint32), h1, h1.view(np.uint32), l1)
 
 
 def scale(x, alpha, stream):
