@@ -363,9 +363,11 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_spectral_norm.py",),
         "spectral_sigma.trunk.fc0", "> 0"),
     Component(
-        "cvar_gate", "no entry (long / short while flat) whose direction-branch CVaR_alpha is below -agent.cvar_floor, "
-        "scaled by the IQN readiness budget (collect mask and backtest scores)",
-        "agent.cvar_alpha=0.1",
+        "cvar_gate", "no greedy entry (long / short while flat) whose direction-branch CVaR_alpha is below "
+        "-agent.cvar_floor, scaled by the IQN readiness budget (the greedy choice's collect mask, exploration "
+        "ungated, and backtest scores); the switch sets the floor the A/Bs ran (0.005 reward units: the default "
+        "1.0 is below any CVaR of the planted market's fitted support, +-0.54)",
+        "agent.cvar_alpha=0.1,agent.cvar_floor=0.005",
         "Rockafellar & Uryasev 2000; Acerbi & Tasche 2002 (CVaR of a discrete distribution, fractional boundary atom)",
         ("tests/rl/test_cvar_gate.py",),
         "cvar_blocked_frac", "> 0"),
@@ -375,7 +377,8 @@ COMPONENTS: tuple[Component, ...] = (
         "ensemble", "bootstrapped ensemble of C51 heads on the shared trunk: M - 1 extra double-DQN C51 heads, each "
         "loss weighted per (transition, head) by a Bernoulli(1/2) mask of the replay row, an auxiliary loss whose "
         "trunk gradient adds to the C51 head's; epistemic score u = std over the M heads of the direction Q; with "
-        "agent.epistemic_theta no entry where budget x u > theta (collect mask and backtest scores)",
+        "agent.epistemic_theta no greedy entry where budget x u > theta (the greedy choice's collect mask, "
+        "exploration ungated, and backtest scores)",
         "agent.ensemble_heads=5",
         "Osband, Blundell, Pritzel & Van Roy 2016, Algorithm 1 (bootstrap masks, shared torso, K heads)",
         ("tests/rl/test_ensemble.py", "tests/rl/test_gpu_ensemble.py"),
