@@ -104,24 +104,14 @@ def _time_plan(plan, bufs, s, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _time_graph(fn, s, iters: int, repeats: int) -> float:
-    """Median µs per replay of fn(s) captured as one CUDA graph (fn runs once eagerly first)."""
+def _time_captured(fn, s, iters: int, repeats: int) -> float:
+    """Median µs per replay of fn(s) captured as one CUDA graph (fn runs once eagerly first; the replays are
+    timed as numbarl.bench.train times its steps)."""
+    from numbarl.bench.train import _time_graph
     from numbarl.cuda.graph import capture
-    from numbarl.cuda.runtime import cuda
 
-    c = cuda()
     graph = capture(fn, s)
-    s.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = c.event(timing=True), c.event(timing=True)
-        start.record(s)
-        for _ in range(iters):
-            graph.replay(s)
-        end.record(s)
-        end.synchronize()
-        times.append(c.event_elapsed_time(start, end) * 1e3 / iters)
-    return statistics.median(times)
+    return 1e3 * _time_graph(graph, s, iters, repeats)
 
 
 def split_tf32_gemm(A, B, C, trans_a, trans_b, parts, s) -> None:
@@ -150,9 +140,9 @@ def _split_row(plan, bufs, s, args) -> dict:
     halves = [c.device_array(A.shape, np.float32) for _ in range(2)] + [c.device_array(B.shape, np.float32)
                                                                         for _ in range(2)]
     parts = tuple(h[:, :v.shape[1]] for h, v in zip(halves, (a, a, b, b)))
-    split_a = _time_graph(lambda st: split_tf32(A, halves[0], halves[1], st), s, args.iters, args.repeats)
-    split_b = _time_graph(lambda st: split_tf32(B, halves[2], halves[3], st), s, args.iters, args.repeats)
-    gemms = _time_graph(lambda st: split_tf32_gemm(a, b, out, trans_a, trans_b, parts, st), s, args.iters,
+    split_a = _time_captured(lambda st: split_tf32(A, halves[0], halves[1], st), s, args.iters, args.repeats)
+    split_b = _time_captured(lambda st: split_tf32(B, halves[2], halves[3], st), s, args.iters, args.repeats)
+    gemms = _time_captured(lambda st: split_tf32_gemm(a, b, out, trans_a, trans_b, parts, st), s, args.iters,
                         args.repeats)
     ha, hb = a.copy_to_host().astype(np.float64), b.copy_to_host().astype(np.float64)
     ref = (ha.T if trans_a else ha) @ (hb.T if trans_b else hb)
@@ -186,7 +176,7 @@ def _ld_row(plan, compute: str, s, args, rng) -> dict:
         views = [c.to_device((rng.standard_normal((rows, ld)) * 0.05).astype(np.float32))[:, :cols]
                  for (rows, cols), ld in zip(shapes, lds)]
         a, b, out_c = views
-        out[key] = _time_graph(lambda st, a=a, b=b, o=out_c: blas.gemm(a, b, o, trans_a, trans_b, compute=compute,
+        out[key] = _time_captured(lambda st, a=a, b=b, o=out_c: blas.gemm(a, b, o, trans_a, trans_b, compute=compute,
                                                                       stream=st), s, args.iters, args.repeats)
     return out
 

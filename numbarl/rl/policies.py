@@ -147,9 +147,9 @@ _write_row = device_function(write_row)
 
 
 @_cuda.jit(cache=True)
-def scheduled_epsilon_greedy_step_kernel(q, mask, explore, step, schedule, decay_steps, actions, preference, st, grids, mk,
-                                         risk_budget, k, lo, hi, seed, counter, out, acc, action_store, reward_store,
-                                         done_store, weight_store, mask_store, count):
+def scheduled_epsilon_greedy_step_kernel(q, mask, explore, step, schedule, decay_steps, actions, preference, st,
+                                         grids, mk, risk_budget, k, lo, hi, seed, counter, out, acc, action_store,
+                                         reward_store, done_store, weight_store, mask_store, count):
     """scheduled_epsilon_greedy_kernel, then in the same thread env i's step (the env's
     `telemetry_step_row` on the actions just chosen) and its replay row (`write_row`: actions,
     reward, done, weight 1, mask): the launches of ε-greedy, the env step and the replay's row write

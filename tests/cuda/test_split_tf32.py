@@ -89,7 +89,7 @@ def test_bench_row_and_table_of_the_split_product(monkeypatch):
 
     from numbarl.bench import gemm as bench
 
-    monkeypatch.setattr(bench, "_time_graph", lambda fn, s, iters, repeats: (fn(s), 1.0)[1])
+    monkeypatch.setattr(bench, "_time_captured", lambda fn, s, iters, repeats: (fn(s), 1.0)[1])
 
     M, N, K, lda, ldb, ldc = 6, 5, 4, 7, 5, 8
     plan = SimpleNamespace(key=(M, N, K, lda, ldb, ldc, 0, True, False, None, False, "fp32", False, 0.0))
@@ -103,7 +103,8 @@ def test_bench_row_and_table_of_the_split_product(monkeypatch):
     plans = [{"calls": {"train": 2, "collect": 1}, "candidates": 1, "first_us": 10.0, "best_us": 10.0,
               "best_index": 0, "gain": 0.0, "plan": "M=6", "split_tf32": row}]
     results = {"device": "sim", "identity": {"cublaslt_version": "-"}, "candidates": 1, "computes": {"fp32": {
-        "plans": plans, "train_gemm_us": {"first": 20.0, "tuned": 20.0}, "collect_gemm_us": {"first": 10.0, "tuned": 10.0},
+        "plans": plans, "train_gemm_us": {"first": 20.0, "tuned": 20.0},
+        "collect_gemm_us": {"first": 10.0, "tuned": 10.0},
         "train_split_tf32_us": {"gemms": 2 * row["gemms_us"], "splits": 0.0},
         "collect_split_tf32_us": {"gemms": row["gemms_us"], "splits": 0.0}}}}
     text = bench.table(results)
@@ -118,7 +119,7 @@ def test_bench_row_of_padded_leading_dimensions(monkeypatch):
     from numbarl.bench import gemm as bench
 
     calls = []
-    monkeypatch.setattr(bench, "_time_graph", lambda fn, s, iters, repeats: (fn(s), calls.append(1), 1.0)[2])
+    monkeypatch.setattr(bench, "_time_captured", lambda fn, s, iters, repeats: (fn(s), calls.append(1), 1.0)[2])
     plan = SimpleNamespace(key=(6, 5, 4, 6, 5, 5, 0, True, False, None, False, "fp32", False, 0.0))
     row = bench._ld_row(plan, "fp32", stream(), SimpleNamespace(iters=1, repeats=1, ld_pad=8),
                         np.random.default_rng(0))

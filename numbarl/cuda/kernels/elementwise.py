@@ -506,7 +506,8 @@ def split_tf32_ref(x) -> tuple[np.ndarray, np.ndarray]:
 def split_tf32(x, hi, lo, stream):
     """hi = x rounded to TF32 (its low 13 mantissa bits zero, round to nearest even), lo = x − hi: the two
     operands of a split ("3xTF32") product, x·y ≈ hi_x·hi_y + hi_x·lo_y + lo_x·hi_y, whose three TF32 tensor-core
-    GEMMs reach close to float32 accuracy (the dropped lo·lo term is ~2⁻²² of x·y; numbarl.bench.gemm --split-tf32).
+    GEMMs reach close to float32 accuracy (the dropped lo·lo term is ~2⁻²² of x·y; numbarl.bench.gemm
+    --split-tf32).
     float32 arrays of one size, C-contiguous; finite x (an x within half a TF32 ulp of the float32 maximum rounds to
     inf)."""
     x1, h1, l1 = _flat(x, "split_tf32"), _flat(hi, "split_tf32"), _flat(lo, "split_tf32")
