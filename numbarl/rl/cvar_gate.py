@@ -293,6 +293,15 @@ def gate_switch(role: str = "agent.entry_gates", mask_shape=None) -> Arena:
     return arena
 
 
+def switch_of(armed, role: str):
+    """(owner, view) of an entry gate's switch: the agent's shared device uint8 [1] `armed` (owner None), or
+    without one a switch of the gate's own, on (`gate_switch(role)`, kept by the gate so its memory lives)."""
+    if armed is not None:
+        return None, armed
+    own = gate_switch(role)
+    return own, own["armed"]
+
+
 class CvarGate:
     """The CVaR entry gate of one C51 head (module docstring).
 
@@ -326,8 +335,7 @@ class CvarGate:
         self.dev.allocate()
         self.use_budget = readiness_state is not None
         self.readiness = readiness_state if readiness_state is not None else self.dev["no_readiness"]
-        self._switch = None if armed is not None else gate_switch(f"{self.dev.role}.armed")  # owns the memory
-        self.armed = armed if armed is not None else self._switch["armed"]
+        self._switch, self.armed = switch_of(armed, f"{self.dev.role}.armed")
 
     def _pass(self, tag: str):
         head = self.head

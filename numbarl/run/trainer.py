@@ -388,9 +388,8 @@ class FoldTrainer:
 
     def arm_entry_gates(self, armed: bool) -> None:
         """The agent's entry gates on or off (DQNAgent.arm_entry_gates), written only when it changes."""
-        arm = getattr(self.agent, "arm_entry_gates", None)
-        if arm is not None and armed != self.gates_on:
-            arm(armed, self.stream)
+        if armed != self.gates_on:
+            self.agent.arm_entry_gates(armed, self.stream)
             self.gates_on = armed
 
     def fit_support(self, when: str = "") -> dict | None:

@@ -100,6 +100,10 @@ class Agent:
         the agent's own prefill_steps, the larger."""
         return max(int(learning_starts), int(self.prefill_steps))
 
+    def arm_entry_gates(self, armed: bool, stream) -> None:
+        """Turn the agent's entry gates on or off (the trainer: off over the replay's prefill); an agent without
+        gates has nothing to switch (numbarl/rl/agents/dqn.py has them)."""
+
     def scores(self, obs, out, stream) -> None:
         """Greedy per-branch action scores [P, n_branches, max_actions] for a backtest's policies."""
         raise TypeError(f"{type(self).__name__} does not define scores")

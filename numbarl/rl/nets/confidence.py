@@ -44,7 +44,7 @@ import numpy as np
 from numbarl.cuda import launch
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.env.params import BR_DIRECTION, DIR_LONG, DIR_SHORT
-from numbarl.rl.cvar_gate import gate_switch
+from numbarl.rl.cvar_gate import switch_of
 from numbarl.rl.nets.linear import Linear
 from numbarl.rl.nets.module import Sequential
 
@@ -166,8 +166,7 @@ class ConfidenceGate:
         self.dev = Arena("agent.confidence_gate")
         self.dev.add("gated", (int(n_envs),), np.float32)
         self.dev.allocate()
-        self._switch = None if armed is not None else gate_switch(f"{self.dev.role}.armed")  # owns the memory
-        self.armed = armed if armed is not None else self._switch["armed"]
+        self._switch, self.armed = switch_of(armed, f"{self.dev.role}.armed")
 
     @property
     def gated(self):

@@ -77,8 +77,8 @@ from numbarl.rl.cvar_gate import (
     cvar_stats_kernel,
     gate_mask_dev,
     gate_scores_dev,
-    gate_switch,
     gated_sides_dev,
+    switch_of,
 )
 from numbarl.rl.cvar_gate import (
     _budget as budget_dev,  # the exploration risk budget, written once
@@ -321,8 +321,7 @@ class EpistemicGate:
         self.dev.allocate()
         self.use_budget = readiness_state is not None
         self.readiness = readiness_state if readiness_state is not None else self.dev["no_readiness"]
-        self._switch = None if armed is not None else gate_switch(f"{self.dev.role}.armed")  # owns the memory
-        self.armed = armed if armed is not None else self._switch["armed"]
+        self._switch, self.armed = switch_of(armed, f"{self.dev.role}.armed")
 
     def _score(self, h, tag: str, stream):
         """The extra heads on the trunk output h of tag's pass (head 0 ran in it), then u of both sides."""
