@@ -25,10 +25,17 @@ leading dimensions and on buffers whose leading dimensions are rounded up to a m
 the logical shapes unchanged). The C51 head's advantage GEMMs are 714 = 14 actions × 51 atoms wide, so their
 rows are 8-byte aligned only; the TF32 tensor-core kernels ran them at ~2.2× the time per FLOP of the 512-wide
 trunk GEMMs (docs/bench/bench-gemm.json, fifth session), the fp32 SIMT kernels at ~1.08×. The difference per
-plan says what padded head buffers would save before the layout is changed.
+plan says what padded head buffers would save before the layout is changed. (Measured in the nineteenth session:
+nothing, 9 µs of the TF32 train step; the rows' alignment is not the cause.)
+
+``--pad-dims Q`` times every plan's product, without its epilogue, on its own M, N, K and on each rounded up to a
+multiple of Q (the zero rows / columns a padded layout would carry: 714 → 720 at Q = 8, 768 at Q = 64; 51 → 56
+or 64). A padded product that runs in less time than the plan's own is a saving outright, so the totals count
+only the plans it speeds up. It asks whether the 714-wide (and the 51-wide) GEMMs' TF32 cost comes from their
+odd logical widths: the kernels the heuristic picks for them, not the memory layout.
 
     python -m numbarl.bench.gemm [--candidates 16] [--compute fp32,tf32] [--split-tf32] [--ld-pad 8]
-                                 [--write-tuning F] [--json F]
+                                 [--pad-dims 64] [--write-tuning F] [--json F]
 """
 
 from __future__ import annotations
@@ -158,27 +165,53 @@ def _split_row(plan, bufs, s, args) -> dict:
     return {"gemms_us": gemms, "split_a_us": split_a, "split_b_us": split_b, "error": errors}
 
 
-def _ld_row(plan, compute: str, s, args, rng) -> dict:
-    """The plan's product without its epilogue on its own leading dimensions and on ones rounded up to a
-    multiple of args.ld_pad floats (module docstring): µs of each, one captured graph each."""
+def _product_us(M, N, K, lds, trans_a, trans_b, compute, s, args, rng) -> float:
+    """µs per call of C[M, N] = op(A)·op(B) without an epilogue, on random buffers with leading dimensions lds
+    (lda, ldb, ldc), one captured graph."""
     from numbarl.cuda import blas
     from numbarl.cuda.runtime import cuda
 
     c = cuda()
-    (M, N, K, lda, ldb, ldc, _ldaux, trans_a, trans_b) = plan.key[:9]
     shapes = ((K if trans_a else M, M if trans_a else K), (N if trans_b else K, K if trans_b else N), (M, N))
+    a, b, out_c = [c.to_device((rng.standard_normal((rows, ld)) * 0.05).astype(np.float32))[:, :cols]
+                   for (rows, cols), ld in zip(shapes, lds)]
+    return _time_captured(lambda st: blas.gemm(a, b, out_c, trans_a, trans_b, compute=compute, stream=st), s,
+                          args.iters, args.repeats)
 
-    def pad(ld):
-        return -(-int(ld) // args.ld_pad) * args.ld_pad
 
-    out = {"ld": [int(lda), int(ldb), int(ldc)], "ld_padded": [pad(lda), pad(ldb), pad(ldc)]}
+def _round_up(x, q: int) -> int:
+    return -(-int(x) // q) * q
+
+
+def _ld_row(plan, compute: str, s, args, rng) -> dict:
+    """The plan's product without its epilogue on its own leading dimensions and on ones rounded up to a
+    multiple of args.ld_pad floats (module docstring): µs of each, one captured graph each."""
+    (M, N, K, lda, ldb, ldc, _ldaux, trans_a, trans_b) = plan.key[:9]
+    out = {"ld": [int(lda), int(ldb), int(ldc)]}
+    out["ld_padded"] = [_round_up(ld, args.ld_pad) for ld in out["ld"]]
     for key, lds in (("us_ld", out["ld"]), ("us_padded", out["ld_padded"])):
-        views = [c.to_device((rng.standard_normal((rows, ld)) * 0.05).astype(np.float32))[:, :cols]
-                 for (rows, cols), ld in zip(shapes, lds)]
-        a, b, out_c = views
-        out[key] = _time_captured(lambda st, a=a, b=b, o=out_c: blas.gemm(a, b, o, trans_a, trans_b, compute=compute,
-                                                                      stream=st), s, args.iters, args.repeats)
+        out[key] = _product_us(M, N, K, lds, trans_a, trans_b, compute, s, args, rng)
     return out
+
+
+def _dims_row(plan, compute: str, s, args, rng) -> dict:
+    """The plan's product without its epilogue on its own shape and on M, N, K rounded up to a multiple of
+    args.pad_dims (module docstring): zero rows / columns a padded layout would carry, so a padded product that
+    runs faster than the plan's own is a saving outright. Leading dimensions are the (padded) row widths."""
+    (M, N, K, *_lds, trans_a, trans_b) = plan.key[:9]
+    dims = [int(M), int(N), int(K)]
+    padded = [_round_up(d, args.pad_dims) for d in dims]
+    out = {"dims": dims, "dims_padded": padded}
+    for key, (m, n, k) in (("us_dims", dims), ("us_padded", padded)):
+        lds = ((m if trans_a else k), (k if trans_b else n), n)
+        out[key] = _product_us(m, n, k, lds, trans_a, trans_b, compute, s, args, rng)
+    return out
+
+
+def pad_dims_saving(rows, step: str) -> float:
+    """µs per step saved by padding the shapes of the plans whose padded product is faster (a layout pads only
+    those): Σ calls · max(0, own − padded)."""
+    return sum(r["calls"][step] * max(0.0, r["pad_dims"]["us_dims"] - r["pad_dims"]["us_padded"]) for r in rows)
 
 
 def _agent_steps(compute: str, args):
@@ -241,6 +274,8 @@ def run(args) -> dict:
                 rows[-1]["split_tf32"] = _split_row(plan, bufs, s, args)
             if args.ld_pad:
                 rows[-1]["ld_pad"] = _ld_row(plan, compute, s, args, rng)
+            if args.pad_dims:
+                rows[-1]["pad_dims"] = _dims_row(plan, compute, s, args, rng)
             if chosen:
                 tuning[blas.plan_key_text(key)] = {"index": chosen, "algo": blas.algo_text(found[chosen]),
                                                    "first_us": times[0], "us": times[chosen], "plan": plan.describe()}
@@ -254,6 +289,9 @@ def run(args) -> dict:
             for step in ("train", "collect"):
                 results["computes"][compute][f"{step}_ld_pad_saving_us"] = sum(
                     r["calls"][step] * (r["ld_pad"]["us_ld"] - r["ld_pad"]["us_padded"]) for r in rows)
+        if args.pad_dims:
+            for step in ("train", "collect"):
+                results["computes"][compute][f"{step}_pad_dims_saving_us"] = pad_dims_saving(rows, step)
         if args.split_tf32 and compute == "fp32":
             for step in ("train", "collect"):
                 results["computes"][compute][f"{step}_split_tf32_us"] = {
@@ -286,6 +324,14 @@ def table(results: dict) -> str:
                              f"{row['plan']}")
             lines.append(f"  saving per train step {r['train_ld_pad_saving_us']:.1f} µs, per collect step "
                          f"{r['collect_ld_pad_saving_us']:.1f} µs")
+        if "train_pad_dims_saving_us" in r:
+            lines.append("\n  shapes padded (no epilogue, zero rows / columns): µs on the plan's M, N, K -> on padded ones")
+            for row in r["plans"]:
+                x = row["pad_dims"]
+                lines.append(f"  {x['us_dims']:9.1f} -> {x['us_padded']:9.1f}  M, N, K {x['dims']} -> "
+                             f"{x['dims_padded']}  {row['plan']}")
+            lines.append(f"  saving per train step {r['train_pad_dims_saving_us']:.1f} µs, per collect step "
+                         f"{r['collect_pad_dims_saving_us']:.1f} µs (padding only the plans it speeds up)")
         if "train_split_tf32_us" in r:
             lines.append("\n  split TF32 (3 GEMMs) per fp32 plan: µs of the GEMMs, of each operand's split, and the "
                          "norm-relative error vs float64 of fp32 / one TF32 GEMM / the split product")
@@ -315,6 +361,8 @@ def main(argv=None) -> int:
                    help="also time and check a split (3xTF32) product on every fp32 plan (module docstring)")
     p.add_argument("--ld-pad", type=int, default=0, metavar="FLOATS",
                    help="also time every plan on leading dimensions rounded up to this multiple (0 = off; e.g. 8)")
+    p.add_argument("--pad-dims", type=int, default=0, metavar="Q",
+                   help="also time every plan with M, N, K rounded up to this multiple (0 = off; e.g. 8, 64)")
     p.add_argument("--write-tuning", default=None, metavar="PATH", help="write the tuning file (NUMBARL_GEMM_TUNING)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--batch", type=int, default=16384, help="transitions per train step (default: %(default)s)")
@@ -329,6 +377,10 @@ def main(argv=None) -> int:
         return 2
     if args.ld_pad < 0 or args.ld_pad == 1:
         print(f"error: --ld-pad {args.ld_pad}: give a multiple in floats >= 2 (e.g. 8), or 0 for off. Nothing was "
+              "written.", file=sys.stderr)
+        return 2
+    if args.pad_dims < 0 or args.pad_dims == 1:
+        print(f"error: --pad-dims {args.pad_dims}: give a multiple >= 2 (e.g. 8 or 64), or 0 for off. Nothing was "
               "written.", file=sys.stderr)
         return 2
     if set(args.compute.split(",")) - {"fp32", "tf32"}:

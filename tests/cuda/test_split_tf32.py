@@ -125,3 +125,44 @@ def test_bench_row_of_padded_leading_dimensions(monkeypatch):
                         np.random.default_rng(0))
     assert row == {"ld": [6, 5, 5], "ld_padded": [8, 8, 8], "us_ld": 1.0, "us_padded": 1.0} and len(calls) == 2
     assert bench.main(["--ld-pad", "1"]) == 2
+
+
+def test_bench_row_of_padded_shapes(monkeypatch):
+    """numbarl.bench.gemm --pad-dims: the plan's product on its own M, N, K and on each rounded up to the next
+    multiple (each timed call run once here, and its output checked against numpy), the table's saving counting
+    only the plans that padding speeds up."""
+    from types import SimpleNamespace
+
+    from numbarl.bench import gemm as bench
+    from numbarl.cuda import blas
+
+    shapes = []
+    real_gemm = blas.gemm
+
+    def gemm(a, b, c, trans_a, trans_b, **kw):
+        real_gemm(a, b, c, trans_a, trans_b, **kw)
+        ha, hb = a.copy_to_host(), b.copy_to_host()
+        ref = (ha.T if trans_a else ha) @ (hb.T if trans_b else hb)
+        np.testing.assert_allclose(c.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
+        shapes.append((a.shape, b.shape, c.shape))
+
+    monkeypatch.setattr(blas, "gemm", gemm)
+    times = iter([3.0, 2.0])
+    monkeypatch.setattr(bench, "_time_captured", lambda fn, s, iters, repeats: (fn(s), next(times))[1])
+    plan = SimpleNamespace(key=(6, 5, 3, 6, 5, 5, 0, True, False, None, False, "fp32", False, 0.0))
+    row = bench._dims_row(plan, "fp32", stream(), SimpleNamespace(iters=1, repeats=1, pad_dims=4),
+                          np.random.default_rng(0))
+    assert row == {"dims": [6, 5, 3], "dims_padded": [8, 8, 4], "us_dims": 3.0, "us_padded": 2.0}
+    # op(A) = A^T: A is [K, M]; B is [K, N]; C is [M, N], on the plan's and on the padded shape
+    assert shapes == [((3, 6), (3, 5), (6, 5)), ((4, 8), (4, 8), (8, 8))]
+    slower = {"dims": [6, 5, 3], "dims_padded": [8, 8, 4], "us_dims": 1.0, "us_padded": 4.0}
+    plans = [{"calls": {"train": 2, "collect": 1}, "candidates": 1, "first_us": 10.0, "best_us": 10.0,
+              "best_index": 0, "gain": 0.0, "plan": f"p{i}", "pad_dims": x} for i, x in enumerate((row, slower))]
+    saving = {f"{k}_pad_dims_saving_us": bench.pad_dims_saving(plans, k) for k in ("train", "collect")}
+    assert saving == {"train_pad_dims_saving_us": 2.0, "collect_pad_dims_saving_us": 1.0}
+    results = {"device": "sim", "identity": {"cublaslt_version": "-"}, "candidates": 1, "computes": {"fp32": {
+        "plans": plans, "train_gemm_us": {"first": 40.0, "tuned": 40.0},
+        "collect_gemm_us": {"first": 20.0, "tuned": 20.0}, **saving}}}
+    text = bench.table(results)
+    assert "shapes padded" in text and "[6, 5, 3] -> [8, 8, 4]" in text and "saving per train step 2.0 µs" in text
+    assert bench.main(["--pad-dims", "1"]) == 2
