@@ -26,13 +26,15 @@ the logical shapes unchanged). The C51 head's advantage GEMMs are 714 = 14 actio
 rows are 8-byte aligned only; the TF32 tensor-core kernels ran them at ~2.2× the time per FLOP of the 512-wide
 trunk GEMMs (docs/bench/bench-gemm.json, fifth session), the fp32 SIMT kernels at ~1.08×. The difference per
 plan says what padded head buffers would save before the layout is changed. (Measured in the nineteenth session:
-nothing, 9 µs of the TF32 train step; the rows' alignment is not the cause.)
+next to nothing, 9 µs of the TF32 train step, fp32 −15 µs, noise; the rows' alignment is not the cause.)
 
 ``--pad-dims Q`` times every plan's product, without its epilogue, on its own M, N, K and on each rounded up to a
-multiple of Q (the zero rows / columns a padded layout would carry: 714 → 720 at Q = 8, 768 at Q = 64; 51 → 56
-or 64). A padded product that runs in less time than the plan's own is a saving outright, so the totals count
-only the plans it speeds up. It asks whether the 714-wide (and the 51-wide) GEMMs' TF32 cost comes from their
-odd logical widths: the kernels the heuristic picks for them, not the memory layout.
+multiple of Q (the rows / columns a padded layout would add, zeros there: 714 → 720 at Q = 8, 768 at Q = 64;
+51 → 56 or 64). A padded product that runs in less time than the plan's own is a saving outright. A padded width
+is shared by the plans that use it (714 is the forward's N, the input gradient's K, the weight gradient's N), so
+the totals are given both with every plan padded and with only the plans it speeds up (a lower and an upper
+bound for a layout that pads some widths). It asks whether the 714-wide (and the 51-wide) GEMMs' TF32 cost comes
+from their odd logical widths: the kernels the heuristic picks for them, not the memory layout.
 
     python -m numbarl.bench.gemm [--candidates 16] [--compute fp32,tf32] [--split-tf32] [--ld-pad 8]
                                  [--pad-dims 64] [--write-tuning F] [--json F]
@@ -196,8 +198,8 @@ def _ld_row(plan, compute: str, s, args, rng) -> dict:
 
 def _dims_row(plan, compute: str, s, args, rng) -> dict:
     """The plan's product without its epilogue on its own shape and on M, N, K rounded up to a multiple of
-    args.pad_dims (module docstring): zero rows / columns a padded layout would carry, so a padded product that
-    runs faster than the plan's own is a saving outright. Leading dimensions are the (padded) row widths."""
+    args.pad_dims (module docstring): the rows / columns a padded layout would add (random here: the timing does
+    not depend on them). Leading dimensions are the (padded) row widths."""
     (M, N, K, *_lds, trans_a, trans_b) = plan.key[:9]
     dims = [int(M), int(N), int(K)]
     padded = [_round_up(d, args.pad_dims) for d in dims]
@@ -208,10 +210,14 @@ def _dims_row(plan, compute: str, s, args, rng) -> dict:
     return out
 
 
-def pad_dims_saving(rows, step: str) -> float:
-    """µs per step saved by padding the shapes of the plans whose padded product is faster (a layout pads only
-    those): Σ calls · max(0, own − padded)."""
-    return sum(r["calls"][step] * max(0.0, r["pad_dims"]["us_dims"] - r["pad_dims"]["us_padded"]) for r in rows)
+def pad_dims_saving(rows, step: str, only_faster: bool = False) -> float:
+    """µs per step saved by padding the plans' shapes: Σ calls · (own − padded) over every plan, or with
+    only_faster over the plans whose padded product is faster (max(0, own − padded))."""
+    def gain(x):
+        d = x["us_dims"] - x["us_padded"]
+        return max(0.0, d) if only_faster else d
+
+    return sum(r["calls"][step] * gain(r["pad_dims"]) for r in rows)
 
 
 def _agent_steps(compute: str, args):
@@ -292,6 +298,7 @@ def run(args) -> dict:
         if args.pad_dims:
             for step in ("train", "collect"):
                 results["computes"][compute][f"{step}_pad_dims_saving_us"] = pad_dims_saving(rows, step)
+                results["computes"][compute][f"{step}_pad_dims_faster_saving_us"] = pad_dims_saving(rows, step, True)
         if args.split_tf32 and compute == "fp32":
             for step in ("train", "collect"):
                 results["computes"][compute][f"{step}_split_tf32_us"] = {
@@ -305,6 +312,17 @@ def run(args) -> dict:
     return results
 
 
+# the padded timings' table blocks: (row and totals key, heading, own µs key, label, own and padded keys, note)
+_PADDINGS = (
+    ("ld_pad", "leading dimensions padded (no epilogue): µs on the plan's lds -> on padded lds", "us_ld", "lds",
+     "ld", "ld_padded", lambda r: ""),
+    ("pad_dims", ("shapes padded (no epilogue, the rows / columns a padded layout adds): µs on the plan's M, N, K "
+                  "-> on padded ones"), "us_dims", "M, N, K", "dims", "dims_padded",
+     lambda r: (f" with every plan padded; {r['train_pad_dims_faster_saving_us']:.1f} / "
+                f"{r['collect_pad_dims_faster_saving_us']:.1f} µs padding only the plans it speeds up")),
+)
+
+
 def table(results: dict) -> str:
     lines = [(f"GEMM candidates on {results['device']} (cuBLASLt {results['identity']['cublaslt_version']}), "
               f"up to {results['candidates']} per plan")]
@@ -316,22 +334,16 @@ def table(results: dict) -> str:
             c = row["calls"]
             lines.append(f"  {c['train']:>4}/{c['collect']:<4}  {row['candidates']:>3}  {row['first_us']:9.1f}  "
                          f"{row['best_us']:9.1f}  {row['best_index']:>3}  {row['gain']:6.1%}  {row['plan']}")
-        if "train_ld_pad_saving_us" in r:
-            lines.append("\n  leading dimensions padded (no epilogue): µs on the plan's lds -> on padded lds")
+        for key, heading, own_us, label, own, padded, note in _PADDINGS:
+            if f"train_{key}_saving_us" not in r:
+                continue
+            lines.append(f"\n  {heading}")
             for row in r["plans"]:
-                x = row["ld_pad"]
-                lines.append(f"  {x['us_ld']:9.1f} -> {x['us_padded']:9.1f}  lds {x['ld']} -> {x['ld_padded']}  "
+                x = row[key]
+                lines.append(f"  {x[own_us]:9.1f} -> {x['us_padded']:9.1f}  {label} {x[own]} -> {x[padded]}  "
                              f"{row['plan']}")
-            lines.append(f"  saving per train step {r['train_ld_pad_saving_us']:.1f} µs, per collect step "
-                         f"{r['collect_ld_pad_saving_us']:.1f} µs")
-        if "train_pad_dims_saving_us" in r:
-            lines.append("\n  shapes padded (no epilogue, zero rows / columns): µs on the plan's M, N, K -> on padded ones")
-            for row in r["plans"]:
-                x = row["pad_dims"]
-                lines.append(f"  {x['us_dims']:9.1f} -> {x['us_padded']:9.1f}  M, N, K {x['dims']} -> "
-                             f"{x['dims_padded']}  {row['plan']}")
-            lines.append(f"  saving per train step {r['train_pad_dims_saving_us']:.1f} µs, per collect step "
-                         f"{r['collect_pad_dims_saving_us']:.1f} µs (padding only the plans it speeds up)")
+            lines.append(f"  saving per train step {r[f'train_{key}_saving_us']:.1f} µs, per collect step "
+                         f"{r[f'collect_{key}_saving_us']:.1f} µs{note(r)}")
         if "train_split_tf32_us" in r:
             lines.append("\n  split TF32 (3 GEMMs) per fp32 plan: µs of the GEMMs, of each operand's split, and the "
                          "norm-relative error vs float64 of fp32 / one TF32 GEMM / the split product")

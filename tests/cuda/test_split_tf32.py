@@ -111,7 +111,7 @@ def test_bench_row_and_table_of_the_split_product(monkeypatch):
     assert "split TF32 (3 GEMMs)" in text and "train step GEMMs: fp32 20.0 µs" in text
 
 
-def test_bench_row_of_padded_leading_dimensions(monkeypatch):
+def test_bench_row_of_padded_leading_dimensions(monkeypatch, capsys):
     """numbarl.bench.gemm --ld-pad: the plan's product on its own leading dimensions and on padded ones (each
     timed call run once here), the padded lds the next multiple."""
     from types import SimpleNamespace
@@ -124,45 +124,65 @@ def test_bench_row_of_padded_leading_dimensions(monkeypatch):
     row = bench._ld_row(plan, "fp32", stream(), SimpleNamespace(iters=1, repeats=1, ld_pad=8),
                         np.random.default_rng(0))
     assert row == {"ld": [6, 5, 5], "ld_padded": [8, 8, 8], "us_ld": 1.0, "us_padded": 1.0} and len(calls) == 2
+    capsys.readouterr()
     assert bench.main(["--ld-pad", "1"]) == 2
+    assert "--ld-pad 1: give a multiple" in capsys.readouterr().err
 
 
-def test_bench_row_of_padded_shapes(monkeypatch):
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_bench_row_of_padded_shapes(monkeypatch, capsys, trans_a, trans_b):
     """numbarl.bench.gemm --pad-dims: the plan's product on its own M, N, K and on each rounded up to the next
-    multiple (each timed call run once here, and its output checked against numpy), the table's saving counting
-    only the plans that padding speeds up."""
+    multiple (each timed call run once here, its output checked against numpy, its operands' shapes and leading
+    dimensions the stored layout of op(A)[M, K], op(B)[K, N], C[M, N]), and the table's totals with every plan
+    padded and with only the plans that padding speeds up."""
     from types import SimpleNamespace
 
     from numbarl.bench import gemm as bench
     from numbarl.cuda import blas
 
-    shapes = []
+    seen = []
     real_gemm = blas.gemm
 
-    def gemm(a, b, c, trans_a, trans_b, **kw):
-        real_gemm(a, b, c, trans_a, trans_b, **kw)
+    def gemm(a, b, c, ta, tb, **kw):
+        real_gemm(a, b, c, ta, tb, **kw)
         ha, hb = a.copy_to_host(), b.copy_to_host()
-        ref = (ha.T if trans_a else ha) @ (hb.T if trans_b else hb)
+        ref = (ha.T if ta else ha) @ (hb.T if tb else hb)
         np.testing.assert_allclose(c.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
-        shapes.append((a.shape, b.shape, c.shape))
+        seen.append(tuple((x.shape, x.strides[0] // 4) for x in (a, b, c)))
 
     monkeypatch.setattr(blas, "gemm", gemm)
     times = iter([3.0, 2.0])
     monkeypatch.setattr(bench, "_time_captured", lambda fn, s, iters, repeats: (fn(s), next(times))[1])
-    plan = SimpleNamespace(key=(6, 5, 3, 6, 5, 5, 0, True, False, None, False, "fp32", False, 0.0))
+    M, N, K = 6, 5, 3
+    plan = SimpleNamespace(key=(M, N, K, 0, 0, N, 0, trans_a, trans_b, None, False, "fp32", False, 0.0))
     row = bench._dims_row(plan, "fp32", stream(), SimpleNamespace(iters=1, repeats=1, pad_dims=4),
                           np.random.default_rng(0))
     assert row == {"dims": [6, 5, 3], "dims_padded": [8, 8, 4], "us_dims": 3.0, "us_padded": 2.0}
-    # op(A) = A^T: A is [K, M]; B is [K, N]; C is [M, N], on the plan's and on the padded shape
-    assert shapes == [((3, 6), (3, 5), (6, 5)), ((4, 8), (4, 8), (8, 8))]
+
+    def stored(m, n, k):  # (shape, leading dimension) of A, B, C, each tightly packed
+        a = (k, m) if trans_a else (m, k)
+        b = (n, k) if trans_b else (k, n)
+        return tuple((x, x[1]) for x in (a, b, (m, n)))
+
+    assert seen == [stored(6, 5, 3), stored(8, 8, 4)]
     slower = {"dims": [6, 5, 3], "dims_padded": [8, 8, 4], "us_dims": 1.0, "us_padded": 4.0}
+    ld = {"ld": [6, 5, 5], "ld_padded": [8, 8, 8], "us_ld": 5.0, "us_padded": 4.5}
     plans = [{"calls": {"train": 2, "collect": 1}, "candidates": 1, "first_us": 10.0, "best_us": 10.0,
-              "best_index": 0, "gain": 0.0, "plan": f"p{i}", "pad_dims": x} for i, x in enumerate((row, slower))]
+              "best_index": 0, "gain": 0.0, "plan": f"p{i}", "pad_dims": x, "ld_pad": ld}
+             for i, x in enumerate((row, slower))]
     saving = {f"{k}_pad_dims_saving_us": bench.pad_dims_saving(plans, k) for k in ("train", "collect")}
-    assert saving == {"train_pad_dims_saving_us": 2.0, "collect_pad_dims_saving_us": 1.0}
+    saving |= {f"{k}_pad_dims_faster_saving_us": bench.pad_dims_saving(plans, k, True) for k in ("train", "collect")}
+    assert saving == {"train_pad_dims_saving_us": -4.0, "collect_pad_dims_saving_us": -2.0,
+                      "train_pad_dims_faster_saving_us": 2.0, "collect_pad_dims_faster_saving_us": 1.0}
     results = {"device": "sim", "identity": {"cublaslt_version": "-"}, "candidates": 1, "computes": {"fp32": {
         "plans": plans, "train_gemm_us": {"first": 40.0, "tuned": 40.0},
-        "collect_gemm_us": {"first": 20.0, "tuned": 20.0}, **saving}}}
+        "collect_gemm_us": {"first": 20.0, "tuned": 20.0}, **saving,
+        "train_ld_pad_saving_us": 2.0, "collect_ld_pad_saving_us": 1.0}}}
     text = bench.table(results)
-    assert "shapes padded" in text and "[6, 5, 3] -> [8, 8, 4]" in text and "saving per train step 2.0 µs" in text
+    assert "shapes padded" in text and "M, N, K [6, 5, 3] -> [8, 8, 4]  p0" in text
+    assert ("saving per train step -4.0 µs, per collect step -2.0 µs with every plan padded; 2.0 / 1.0 µs padding "
+            "only the plans it speeds up") in text
+    assert "leading dimensions padded" in text and "lds [6, 5, 5] -> [8, 8, 8]  p1" in text
+    capsys.readouterr()
     assert bench.main(["--pad-dims", "1"]) == 2
+    assert "--pad-dims 1: give a multiple" in capsys.readouterr().err
