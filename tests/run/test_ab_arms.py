@@ -1,0 +1,54 @@
+"""bin/ab-arms.sh: the option sets docs/RESULTS.md's A/B commands name still resolve, and the archived base runs
+the GPU grids are seeded with still match their arms under today's defaults. A default changed since they ran
+would stop a seeded grid on the GPU host (numbarl ab compares each finished run's config.json with what its arm
+resolves to now); this test says so on the CPU first."""
+
+import shlex
+import subprocess
+import tarfile
+from pathlib import Path
+
+from numbarl import config
+from numbarl.run import ab
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "LAG", "ALL", "BASE_RUNS")
+
+
+def arm_sets() -> dict:
+    """The variables of bin/ab-arms.sh, as bash sources it."""
+    script = ". bin/ab-arms.sh && printf '%s\\0' " + " ".join(f'"${n}"' for n in NAMES)
+    out = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    values = out.split("\0")[:len(NAMES)]
+    assert all(values), dict(zip(NAMES, values))
+    return dict(zip(NAMES, values))
+
+
+def test_every_option_set_resolves():
+    v = arm_sets()
+    # the sets as the commands combine them (the convolution and the flow feature ride on the scan)
+    for combo in ("T", "RW", "RWK", "TEMP16", "RW TEMP16 LAG10", "RWK TEMP16 LAG", "ALL"):
+        opts = shlex.split(" ".join(v[n] for n in combo.split()))
+        config.resolve(sets=ab.train_arg_sets(opts))  # raises on an unknown field or a bad value
+    assert "--epochs 5" in v["LAG"] and v["LAG"].startswith(v["LAG10"])
+    assert set(v["RW"].split()) >= set(v["T"].split()) and "agent.iqn=true" in v["ALL"]
+
+
+def test_the_archived_bases_match_their_arms(tmp_path):
+    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x): finished, with config.json,
+    equal to what numbarl train resolves for its arm today."""
+    v = arm_sets()
+    archives = [ROOT / p for p in v["BASE_RUNS"].split()]
+    for archive in archives:
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if "-s0/" in m.name]
+            tar.extractall(tmp_path, members=members, filter="data")
+    arms = [("e10", []), ("t32b", shlex.split(v["T"])), ("rw", shlex.split(v["RW"])),
+            ("rwl10", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']}")), ("all14x", shlex.split(v["ALL"]))]
+    for arm, _ in arms:
+        assert ab._finished(tmp_path / f"{arm}-s0"), f"{arm}-s0 is not a finished run in {v['BASE_RUNS']}"
+    errors, unchecked = ab.check_finished_runs(tmp_path, "default", [(a, o, [0]) for a, o in arms], [], parallel=2)
+    assert errors == [] and unchecked == []
+    # the check is not vacuous: the regime-walk base under the planted market's options differs
+    errors, _ = ab.check_finished_runs(tmp_path, "default", [("rw", shlex.split(v["T"]), [0])], [], parallel=1)
+    assert len(errors) == 1 and "data.synth_mode" in errors[0]
