@@ -381,7 +381,9 @@ class FoldTrainer:
                     f"| last val Sharpe {_num(self.val_history[-1] if self.val_history else None, '.2f')}")
                 if stats["nonfinite_step"] >= 0:
                     self.stop_nonfinite(stats)
-        self.arm_entry_gates(True)  # validation, test and a checkpoint's later backtests see the gates on
+        # the agent leaves every epoch with its gates on, whoever steps it next (an epoch can end inside the prefill);
+        # backtests (validation, test) are gated either way: their score kernels do not read the switch
+        self.arm_entry_gates(True)
         self.stream.synchronize()  # once per epoch: the steps since the last log interval are done (ETA)
         self.progress.done("step", self.collect_steps - timed_steps, time.perf_counter() - timed_at)
         self.epoch += 1
