@@ -2,7 +2,10 @@
 # name, so that a quoted command runs as it ran. tests/run/test_ab_arms.py checks that every set still resolves,
 # and that the archived base runs the grids are seeded with still match their arms under today's defaults (a
 # changed default would stop a seeded grid on the GPU host, numbarl ab's config.json check).
-T="--set agent.compute=tf32"                                                     # TF32 single-switch A/Bs
+# TF32 single-switch A/Bs. Since the twentieth session TF32 pads the advantage head (agent.head_pad=0 -> 64): the
+# same math in other GEMM kernels. The TF32 bases archived before it ran unpadded (their config.json has no
+# head_pad, so numbarl ab does not compare it); add --set agent.head_pad=1 to an arm for their bits.
+T="--set agent.compute=tf32"
 RW="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.train_sessions=94 $T"
 RWK="--set data.synth_mode=regime_walk --set data.synth_sessions=1000 --set train.train_sessions=994 $T"
 TEMP16="--set agent.temporal=mamba --set agent.temporal_steps=16 --set agent.temporal_lr=5e-4"
@@ -13,6 +16,6 @@ ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true -
 --set agent.horizons=1,3,20 --set agent.cvar_alpha=0.1 --set agent.cvar_floor=0.005 --set agent.ensemble_heads=3 \
 --set agent.epistemic_theta=0.0046 --set env.kelly_lambda=0.5 --set env.dsr_reward_scale=0.01"   # issue 14 all on
 # archived finished runs of the bases (SEED_RUNS of bin/gpu-ab): e10 / e10null (fp32 default), t32b ($T), rw ($RW),
-# rwl10 ($RW $TEMP16 $LAG10), all14x ($ALL)
+# rwl10 ($RW $TEMP16 $LAG10), all14x ($ALL); rwlp / rwl10null (twentieth session, agent.head_pad=1 in config.json)
 BASE_RUNS="docs/results/2026-12-03-session15/runs-call3.tgz docs/results/2026-12-03-session16/runs-call3.tgz \
-docs/results/2026-12-03-session19/runs.tgz"
+docs/results/2026-12-03-session19/runs.tgz docs/results/2026-12-03-session20/runs.tgz"

@@ -98,6 +98,7 @@ def parse_horizons(text: str) -> tuple[int, ...]:
         raise ValueError(f"agent.horizons = {text!r}: a comma list of integers (bars), e.g. '1,5,20'") from None
     return tuple(sorted(set(values)))
 # ICM curiosity (agent.curiosity_weight) is off below this weight: nothing of it is built
+HEAD_PAD_TF32 = 64  # agent.head_pad=0 under TF32: 714 -> 768 columns (docs/BENCHMARKS.md, twentieth session)
 CURIOSITY_MIN_WEIGHT = 1e-3
 
 
@@ -151,6 +152,12 @@ class AgentConfig:
     measured on the GPU against the recorded results (docs/RESULTS.md)."""
     compute: str = "fp32"
     """GEMM precision: 'fp32' or 'tf32'."""
+    head_pad: int = 0
+    """Run the advantage head's GEMMs at its width ΣA·Z rounded up to a multiple of this (1 = as it is; 714 → 768
+    at 64). 0 = automatic: 64 under TF32, where cuBLASLt picks one-float-aligned kernels for the width 714 and the
+    padded train step is ~0.25 ms faster on the H200, and 1 in fp32, where padding costs time (docs/BENCHMARKS.md,
+    issue 17). The parameters keep their shape: each pass copies them into a zero-padded scratch, so the values
+    are the same math, rounded by other GEMM kernels (numbarl/rl/nets/c51_head.py)."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up of every optimizer group over this many train steps from the
     group's start (numbarl/rl/schedules.py; 0 = off)."""
@@ -451,6 +458,11 @@ class AgentConfig:
     # --- end Decision Transformer ------------------------------------------------------------------------
 
     @property
+    def head_pad_multiple(self) -> int:
+        """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 under TF32 and 1 in fp32."""
+        return self.head_pad or (HEAD_PAD_TF32 if self.compute == "tf32" else 1)
+
+    @property
     def curiosity(self) -> bool:
         """ICM curiosity is on: agent.curiosity_weight >= CURIOSITY_MIN_WEIGHT."""
         return self.curiosity_weight >= CURIOSITY_MIN_WEIGHT
@@ -539,6 +551,7 @@ class AgentConfig:
         _check("agent", "target_period", self.target_period, lo=1, hi=10**9)
         _check("agent", "tau", self.tau, lo=0.0, hi=1.0, lo_open=True)
         _check("agent", "compute", self.compute, choices=("fp32", "tf32"))
+        _check("agent", "head_pad", self.head_pad, lo=0, hi=1024)
         _check("agent", "support", self.support, choices=("fixed", "fit"))
         _check("agent", "atom_entropy_source", self.atom_entropy_source, choices=("taken", "target"))
         _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)

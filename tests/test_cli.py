@@ -78,6 +78,23 @@ def test_bench_train_without_a_gpu_is_an_error_not_a_success(tmp_path):
     assert not out.exists()
 
 
+def test_bench_train_head_pad_rows():
+    """--head-pad: its values (0 = the automatic default) are checked before any GPU work, and each extra row is a
+    line of its train and collect steps against the first row, with its peer check."""
+    from numbarl.bench import train
+
+    assert train.head_pads("0,1,8") == [0, 1, 8]
+    for bad in ("1,x", "-1", "4,4", ""):
+        with pytest.raises(SystemExit, match="--head-pad"):
+            train.head_pads(bad)
+    row = {"train_step_ms": 1.6, "collect_step_ms": 0.29}
+    results = {"head_pad": 0, "numbarl": {"tf32": {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "tf32.pad1": row},
+               "check.pad1": {"available": True, "loss_relerr": 9e-7, "grad_relerr_max": 1e-6}}
+    (line,) = train.pad_lines(results)
+    assert line.startswith("agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)")
+    assert "loss rel 9.0e-07" in line
+
+
 def test_sigterm_unwinds_like_ctrl_c():
     """The handler turns SIGTERM into an exception, so that the trainer's files are closed and the
     message names how to continue (a default SIGTERM kills silently)."""

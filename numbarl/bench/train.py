@@ -13,6 +13,7 @@ Checks before it times: one batch's loss and gradients of numbarl and of the PyT
   N = n_envs: env-steps/s including inference.
 
     python -m numbarl.bench.train [--json PATH] [--batch 16384] [--n-envs 16384] [--trunk 512,512]
+                                  [--head-pad 0,1,8]   # the default, then other agent.head_pad values
 
 Default model: 64 features, trunk 2×512, 4 branches, 51 atoms, batch 16,384.
 """
@@ -140,8 +141,12 @@ def run(args) -> dict:
     market = _market(args.bars, args.features, args.seed).to_device(params.vol_span, params.vol_horizon_bars)
     results = {"device": device_name(), "batch": args.batch, "n_envs": args.n_envs, "trunk": trunk,
                "features": args.features, "branches": params.branch_sizes, "n_atoms": 51, "numbarl": {}, "torch": {}}
-    for compute in ("fp32", "tf32"):
-        cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute)
+    pads = head_pads(getattr(args, "head_pad", "0"))
+    results["head_pad"] = pads[0]
+    for compute, pad in [(c, q) for c in ("fp32", "tf32") for q in pads]:
+        key = compute if pad == pads[0] else f"{compute}.pad{pad}"  # the first padding is the table's row
+        cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute,
+                          head_pad=pad)
         env = DeviceEnv(market, params, args.n_envs, seed=args.seed)
         agent = make_agent(cfg, env.state_dim, params.branch_sizes, args.n_envs, args.seed, epsilon=(1.0, 0.05, 100))
         env.reset(args.seed, s)
@@ -161,12 +166,14 @@ def run(args) -> dict:
         if getattr(args, "profile", False):
             r["kernels_train"] = kernel_profile(steps["train"], s)
             r["kernels_collect"] = kernel_profile(steps["collect"], s)
-        results["numbarl"][compute] = r
-        if compute == "fp32":
+        results["numbarl"][key] = r
+        if compute == "fp32" and pad == pads[0]:
             results["check"] = _check_against_peer(agent, s)
             if results["check"].get("available"):
                 results["torch"] = _time_peer(agent, s)
             results["jax"] = jax_peer_results(agent, s, args.n_envs)  # checked, then timed
+        elif compute == "fp32":  # another padding: the same peer check, not timed again
+            results[f"check.pad{pad}"] = _check_against_peer(agent, s)
         del agent, env
     return results
 
@@ -357,6 +364,33 @@ def jax_table_lines(results: dict) -> list:
     ]
 
 
+def head_pads(text) -> list[int]:
+    """--head-pad's values: agent.head_pad per row, the first the table's (e.g. "0,1,8": the default, which is
+    automatic, then unpadded, then padded to a multiple of 8)."""
+    try:
+        pads = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --head-pad takes comma-separated integers >= 0 (got {text!r})") from None
+    if not pads or min(pads) < 0 or len(set(pads)) != len(pads):
+        raise SystemExit(f"error: --head-pad takes distinct integers >= 0 (got {text!r})")
+    return pads
+
+
+def pad_lines(results: dict) -> list[str]:
+    """One line per extra --head-pad value: its train and collect steps against the first value's."""
+    nb, lines = results["numbarl"], []
+    for key in [k for k in nb if ".pad" in k]:
+        prec, pad = key.split(".pad")
+        base, r = nb[prec], nb[key]
+        chk = results.get(f"check.pad{pad}", {})
+        peer = (f", vs PyTorch loss rel {chk['loss_relerr']:.1e} grad rel {chk['grad_relerr_max']:.1e}"
+                if chk.get("available") else "")
+        lines.append(f"agent.head_pad={pad} ({prec}): train {r['train_step_ms']:.3f} ms "
+                     f"({r['train_step_ms'] - base['train_step_ms']:+.3f} vs head_pad={results['head_pad']}), collect "
+                     f"{r['collect_step_ms']:.3f} ms ({r['collect_step_ms'] - base['collect_step_ms']:+.3f}){peer}")
+    return lines
+
+
 def table(results: dict) -> str:
     lines = [f"numbarl train-step benchmark on {results['device']}",
              f"model: {results['features']} features, trunk {results['trunk']}, branches {results['branches']}, "
@@ -379,6 +413,7 @@ def table(results: dict) -> str:
     for prec in ("fp32", "tf32"):
         lines.append(f"collect step ({prec}) {nb[prec]['collect_step_ms']:.3f} ms -> "
                      f"{nb[prec]['env_steps_per_s_with_inference']:.3e} env-steps/s incl. inference")
+    lines += pad_lines(results)
     lines.append("phases (fp32 / tf32, ms, each captured alone):")
     for name in nb["fp32"]["phases_ms"]:
         lines.append(f"  {name:<44}{nb['fp32']['phases_ms'][name]:>8.3f}{nb['tf32']['phases_ms'][name]:>8.3f}")
@@ -405,7 +440,11 @@ def main(argv=None) -> int:
     p.add_argument("--bars", type=int, default=200_000, help="bars of the synthetic market the env steps over (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
     p.add_argument("--profile", action="store_true", help="also list GPU time per kernel (needs torch)")
+    p.add_argument("--head-pad", default="0", metavar="Q[,Q...]",
+                   help="agent.head_pad per numbarl row (0: the automatic default); the first is the table's, each "
+                        "other one a line of its train and collect steps against it (default: %(default)s)")
     args = p.parse_args(argv)
+    head_pads(args.head_pad)  # a bad value stops here, before the GPU work
     if backend.simulator_active():
         print("error: numbarl-bench train needs a CUDA GPU: no GPU was found (or --simulate was given), and "
               "the simulator cannot time kernels; run it on a GPU machine (docs/BENCHMARKS.md). Nothing was written.",

@@ -339,3 +339,100 @@ def test_forward_and_backward_with_long_branches_and_atom_tails(rng):
         ref_dv, ref_da = c51_head.dueling_backward_ref(d_logits, sizes)
         _close(_host(d_value), ref_dv, what=f"d_value {sizes}")
         _close(_host(d_adv), ref_da, what=f"d_adv {sizes}")
+
+
+def _head_run(rng_seed, pad_to):
+    """One padded or unpadded head: the three passes of a train step, then two backwards in one ledger step
+    (the second accumulates: its bias gradient is the column sum of a strided view of the padded d_adv)."""
+    rng = np.random.default_rng(rng_seed)
+    head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to)
+    store = ParamStore()
+    head.declare_params(store)
+    store.allocate()
+    store.init(rng)
+    store.load({k: v + np.float32(0.1) for k, v in store.to_host("params").items()}, role="target")
+    acts = Arena("acts")
+    for tag, outputs in (("online", ("logits", "q")), ("next", ("q",)), ("target", ("probs",))):
+        head.declare_acts(acts, BATCH, tag, backward=(tag == "online"), outputs=outputs)
+    acts.allocate()
+    h = _dev(rng.standard_normal((BATCH, HIDDEN)).astype(np.float32))
+    d_logits = rng.standard_normal((BATCH, len(SIZES), max(SIZES), N_ATOMS)).astype(np.float32)
+    for k, n in enumerate(SIZES):
+        d_logits[:, k, n:] = 0.0
+    online = head.forward(h, stream(), tag="online")
+    nxt = head.forward(h, stream(), tag="next")
+    target = head.forward(h, stream(), tag="target", role="target")
+    store.begin_step()
+    dh1 = _host(head.backward(_dev(d_logits), stream(), tag="online"))
+    dh2 = _host(head.backward(_dev(2.0 * d_logits), stream(), tag="online"))
+    store.end_step()
+    out = {"logits": _host(online.logits), "q": _host(online.q), "next_q": _host(nxt.q),
+           "target_probs": _host(target.probs), "dh1": dh1, "dh2": dh2}
+    out.update({f"grad:{k}": v for k, v in store.to_host("grads").items()})
+    bufs = {what: _host(acts[head._buf_name("online", what)]) for what in ("adv", "d_adv")}
+    for tag in ("online", "target"):
+        for what in ("w_adv_pad", "b_adv_pad"):
+            name = head._buf_name(tag, what)
+            if name in acts:
+                bufs[f"{tag}.{what}"] = _host(acts[name])
+    return head, out, bufs
+
+
+def test_padded_head_gives_the_unpadded_bits(rng):
+    """agent.head_pad: the advantage GEMMs at ΣA·Z = 99 columns rounded up to 104 give the same logits, Q,
+    probabilities, input gradients and parameter gradients bit for bit (the pad columns of the weight copy and
+    of d_adv are zeros: exact zero terms), the parameters keep their shape, and the pad columns stay zero."""
+    seed = int(rng.integers(2**31))
+    plain, ref, _ = _head_run(seed, 1)
+    head, got, bufs = _head_run(seed, 8)
+    assert (plain.padded_width, head.width, head.padded_width) == (99, 99, 104)
+    assert [s.shape for s in head.params()] == [s.shape for s in plain.params()]
+    assert set(got) == set(ref)
+    for k in ref:
+        assert np.array_equal(got[k], ref[k], equal_nan=True), k
+    for name, arr in bufs.items():
+        pad = arr[..., 99:]
+        assert pad.shape[-1] == 5 and np.all(pad == 0.0), name
+    assert np.any(bufs["online.w_adv_pad"][:, :99] != bufs["target.w_adv_pad"][:, :99])  # each pass its role's
+    with pytest.raises(ValueError, match="pad_to"):
+        BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=0)
+    adv = _dev(np.zeros((BATCH, 104), np.float32))
+    value = _dev(np.zeros((BATCH, N_ATOMS), np.float32))
+    q = _cuda.device_array((BATCH, len(SIZES), max(SIZES)), np.float32)
+    lse = _cuda.device_array((BATCH, len(SIZES), max(SIZES)), np.float32)
+    with pytest.raises(ValueError, match="not a multiple of 11 atoms"):  # 104 columns without the logical width
+        c51_head.dueling_forward(value, adv, head.layout, stream(), lse=lse, q=q)
+    with pytest.raises(ValueError, match="exceeds adv's 104 columns"):
+        c51_head.dueling_forward(value, adv, head.layout, stream(), lse=lse, q=q, width=110)
+
+
+def test_agent_with_a_padded_head_trains_to_the_same_bits():
+    """agent.head_pad through the agent (online, next-obs and target passes, the loss, the backward, AdamW): three
+    train steps from the same replay give the same parameters, targets and gradients bit for bit as unpadded."""
+    from agent_helpers import aux_steps, fill_replay, tiny_agent
+
+    snaps = []
+    for pad in (1, 4):
+        agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=pad)
+        assert agent.head.padded_width == (25 if pad == 1 else 28)
+        fill_replay(agent, np.random.default_rng(3))
+        aux_steps(agent, stream())
+        snaps.append({f"{role}:{k}": v for role in ("params", "target", "grads")
+                      for k, v in agent.store.to_host(role).items()})
+    assert set(snaps[0]) == set(snaps[1])
+    for k, v in snaps[0].items():
+        assert v.tobytes() == snaps[1][k].tobytes(), k
+    assert any(np.any(v != 0) for k, v in snaps[0].items() if k.startswith("grads:head.adv"))
+
+
+def test_head_pad_default_pads_under_tf32_only():
+    """agent.head_pad=0 (the default) resolves to config.HEAD_PAD_TF32 under TF32 and to no padding in fp32; an
+    explicit value is kept; a negative one is refused naming the field."""
+    from numbarl.config import HEAD_PAD_TF32, AgentConfig
+
+    assert AgentConfig().head_pad == 0 and AgentConfig().head_pad_multiple == 1
+    assert AgentConfig(compute="tf32").head_pad_multiple == HEAD_PAD_TF32 == 64
+    assert AgentConfig(compute="tf32", head_pad=1).head_pad_multiple == 1
+    assert AgentConfig(head_pad=8).head_pad_multiple == 8
+    with pytest.raises(ValueError, match="head_pad"):
+        AgentConfig(head_pad=-1).validate()

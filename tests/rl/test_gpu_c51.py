@@ -76,11 +76,11 @@ class Learner:
     # what each pass needs in a train step (all outputs everywhere when full_outputs)
     OUTPUTS = {"online": ("logits",), "next": ("q",), "target": ("probs",)}
 
-    def __init__(self, rng, batch=BATCH, trunk=True, full_outputs=False):
+    def __init__(self, rng, batch=BATCH, trunk=True, full_outputs=False, pad_to=1):
         self.store = ParamStore()
         self.trunk = Mlp("trunk", STATE_DIM, WIDTHS, "relu") if trunk else None
         hidden = WIDTHS[-1] if trunk else STATE_DIM
-        self.head = BranchedDuelingC51Head("head", hidden, SIZES, N_ATOMS, V_MIN, V_MAX)
+        self.head = BranchedDuelingC51Head("head", hidden, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to)
         for layer in ([self.trunk] if trunk else []) + [self.head]:
             layer.declare_params(self.store)
         self.store.allocate()
@@ -192,10 +192,11 @@ def _assert_bitwise(a, b):
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
 
 
-def test_graph_replay_equals_eager_bitwise(rng):
+@pytest.mark.parametrize("pad", [1, 4])  # 4: the advantage GEMMs at 716 columns (agent.head_pad)
+def test_graph_replay_equals_eager_bitwise(rng, pad):
     from numbarl.cuda import graph as graphs
 
-    learner = Learner(rng)
+    learner = Learner(rng, pad_to=pad)
     learner.upload(_batch(rng))
     learner.step(stream())
     eager = _snapshot(learner)
@@ -209,12 +210,13 @@ def test_graph_replay_equals_eager_bitwise(rng):
     assert np.isfinite(eager["loss"][0]) and all(np.all(np.isfinite(v)) for v in eager.values())
 
 
-def test_two_runs_bitwise_identical(rng):
+@pytest.mark.parametrize("pad", [1, 4])  # 4: the advantage GEMMs at 716 columns (agent.head_pad)
+def test_two_runs_bitwise_identical(rng, pad):
     seed = int(rng.integers(2**31))
     snaps = []
     for _ in range(2):
         r = np.random.default_rng(seed)
-        learner = Learner(r)
+        learner = Learner(r, pad_to=pad)
         learner.upload(_batch(r))
         learner.step(stream())
         snaps.append(_snapshot(learner))
@@ -231,13 +233,14 @@ def _peer(learner, **kw):
     return TorchPeer(spec, learner.values, learner.target_values, **kw)
 
 
-def test_peer_loss_and_gradients_match_numbarl(rng):
+@pytest.mark.parametrize("pad", [1, 4])  # 4: the advantage GEMMs at 716 columns (agent.head_pad)
+def test_peer_loss_and_gradients_match_numbarl(rng, pad):
     torch = pytest.importorskip("torch")
     from numbarl.rl.torch_peer import batch_to_torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    learner = Learner(rng)
+    learner = Learner(rng, pad_to=pad)
     batch = _batch(rng)
     learner.upload(batch)
     learner.step(stream())

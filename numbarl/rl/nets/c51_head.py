@@ -50,6 +50,15 @@ prints the counts the driver gives) and 24.5 KB of shared memory per block of 12
 same float32 operations in the same order per row: the same lse and q bits as
 `dueling_head_kernel` (`q_kernel="head"`), checked by the tests and over the whole batch by
 `python -m numbarl.bench.head`.
+Padded width (`pad_to`, agent.head_pad; issue 17): cuBLASLt's heuristic goes by the logical width, and at
+ΣA·Z = 714 it picks one-float-aligned TF32 kernels (117-120 µs per advantage GEMM on the H200, against 43-78 µs
+at 768). With pad_to = Q the advantage GEMMs run at Wp = ΣA·Z rounded up to a multiple of Q: each forward copies
+its role's adv.w / adv.b into a per-pass zero-padded scratch (`copy_cols_kernel`), `adv` and `d_adv` are Wp wide
+(the kernels take Wp as the row stride and never read the pad columns; the backward never writes them, so they
+keep the arena's zeros), the input gradient runs at K = Wp, and the weight gradient's first write of the step at
+N = Wp into a scratch copied back into the gradient. The parameters keep their shape [H, ΣA·Z]. The pad columns add
+exact zeros: the same values, rounded by other kernels (bit for bit the same under the simulator's GEMM).
+TF32 train step 1.63 -> 1.34 ms at Q = 64 (docs/BENCHMARKS.md, twentieth session).
 Backward: `dueling_backward_kernel`, one thread per (b, z) (block (EW_ATOMS, EW_ROWS)): adjacent
 threads touch adjacent atoms (coalesced), each loops over the branches and their actions (uint64
 indices: 504 -> 239 PTX instructions).
@@ -65,6 +74,7 @@ import numpy as np
 from numba import float32
 
 from numbarl.cuda import blas, launch, reduce
+from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.rl.nets.base import bias_uniform_init, kaiming_uniform_init
 from numbarl.rl.nets.linear import linear_param_grads
@@ -625,6 +635,25 @@ def dueling_backward_kernel(d_logits, branch_sizes, branch_offsets, branch_inv_s
         z += _EW_ATOMS
 
 
+@_cuda.jit(cache=True)
+def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols):
+    """w_dst[r, j] = w_src[r, j] and b_dst[j] = b_src[j] for j < cols (uint64): a padded layer's weight and bias
+    into its zero-padded copy, or a padded gradient back; the other columns are not written. A grid-stride loop
+    over the (rows + 1) x cols entries (the last row is the bias), uint64 indices."""
+    rows = np.uint64(w_dst.shape[0])
+    n = (rows + _U1) * cols
+    i = np.uint64(_cuda.grid(1))
+    stride = np.uint64(_cuda.gridsize(1))
+    while i < n:
+        r = i // cols
+        j = i - r * cols
+        if r < rows:
+            w_dst[r, j] = w_src[r, j]
+        else:
+            b_dst[j] = b_src[j]
+        i += stride
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers and the layer
 # ---------------------------------------------------------------------------------------------
@@ -651,13 +680,15 @@ class BranchedDuelingC51Head(Module):
     scratch of the accumulating bias gradients.
 
     forward(h, stream, tag, role) -> C51Outputs(logits, probs, q); backward(d_logits, stream, tag)
-    -> dh, the four gradients by the gradient rule. compute="tf32" switches the GEMMs to TF32.
+    -> dh, the four gradients by the gradient rule. compute="tf32" switches the GEMMs to TF32. pad_to: the
+    advantage GEMMs' width rounded up to a multiple of it (module docstring, "Padded width"); the padded pass
+    declares w_adv_pad / b_adv_pad and, with backward, dw_adv_pad / db_adv_pad.
     """
 
     native_dx_accumulate = True  # dh ends in GEMMs: the first takes the ledger's beta
 
     def __init__(self, name: str, hidden: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0,
-                 v_max: float = 10.0, compute: str = "fp32"):
+                 v_max: float = 10.0, compute: str = "fp32", pad_to: int = 1):
         super().__init__(name)
         self.hidden = int(hidden)
         self.branch_sizes = tuple(int(a) for a in branch_sizes)
@@ -675,6 +706,10 @@ class BranchedDuelingC51Head(Module):
         self.v_max = float(v_max)
         self.compute = compute
         self.support_host = make_support(self.n_atoms, v_min, v_max)  # validates n_atoms, v_min, v_max
+        if int(pad_to) < 1:
+            raise ValueError(f"{name}: pad_to must be >= 1 (got {pad_to})")
+        self.width = self.total_actions * self.n_atoms  # the advantage GEMM's logical width ΣA·Z
+        self.padded_width = -(-self.width // int(pad_to)) * int(pad_to)  # its width in the passes
 
         # constant per-branch tables, uploaded once (before any capture)
         layout = Arena(f"{name}.layout")
@@ -730,9 +765,11 @@ class BranchedDuelingC51Head(Module):
         unknown = set(outputs) - set(OUTPUTS)
         if unknown or not outputs:
             raise ValueError(f"{self.name}: outputs must be a non-empty subset of {OUTPUTS} (got {tuple(outputs)})")
-        b, z, width = int(batch), self.n_atoms, self.total_actions * self.n_atoms
+        b, z, width, wp = int(batch), self.n_atoms, self.width, self.padded_width
         shape4 = (b, self.n_branches, self.max_actions, z)
-        bufs = [Buf("value", (b, z)), Buf("adv", (b, width))]
+        bufs = [Buf("value", (b, z)), Buf("adv", (b, wp))]
+        if wp != width:  # the pass's zero-padded copy of adv.w / adv.b (pad columns stay zero)
+            bufs += [Buf("w_adv_pad", (self.hidden, wp)), Buf("b_adv_pad", (wp,))]
         if "logits" in outputs:
             bufs.append(Buf("logits", shape4))
         if "q" in outputs:
@@ -740,7 +777,9 @@ class BranchedDuelingC51Head(Module):
         if "probs" in outputs:
             bufs.append(Buf("probs", shape4))
         if backward:
-            bufs += [Buf("d_value", (b, z)), Buf("d_adv", (b, width)), Buf("dh", (b, self.hidden)),
+            if wp != width:  # the padded weight gradient's GEMM output, copied back into the gradient
+                bufs += [Buf("dw_adv_pad", (self.hidden, wp)), Buf("db_adv_pad", (wp,))]
+            bufs += [Buf("d_value", (b, z)), Buf("d_adv", (b, wp)), Buf("dh", (b, self.hidden)),
                      Buf("partials_value", reduce.col_partials_shape(b, z)),
                      Buf("partials_adv", reduce.col_partials_shape(b, width))]
         return bufs
@@ -762,11 +801,23 @@ class BranchedDuelingC51Head(Module):
         """The two GEMMs, then the dueling combination + softmax in one launch."""
         value, adv = c.buf("value"), c.buf("adv")
         blas.gemm(h, c.p("w_value"), value, bias=c.p("b_value"), compute=self.compute, stream=c.stream)
-        blas.gemm(h, c.p("w_adv"), adv, bias=c.p("b_adv"), compute=self.compute, stream=c.stream)
+        w_adv, b_adv = self._adv_weights(c, refresh=True)
+        blas.gemm(h, w_adv, adv, bias=b_adv, compute=self.compute, stream=c.stream)
         out = self.outputs(c.tag)
         lse = c.buf("lse") if out.q is not None else None
-        dueling_forward(value, adv, self.layout, c.stream, logits=out.logits, lse=lse, q=out.q, probs=out.probs)
+        dueling_forward(value, adv, self.layout, c.stream, logits=out.logits, lse=lse, q=out.q, probs=out.probs,
+                        width=self.width)
         return out
+
+    def _adv_weights(self, c: Ctx, refresh: bool):
+        """The advantage GEMM's weight and bias in this pass: the parameters themselves, or (padded) the pass's
+        zero-padded copy of them, refreshed by the forward (`copy_cols_kernel`) and read again by the backward."""
+        if self.padded_width == self.width:
+            return c.p("w_adv"), c.p("b_adv")
+        w_pad, b_pad = c.buf("w_adv_pad"), c.buf("b_adv_pad")
+        if refresh:
+            copy_cols(c.p("w_adv"), c.p("b_adv"), w_pad, b_pad, c.stream)
+        return w_pad, b_pad
 
     def backward_impl(self, c: Ctx, d_logits, dh):
         """dV, dA from d_logits [B, n_branches, max_actions, Z]; the four gradients by the gradient
@@ -775,11 +826,20 @@ class BranchedDuelingC51Head(Module):
         if tuple(d_logits.shape) != expected:
             raise ValueError(f"{self.name}.backward: d_logits has shape {tuple(d_logits.shape)}, expected {expected}")
         h, d_value, d_adv = c.x(), c.buf("d_value"), c.buf("d_adv")
-        dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)
+        dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)  # d_adv's pad columns stay zero
         linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
-        linear_param_grads(c, h, d_adv, "w_adv", "b_adv", c.buf("partials_adv"), self.compute)
+        betas = c.beta("w_adv"), c.beta("b_adv")
+        if self.padded_width != self.width and betas == (0.0, 0.0):  # the first write: at the padded width
+            dw_pad, db_pad = c.buf("dw_adv_pad"), c.buf("db_adv_pad")
+            blas.gemm(h, d_adv, dw_pad, trans_a=True, epilogue="bgrad", bias_grad=db_pad, compute=self.compute,
+                      stream=c.stream)
+            copy_cols(dw_pad, db_pad, c.g("w_adv"), c.g("b_adv"), c.stream)
+        else:  # unpadded, or a later write that adds: at ΣA·Z columns (a strided view of a padded d_adv)
+            d_adv_cols = d_adv if self.padded_width == self.width else d_adv[:, :self.width]
+            linear_param_grads(c, h, d_adv_cols, "w_adv", "b_adv", c.buf("partials_adv"), self.compute, betas=betas)
         blas.gemm(d_value, c.p("w_value"), dh, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
-        blas.gemm(d_adv, c.p("w_adv"), dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
+        w_adv, _ = self._adv_weights(c, refresh=False)  # K = the padded width: zero columns add exact zeros
+        blas.gemm(d_adv, w_adv, dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
         return dh
 
     # -- float64 reference of the layer (host dict of params by name; composable with Linear's) --
@@ -816,7 +876,7 @@ def q_shared_floats(samples: int, width: int, n_atoms: int) -> int:
 
 
 def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None,
-                    block=None, samples=None, q_kernel: str = "q") -> None:
+                    block=None, samples=None, q_kernel: str = "q", width=None) -> None:
     """The dueling combination and its softmax in one launch; writes only the outputs given.
 
     value [B, Z], adv [B, ΣA·Z]; logits, probs [B, n_branches, max_actions, Z]; lse, q
@@ -825,6 +885,10 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     (`BranchedDuelingC51Head.layout`). block (lanes, thread rows) and samples (per block, at most)
     default to HEAD_TX/HEAD_TY and HEAD_SAMPLES (Q_TX/Q_TY and Q_SAMPLES for the Q-only kernel);
     every shape gives the same bits.
+
+    width: the advantage's logical width ΣA·Z when adv's rows are wider (a padded GEMM output whose
+    columns past ΣA·Z the kernels never read: they take adv.shape[1] as the row stride); None: all of
+    adv's columns (a multiple of the atoms).
 
     q_kernel: for a Q-only pass (lse and q, no logits, no probs: acting, the next-obs pass), "q"
     launches `dueling_q_kernel` and "head" the general `dueling_head_kernel` (kept for
@@ -852,8 +916,10 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     for name, arr in (("lse", lse), ("q", q)):
         if arr is not None:
             _check(name, arr, shape4[:3])
-    if adv.shape[1] % n_atoms:
-        raise ValueError(f"c51 head: adv has {adv.shape[1]} columns, not a multiple of {n_atoms} atoms")
+    width = adv.shape[1] if width is None else int(width)
+    if width % n_atoms or width > adv.shape[1]:
+        raise ValueError(f"c51 head: the advantage's width {width} is not a multiple of {n_atoms} atoms "
+                         f"or exceeds adv's {adv.shape[1]} columns")
     if q_kernel == "q" and not given:
         _dueling_q(value, adv, layout, stream, lse, q, max_actions, block, samples)
         return
@@ -903,6 +969,18 @@ def _dueling_q(value, adv, layout: Arena, stream, lse, q, max_actions, block, sa
             value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(width),
             layout["branch_sizes"], layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
             np.uint64(max_actions), np.uint64(samples), lse, q)
+
+
+def copy_cols(w_src, b_src, w_dst, b_dst, stream) -> None:
+    """The first min(widths) columns of a weight [H, ·] and entries of its bias [·] from (w_src, b_src) into
+    (w_dst, b_dst): a padded layer's per-pass copy of its parameters (the pad columns keep their zeros), or its
+    padded weight gradient back into the parameter's gradient."""
+    rows, cols = w_dst.shape[0], min(w_src.shape[1], w_dst.shape[1])
+    _check("w_src", w_src, (rows, w_src.shape[1]))
+    _check("b_src", b_src, (w_src.shape[1],))
+    _check("b_dst", b_dst, (w_dst.shape[1],))
+    blocks, threads = elementwise.stride_launch((rows + 1) * cols)
+    copy_cols_kernel[blocks, threads, stream](w_src, b_src, w_dst, b_dst, np.uint64(cols))
 
 
 def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:

@@ -67,11 +67,12 @@ def linear_backward_ref(x, w, pre, dy, activation=None):
 # ---------------------------------------------------------------------------------------------
 # shared by every module that ends in a dense layer
 # ---------------------------------------------------------------------------------------------
-def linear_param_grads(c: Ctx, x, dy, w_key: str, b_key: str, partials, compute: str) -> None:
+def linear_param_grads(c: Ctx, x, dy, w_key: str, b_key: str, partials, compute: str, betas=None) -> None:
     """dW (+)= xᵀ·dy and db (+)= colsum(dy) by the gradient rule (c.beta): the first write of the
     step is one GEMM with the bgrad epilogue; later writes a beta = 1 GEMM plus an accumulating
-    fixed-order column sum (`partials`: reduce.col_partials_shape(B, out) scratch)."""
-    beta_w, beta_b = c.beta(w_key), c.beta(b_key)
+    fixed-order column sum (`partials`: reduce.col_partials_shape(B, out) scratch). betas: the two
+    c.beta values when the caller has already asked the ledger (asking marks the gradient written)."""
+    beta_w, beta_b = (c.beta(w_key), c.beta(b_key)) if betas is None else betas
     if beta_w == 0.0 and beta_b == 0.0:
         blas.gemm(x, dy, c.g(w_key), trans_a=True, epilogue="bgrad", bias_grad=c.g(b_key), compute=compute,
                   stream=c.stream)

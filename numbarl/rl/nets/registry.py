@@ -88,6 +88,10 @@ def _cases() -> dict[str, ModuleCase]:
         "mamba-uneven": ModuleCase(lambda: MambaScan("temporal.mamba", 7, n_steps=3, n_heads=2), 9, 7),
         "c51-head": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0, v_max=2.0),
                                7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
+        # the advantage GEMMs at a padded width (agent.head_pad): 5 actions x 5 atoms = 25 -> 28 columns
+        "c51-head-pad": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0, v_max=2.0,
+                                                                  pad_to=4),
+                                   7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
     }
 
 
