@@ -235,6 +235,15 @@ class AgentConfig:
     the normalized L2 between a linear predictor (optimizer group 'head.pc') of the online trunk features of obs
     and the target network's trunk features of the n-step next_obs (masked at episode ends); an auxiliary loss
     (every agent.aux_frequency train steps) whose gradient reaches the trunk. 0 = off (nothing of it is built)."""
+    future_weight: float = 0.0
+    """Future-feature regression (issue 15; numbarl/rl/losses/future.py): weight λ of the mean squared error of a
+    linear head (optimizer group 'head.ff') on the online trunk features of obs against agent.future_targets,
+    terms of the n-step next_obs (masked at episode ends); an auxiliary loss (every agent.aux_frequency train
+    steps) whose gradient reaches the trunk. 0 = off (nothing of it is built)."""
+    future_targets: str = ""
+    """The terms agent.future_weight regresses: a comma list, each an obs column (feature name or index) or the
+    product of two, e.g. 'trade_imb_prev*ret_1' (on the regime-walk market its expectation is the hidden regime's
+    sign times a constant)."""
     reward_centering: float = 0.0
     """Reward centering (numbarl/rl/reward_center.py; Naik et al. 2024): the rate β of a running average r̄ of the
     rewards, updated every train step from the sampled batch's first rewards, and subtracted from every sampled
@@ -484,6 +493,14 @@ class AgentConfig:
         _check("agent", "iql_hidden", self.iql_hidden, lo=1, hi=16384)
         _check("agent", "confidence_weight", self.confidence_weight, lo=0.0, hi=1e3)  # recursive confidence
         _check("agent", "predictive_weight", self.predictive_weight, lo=0.0, hi=1e3)  # predictive coding
+        _check("agent", "future_weight", self.future_weight, lo=0.0, hi=1e3)  # future-feature regression
+        if self.future_weight > 0 or self.future_targets:
+            from numbarl.rl.obs_columns import check_known_terms
+
+            check_known_terms(self.future_targets, "future_targets")  # weight > 0 with no terms fails here
+            if not self.future_weight > 0:
+                raise ConfigError(f"agent.future_targets = {self.future_targets!r} is regressed only with "
+                                  f"agent.future_weight > 0 (got {self.future_weight})")
         try:  # the tanh input bottleneck's lo:hi:width (its columns are checked against the obs width by the agent)
             from numbarl.rl.nets.bottleneck import parse_bottleneck
 
@@ -520,6 +537,7 @@ class AgentConfig:
             groups += ["head.iql"] if self.iql else []  # IQL (agent.iql)
             groups += ["head.conf"] if self.confidence_weight > 0 else []  # recursive confidence
             groups += ["head.pc"] if self.predictive_weight > 0 else []  # predictive coding
+            groups += ["head.ff"] if self.future_weight > 0 else []  # future-feature regression
             groups += ["head.risk"] if self.risk_head_weight > 0 else []  # risk-budget head
             groups += ["head.ens"] if self.ensemble_heads >= 2 else []  # ensemble
             groups += ["icm.forward", "icm.inverse"] if self.curiosity else []  # ICM (agent.curiosity_weight)
@@ -598,6 +616,7 @@ class AgentConfig:
             c51_only = {"iqn": self.iqn, "iql": self.iql, "cql_alpha": self.cql_alpha > 0,
                         "confidence_weight": self.confidence_weight > 0,  # recursive confidence
                         "predictive_weight": self.predictive_weight > 0,  # predictive coding
+                        "future_weight": self.future_weight > 0,  # future-feature regression
                         "risk_head_weight": self.risk_head_weight > 0,  # risk-budget head
                         "regime_dropout": self.regime_dropout,
                         "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,

@@ -212,6 +212,14 @@ COMPONENTS: tuple[Component, ...] = (
         ("tests/rl/test_predictive.py",),
         "predictive_loss", "> 0"),
     Component(
+        "future_features", "future-feature regression: a linear head on the online trunk features regressing named "
+        "terms of the n-step next observation (a column or the product of two), mean squared error, gradient into "
+        "the trunk (aux steps)",
+        "agent.future_weight=0.1,agent.future_targets=trade_imb_prev*ret_1",
+        "Jaderberg et al. 2017 (UNREAL), §3.2's reward prediction as an auxiliary task, with user-named targets",
+        ("tests/rl/test_future.py", "tests/rl/test_gpu_future.py"),
+        "future_loss", "> 0"),
+    Component(
         "obs_noise", "Gaussian noise on the market features of every observation the learner reads in a train step "
         "(obs, next_obs, the horizons' next_obs, the temporal windows), counter RNG keyed by the train step; the replay, "
         "acting and the backtests see clean observations",

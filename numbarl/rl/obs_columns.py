@@ -1,4 +1,5 @@
-"""Observation columns named by feature: agent.regime_gate_cols, agent.regime_dropout_col, agent.horizon_regime_col.
+"""Observation columns named by feature: agent.regime_gate_cols, agent.regime_dropout_col, agent.horizon_regime_col,
+and the terms of agent.future_targets (a column or the product of two).
 
 The observation is the cache's market features in the order of its ``feature_names`` (data.features), then
 the portfolio features (numbarl.env.params.PORTFOLIO_FEATURES). An option that picks columns takes feature
@@ -118,3 +119,49 @@ def check_agent_columns(agent_cfg, feature_names: Sequence[str] | None, state_di
         resolve_obs_columns(agent_cfg.regime_dropout_col, feature_names, "regime_dropout_col", state_dim, many=False)
     if agent_cfg.horizons:
         resolve_obs_columns(agent_cfg.horizon_regime_col, feature_names, "horizon_regime_col", state_dim, many=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# terms: a column or the product of two (agent.future_targets)
+# ---------------------------------------------------------------------------------------------
+NO_COLUMN = -1  # the second factor of a one-column term
+
+
+def parse_obs_terms(value, field: str) -> tuple[tuple[str, ...], ...]:
+    """The terms of agent.<field>: a comma list of terms, each an obs column (a feature name or an index) or the
+    product of two ("trade_imb_prev*ret_1"). Returns each term's factors as strings; raises ConfigError naming the
+    field and the value (empty, a term of more than two factors, a term listed twice)."""
+    where = f"agent.{field} = {value!r}"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where} must name at least one term: an obs column (e.g. 'ret_1') or the product of "
+                          "two ('trade_imb_prev*ret_1'), comma-separated")
+    terms = []
+    for part in value.split(","):
+        factors = tuple(f.strip() for f in part.split("*"))
+        if not 1 <= len(factors) <= 2 or not all(factors):
+            raise ConfigError(f"{where}: {part.strip()!r} is not a column or the product of two columns ('a*b')")
+        for f in factors:
+            parse_obs_columns(f, field, many=False)
+        terms.append(factors)
+    if len(set(terms)) != len(terms):
+        raise ConfigError(f"{where}: a term is listed twice")
+    return tuple(terms)
+
+
+def check_known_terms(value, field: str) -> None:
+    """Config-time check of agent.<field>'s terms: the syntax, and every named factor a known feature."""
+    for factors in parse_obs_terms(value, field):
+        for f in factors:
+            check_known_names(f, field, many=False)
+
+
+def resolve_obs_terms(value, feature_names: Sequence[str] | None, field: str, state_dim: int | None = None):
+    """(first, second): the obs column indices of agent.<field>'s terms (lists of ints, second NO_COLUMN for a
+    one-column term) for an observation of ``feature_names`` then the portfolio features; errors as
+    :func:`resolve_obs_columns`."""
+    first, second = [], []
+    for factors in parse_obs_terms(value, field):
+        cols = [resolve_obs_columns(f, feature_names, field, state_dim, many=False)[0] for f in factors]
+        first.append(cols[0])
+        second.append(cols[1] if len(cols) == 2 else NO_COLUMN)
+    return first, second

@@ -36,6 +36,7 @@ RUNS = {
                "--set", "agent.confidence_weight=0.5",  # recursive confidence
                "--set", "agent.risk_head_weight=0.5",  # risk-budget head (its labels need the trades this run makes)
                "--set", "agent.predictive_weight=0.1",  # predictive coding
+               "--set", "agent.future_weight=0.1", "--set", "agent.future_targets=ret_1*ret_2,ret_1",  # future features
                "--set", "agent.regime_dropout=true", "--set", "agent.regime_dropout_col=0",  # regime dropout
                "--set", "agent.curiosity_weight=0.1", "--set", "agent.curiosity_hidden=8",
                "--set", "agent.curiosity_trunk_grad=true"],

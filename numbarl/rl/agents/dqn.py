@@ -143,6 +143,11 @@ are those without them):
   pass's trunk output on next_obs (numbarl/rl/losses/predictive.py; masked where the window ended an
   episode), weight λ; its input gradient adds into dh after the other auxiliary heads'. Stats:
   predictive_loss.
+* ``agent.future_weight`` (issue 15): future-feature regression, a linear head ``head.ff`` (optimizer group
+  'head.ff') on the online trunk output, trained on the aux steps by the mean squared error to
+  ``agent.future_targets``, terms of next_obs (a column or the product of two; numbarl/rl/losses/future.py;
+  masked where the window ended an episode), weight λ; its input gradient adds into dh after predictive
+  coding's. Stats: future_loss.
 * ``agent.regime_dropout`` (issue 15, T4): inverted dropout on the online pass's trunk output at a rate
   set by each sample's regime column (numbarl/rl/nets/regime_dropout.py; counter RNG keyed by the train
   step); every consumer of the online pass reads the dropped h', and the BACKWARD scales dh by the same
@@ -191,6 +196,7 @@ from numbarl.rl.losses.multi_horizon import (  # multi-horizon C51 (agent.horizo
     MultiHorizonC51Loss,
     parse_horizons,
 )
+from numbarl.rl.losses.future import FutureFeatureLoss  # agent.future_weight
 from numbarl.rl.losses.predictive import PredictiveLoss  # agent.predictive_weight
 from numbarl.rl.losses.quantile_huber import (  # IQN (agent.iqn)
     QuantileHuberLoss,
@@ -204,11 +210,11 @@ from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
 from numbarl.rl.nets.iqn_head import IQN_TAU_SLOT, IqnHead  # IQN (agent.iqn)
 from numbarl.rl.nets.linear import (
-    Linear,  # the predictive-coding predictor (agent.predictive_weight)
+    Linear,  # the predictive-coding predictor (agent.predictive_weight), the future-feature head (future_weight)
 )
 from numbarl.rl.nets.mlp import Mlp
 from numbarl.rl.nets.regime_dropout import RegimeDropout  # agent.regime_dropout
-from numbarl.rl.obs_columns import resolve_obs_columns  # the regime columns
+from numbarl.rl.obs_columns import resolve_obs_columns, resolve_obs_terms  # the regime columns, future terms
 from numbarl.rl.obs_noise import ObsNoise  # agent.obs_noise
 from numbarl.rl.reward_center import RewardCenter  # agent.reward_centering
 from numbarl.rl.optim import (
@@ -611,6 +617,7 @@ class DQNAgent(Agent):
     iqn_head = None  # the implicit quantile head (agent.iqn)
     iql_head = None  # the IQL expectile value head (agent.iql)
     pc_head = None  # the predictive-coding predictor (agent.predictive_weight)
+    ff_head = None  # the future-feature regression head (agent.future_weight)
     rdrop = None  # regime dropout on the online pass's trunk output (agent.regime_dropout)
     obs_noise = None  # Gaussian noise on the training batch's market features (agent.obs_noise)
     reward_center = None  # the running average reward taken off the sampled returns (agent.reward_centering)
@@ -735,6 +742,16 @@ class DQNAgent(Agent):
             self.pc_head.declare_params(self.store)
             self.pc_head.declare_acts(self.acts, B, "online", backward=True)
         # --- end predictive coding -------------------------------------------------------------------------
+        # --- future-feature regression (agent.future_weight): a linear head on the online trunk output
+        # (backward) regressing terms of next_obs; declared after predictive coding's ----------------------
+        if cfg.future_weight > 0:
+            self._ff_cols = resolve_obs_terms(cfg.future_targets, self.feature_names, "future_targets",
+                                              self.state_dim)
+            self.ff_head = Linear("head.ff", self.trunk.out_dim, len(self._ff_cols[0]), None, group="head.ff",
+                                  input_grad=True, compute=cfg.compute)
+            self.ff_head.declare_params(self.store)
+            self.ff_head.declare_acts(self.acts, B, "online", backward=True)
+        # --- end future-feature regression -----------------------------------------------------------------
         # --- regime dropout (agent.regime_dropout): on the online pass's trunk output, rate from an obs column
         if cfg.regime_dropout:
             (col,) = resolve_obs_columns(cfg.regime_dropout_col, self.feature_names, "regime_dropout_col",
@@ -849,7 +866,8 @@ class DQNAgent(Agent):
         self.diag.load({"branch_sizes": np.asarray(self.branch_sizes, np.int32)})
         self._qgap_reducer = Reducer(self.n_envs)
         self._init_c51_extras()
-        if (any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head, self.pc_head, self.risk_head))
+        if (any(h is not None for h in (self.iqn_head, self.iql_head, self.conf_head, self.pc_head, self.ff_head,
+                                        self.risk_head))
                 or self.ens_heads):
             # the trunk's output gradient that the C51 head writes and every auxiliary head adds into
             self.aux_state = Arena("agent.aux")
@@ -881,6 +899,10 @@ class DQNAgent(Agent):
             self.pc_loss = PredictiveLoss(self.cfg.batch_size, self.trunk.out_dim)
             self._slot_pc_loss = self.stats_layout.slot("predictive_loss")
             self._pc_grads = [self.store.grad(n) for n in self.pc_head.param_names.values()]
+        if self.ff_head is not None:  # future-feature regression (agent.future_weight): loss, stats slot
+            self.ff_loss = FutureFeatureLoss(self.cfg.batch_size, *self._ff_cols, self.state_dim)
+            self._slot_ff_loss = self.stats_layout.slot("future_loss")
+            self._ff_grads = [self.store.grad(n) for n in self.ff_head.param_names.values()]
         if self.mh is not None:  # multi-horizon C51 (agent.horizons): its stats slots
             self._init_mh()
         if cfg.isv or cfg.isv_routing:  # ISV signals (agent.isv; agent.isv_routing implies them): state, stats slots
@@ -1121,7 +1143,8 @@ class DQNAgent(Agent):
 
     def _declare_temporal(self, eval_batch: int) -> None:
         """The temporal input (agent.temporal, numbarl/rl/temporal.py): its scan parameters (group
-        'temporal.mamba', declared after every module before it; only the predictive-coding head comes later)
+        'temporal.mamba', declared after every module before it; only the predictive-coding and future-feature heads
+        come later)
         and a scan pass for every trunk pass."""
         from numbarl.rl.temporal import TemporalInput
 
@@ -1462,6 +1485,7 @@ class DQNAgent(Agent):
         aux = aux or self.atoms is not None  # adaptive atoms (agent.adaptive_atoms) step on the aux steps
         aux = aux or bool(self.ens_heads)  # the ensemble's extra heads (agent.ensemble_heads) too
         aux = aux or self.pc_head is not None  # predictive coding (agent.predictive_weight) too
+        aux = aux or self.ff_head is not None  # future-feature regression (agent.future_weight) too
         aux = aux or self.risk_head is not None  # the risk-budget head (agent.risk_head_weight) too
         return int(self.cfg.aux_frequency) if aux else 1
 
@@ -1634,6 +1658,11 @@ class DQNAgent(Agent):
             self.pc_loss.apply({"pred": pred, "target": self.trunk.output("target"), "dones": batch.done},
                                {"pred": self.pc_loss.grad("pred")}, stream, weight=cfg.predictive_weight,
                                ledger=self.store)
+        if self.ff_head is not None and self._aux:  # future-feature regression: the head's squared error
+            pred = self.ff_head.forward(self._h_online(), stream, tag="online")
+            self.ff_loss.apply({"pred": pred, "next_obs": batch.next_obs, "dones": batch.done},
+                               {"pred": self.ff_loss.grad("pred")}, stream, weight=cfg.future_weight,
+                               ledger=self.store)
 
     # BACKWARD (d logits → head → trunk)
     def _aux_heads(self) -> list:
@@ -1652,6 +1681,8 @@ class DQNAgent(Agent):
                       zip(self.ens_heads, self.ens_losses, self._ens_grads)]
         if self.pc_head is not None:  # predictive coding (agent.predictive_weight): the predictor
             heads.append((self.pc_head, self.pc_loss.grad("pred"), self._pc_grads))
+        if self.ff_head is not None:  # future-feature regression (agent.future_weight): its head
+            heads.append((self.ff_head, self.ff_loss.grad("pred"), self._ff_grads))
         if self.risk_head is not None:  # the risk-budget head (agent.risk_head_weight)
             heads.append((self.risk_head, self.risk_loss.grad("logits"), self._risk_grads))
         return heads
@@ -1736,6 +1767,8 @@ class DQNAgent(Agent):
             self._obs_noise_reducer.mean(self.obs_noise.sq, self.stats.device, stream, at=self._slot_obs_noise)
         if self.pc_head is not None and self._aux:  # predictive coding: its loss
             stat_copy_kernel[1, 1, stream](self.pc_loss.loss, self.stats.device, np.int64(self._slot_pc_loss))
+        if self.ff_head is not None and self._aux:  # future-feature regression: its loss
+            stat_copy_kernel[1, 1, stream](self.ff_loss.loss, self.stats.device, np.int64(self._slot_ff_loss))
         if self.risk_head is not None and self._aux:  # risk-budget head: loss, mean ρ, labelled rows
             self._risk_stats(stream)
 
