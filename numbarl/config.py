@@ -158,6 +158,11 @@ class AgentConfig:
     padded train step is ~0.25 ms faster on the H200, and 1 in fp32, where padding costs time (docs/BENCHMARKS.md,
     issue 17). The parameters keep their shape: each pass copies them into a zero-padded scratch, so the values
     are the same math, rounded by other GEMM kernels (numbarl/rl/nets/c51_head.py)."""
+    head_fuse_value: bool = False
+    """With a padded head (agent.head_pad resolving above 1): the value stream joins the advantage's GEMM as its
+    columns ΣA·Z .. ΣA·Z + Z, one GEMM per pass for both (714 + 51 -> 768 columns at 64), instead of a separate
+    51-wide one. Off until timed on the GPU (docs/BENCHMARKS.md, twentieth session: predicted ~0.08 ms of the TF32
+    train step). The same math; the bits of a padded run change with it."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up of every optimizer group over this many train steps from the
     group's start (numbarl/rl/schedules.py; 0 = off)."""
@@ -570,6 +575,11 @@ class AgentConfig:
         _check("agent", "tau", self.tau, lo=0.0, hi=1.0, lo_open=True)
         _check("agent", "compute", self.compute, choices=("fp32", "tf32"))
         _check("agent", "head_pad", self.head_pad, lo=0, hi=1024)
+        if not isinstance(self.head_fuse_value, bool):
+            raise ConfigError(f"agent.head_fuse_value = {self.head_fuse_value!r} must be true or false")
+        if self.head_fuse_value and self.head_pad_multiple == 1:
+            raise ConfigError("agent.head_fuse_value = true needs a padded head (agent.head_pad above 1, or 0 under "
+                              f"TF32); agent.head_pad = {self.head_pad} with agent.compute = {self.compute!r} is unpadded")
         _check("agent", "support", self.support, choices=("fixed", "fit"))
         _check("agent", "atom_entropy_source", self.atom_entropy_source, choices=("taken", "target"))
         _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)

@@ -83,16 +83,19 @@ def test_bench_train_head_pad_rows():
     line of its train and collect steps against the first row, with its peer check."""
     from numbarl.bench import train
 
-    assert train.head_pads("0,1,8") == [0, 1, 8]
-    for bad in ("1,x", "-1", "4,4", ""):
+    assert train.head_pads("0,1,8,0f") == ["0", "1", "8", "0f"]
+    for bad in ("1,x", "-1", "4,4", "", "1ff", "f", "0f,1"):
         with pytest.raises(SystemExit, match="--head-pad"):
             train.head_pads(bad)
     row = {"train_step_ms": 1.6, "collect_step_ms": 0.29}
-    results = {"head_pad": 0, "numbarl": {"tf32": {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "tf32.pad1": row},
+    fused = {"train_step_ms": 1.25, "collect_step_ms": 0.22}
+    results = {"head_pad": "0", "numbarl": {"tf32": {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "tf32.pad1": row,
+                                            "tf32.pad0f": fused},
                "check.pad1": {"available": True, "loss_relerr": 9e-7, "grad_relerr_max": 1e-6}}
-    (line,) = train.pad_lines(results)
-    assert line.startswith("agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)")
-    assert "loss rel 9.0e-07" in line
+    one, fuse = train.pad_lines(results)
+    assert one.startswith("agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)")
+    assert "loss rel 9.0e-07" in one
+    assert fuse.startswith("agent.head_pad=0 + head_fuse_value (tf32): train 1.250 ms (-0.050 vs head_pad=0)")
 
 
 def test_sigterm_unwinds_like_ctrl_c():

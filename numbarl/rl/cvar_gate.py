@@ -339,8 +339,8 @@ class CvarGate:
 
     def _pass(self, tag: str):
         head = self.head
-        acts = head._arena(tag)
-        return tuple(acts[head._buf_name(tag, what)] for what in ("value", "adv", "lse"))
+        value, adv = head.pass_views(tag)  # the head's V and A (A's rows may be padded, V a view of them)
+        return value, adv, head._arena(tag)[head._buf_name(tag, "lse")]
 
     def on_mask(self, obs, mask, stream, tag: str = "act") -> None:
         """After the acting pass of tag, before the policy: gated entries off the env's mask."""

@@ -341,11 +341,11 @@ def test_forward_and_backward_with_long_branches_and_atom_tails(rng):
         _close(_host(d_adv), ref_da, what=f"d_adv {sizes}")
 
 
-def _head_run(rng_seed, pad_to):
+def _head_run(rng_seed, pad_to, fuse_value=False):
     """One padded or unpadded head: the three passes of a train step, then two backwards in one ledger step
     (the second accumulates: its bias gradient is the column sum of a strided view of the padded d_adv)."""
     rng = np.random.default_rng(rng_seed)
-    head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to)
+    head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to, fuse_value=fuse_value)
     store = ParamStore()
     head.declare_params(store)
     store.allocate()
@@ -369,7 +369,8 @@ def _head_run(rng_seed, pad_to):
     out = {"logits": _host(online.logits), "q": _host(online.q), "next_q": _host(nxt.q),
            "target_probs": _host(target.probs), "dh1": dh1, "dh2": dh2}
     out.update({f"grad:{k}": v for k, v in store.to_host("grads").items()})
-    bufs = {what: _host(acts[head._buf_name("online", what)]) for what in ("adv", "d_adv")}
+    bufs = dict(zip(("value", "adv"), map(_host, head.pass_views("online"))))
+    bufs.update(zip(("d_value", "d_adv"), map(_host, head.pass_views("online", grads=True))))
     for tag in ("online", "target"):
         for what in ("w_adv_pad", "b_adv_pad"):
             name = head._buf_name(tag, what)
@@ -381,7 +382,9 @@ def _head_run(rng_seed, pad_to):
 def test_padded_head_gives_the_unpadded_bits(rng):
     """agent.head_pad: the advantage GEMMs at ΣA·Z = 99 columns rounded up to 104 give the same logits, Q,
     probabilities, input gradients and parameter gradients bit for bit (the pad columns of the weight copy and
-    of d_adv are zeros: exact zero terms), the parameters keep their shape, and the pad columns stay zero."""
+    of d_adv are zeros: exact zero terms), the parameters keep their shape, and the pad columns stay zero. The
+    same with the value stream fused into the advantage's GEMM (agent.head_fuse_value: 99 + 11 -> 112), whose V
+    and dV are views of the fused buffers, except dh (one input-gradient GEMM instead of two: one rounding)."""
     seed = int(rng.integers(2**31))
     plain, ref, _ = _head_run(seed, 1)
     head, got, bufs = _head_run(seed, 8)
@@ -391,9 +394,23 @@ def test_padded_head_gives_the_unpadded_bits(rng):
     for k in ref:
         assert np.array_equal(got[k], ref[k], equal_nan=True), k
     for name, arr in bufs.items():
-        pad = arr[..., 99:]
-        assert pad.shape[-1] == 5 and np.all(pad == 0.0), name
+        if name not in ("value", "d_value"):
+            pad = arr[..., 99:]
+            assert pad.shape[-1] == 5 and np.all(pad == 0.0), name
     assert np.any(bufs["online.w_adv_pad"][:, :99] != bufs["target.w_adv_pad"][:, :99])  # each pass its role's
+    # the value stream in the advantage's GEMM (agent.head_fuse_value): 99 + 11 -> 112 columns, the same bits
+    plain_bufs = _head_run(seed, 1)[2]
+    fused, got, bufs = _head_run(seed, 8, fuse_value=True)
+    assert (fused.value_col, fused.padded_width) == (99, 112) and not fused.plain
+    for k in ref:  # dh: one GEMM of [dA | dV] rounds once where the unfused head's two GEMMs round twice
+        if k.startswith("dh"):
+            _close(got[k], ref[k], atol=1e-6, rtol=1e-6, what=f"fused {k}")
+        else:
+            assert np.array_equal(got[k], ref[k], equal_nan=True), f"fused {k}"
+    for what in ("value", "d_value", "adv", "d_adv"):
+        assert np.array_equal(bufs[what][:, :plain_bufs[what].shape[1]], plain_bufs[what]), what
+    assert np.all(bufs["adv"][:, 110:] == 0) and np.all(bufs["d_adv"][:, 110:] == 0)
+    assert np.array_equal(bufs["online.w_adv_pad"][:, 99:110], _host(fused.store.arenas["params"]["head.value.w"]))
     with pytest.raises(ValueError, match="pad_to"):
         BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=0)
     adv = _dev(np.zeros((BATCH, 104), np.float32))
@@ -436,3 +453,26 @@ def test_head_pad_default_pads_under_tf32_only():
     assert AgentConfig(head_pad=8).head_pad_multiple == 8
     with pytest.raises(ValueError, match="head_pad"):
         AgentConfig(head_pad=-1).validate()
+
+
+def test_agent_with_the_value_stream_fused_trains_as_unfused():
+    """agent.head_fuse_value through the agent: three train steps give the unpadded agent's parameters and
+    gradients to rounding (dh is one GEMM instead of two), the value head's gradients included; the config refuses
+    it without padding."""
+    from agent_helpers import aux_steps, fill_replay, tiny_agent
+
+    from numbarl.config import AgentConfig, ConfigError
+
+    snaps = []
+    for pad, fuse in ((1, False), (8, True)):
+        agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=pad, head_fuse_value=fuse)
+        assert agent.head.fused == fuse and agent.head.padded_width == (25 if pad == 1 else 32)
+        fill_replay(agent, np.random.default_rng(3))
+        aux_steps(agent, stream())
+        snaps.append({f"{role}:{k}": v for role in ("params", "grads") for k, v in agent.store.to_host(role).items()})
+    for k, v in snaps[0].items():
+        _close(snaps[1][k], v, atol=1e-5, rtol=1e-4, what=k)
+    assert np.any(snaps[1]["grads:head.value.w"] != 0) and np.any(snaps[1]["grads:head.adv.w"] != 0)
+    with pytest.raises(ConfigError, match="head_fuse_value = true needs a padded head"):
+        AgentConfig(head_fuse_value=True).validate()
+    AgentConfig(head_fuse_value=True, compute="tf32").validate()

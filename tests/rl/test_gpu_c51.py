@@ -70,17 +70,23 @@ def _batch(rng, batch=BATCH):
     }
 
 
+def _layout(pad):
+    """The head's padding arguments of a parametrized pad: Q, or "Qf" for Q with the value stream fused."""
+    return {"pad_to": int(str(pad).rstrip("f")), "fuse_value": str(pad).endswith("f")}
+
+
 class Learner:
     """numbarl trunk + head + loss wired the way the agent does it (online / next / target tags)."""
 
     # what each pass needs in a train step (all outputs everywhere when full_outputs)
     OUTPUTS = {"online": ("logits",), "next": ("q",), "target": ("probs",)}
 
-    def __init__(self, rng, batch=BATCH, trunk=True, full_outputs=False, pad_to=1):
+    def __init__(self, rng, batch=BATCH, trunk=True, full_outputs=False, pad_to=1, fuse_value=False):
         self.store = ParamStore()
         self.trunk = Mlp("trunk", STATE_DIM, WIDTHS, "relu") if trunk else None
         hidden = WIDTHS[-1] if trunk else STATE_DIM
-        self.head = BranchedDuelingC51Head("head", hidden, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to)
+        self.head = BranchedDuelingC51Head("head", hidden, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to,
+                                           fuse_value=fuse_value)
         for layer in ([self.trunk] if trunk else []) + [self.head]:
             layer.declare_params(self.store)
         self.store.allocate()
@@ -192,11 +198,12 @@ def _assert_bitwise(a, b):
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
 
 
-@pytest.mark.parametrize("pad", [1, 4])  # 4: the advantage GEMMs at 716 columns (agent.head_pad)
+# 4: the advantage GEMMs at 716 columns (agent.head_pad); "64f": the value stream in them, 768 (agent.head_fuse_value)
+@pytest.mark.parametrize("pad", [1, 4, "64f"])
 def test_graph_replay_equals_eager_bitwise(rng, pad):
     from numbarl.cuda import graph as graphs
 
-    learner = Learner(rng, pad_to=pad)
+    learner = Learner(rng, **_layout(pad))
     learner.upload(_batch(rng))
     learner.step(stream())
     eager = _snapshot(learner)
@@ -210,13 +217,14 @@ def test_graph_replay_equals_eager_bitwise(rng, pad):
     assert np.isfinite(eager["loss"][0]) and all(np.all(np.isfinite(v)) for v in eager.values())
 
 
-@pytest.mark.parametrize("pad", [1, 4])  # 4: the advantage GEMMs at 716 columns (agent.head_pad)
+# 4: the advantage GEMMs at 716 columns (agent.head_pad); "64f": the value stream in them, 768 (agent.head_fuse_value)
+@pytest.mark.parametrize("pad", [1, 4, "64f"])
 def test_two_runs_bitwise_identical(rng, pad):
     seed = int(rng.integers(2**31))
     snaps = []
     for _ in range(2):
         r = np.random.default_rng(seed)
-        learner = Learner(r, pad_to=pad)
+        learner = Learner(r, **_layout(pad))
         learner.upload(_batch(r))
         learner.step(stream())
         snaps.append(_snapshot(learner))
@@ -233,14 +241,15 @@ def _peer(learner, **kw):
     return TorchPeer(spec, learner.values, learner.target_values, **kw)
 
 
-@pytest.mark.parametrize("pad", [1, 4])  # 4: the advantage GEMMs at 716 columns (agent.head_pad)
+# 4: the advantage GEMMs at 716 columns (agent.head_pad); "64f": the value stream in them, 768 (agent.head_fuse_value)
+@pytest.mark.parametrize("pad", [1, 4, "64f"])
 def test_peer_loss_and_gradients_match_numbarl(rng, pad):
     torch = pytest.importorskip("torch")
     from numbarl.rl.torch_peer import batch_to_torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    learner = Learner(rng, pad_to=pad)
+    learner = Learner(rng, **_layout(pad))
     batch = _batch(rng)
     learner.upload(batch)
     learner.step(stream())

@@ -665,7 +665,8 @@ class DQNAgent(Agent):
                          input_gate=cfg.feature_gate, kan_gate=cfg.kan_gate, input_grad=bool(cfg.temporal),
                          attention=cfg.feature_attention, bottleneck=bottleneck, regime_gate=regime_cols)
         self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
-                                           cfg.v_min, cfg.v_max, compute=cfg.compute, pad_to=cfg.head_pad_multiple)
+                                           cfg.v_min, cfg.v_max, compute=cfg.compute, pad_to=cfg.head_pad_multiple,
+                                           fuse_value=cfg.head_fuse_value)
         self.trunk.declare_params(self.store)
         self.head.declare_params(self.store)
         self.acts = Arena("activations")

@@ -59,6 +59,12 @@ keep the arena's zeros), the input gradient runs at K = Wp, and the weight gradi
 N = Wp into a scratch copied back into the gradient. The parameters keep their shape [H, ΣA·Z]. The pad columns add
 exact zeros: the same values, rounded by other kernels (bit for bit the same under the simulator's GEMM).
 TF32 train step 1.63 -> 1.34 ms at Q = 64 (docs/BENCHMARKS.md, twentieth session).
+Fused value stream (`fuse_value`, agent.head_fuse_value; padded heads only): the value weights and bias are copied
+into the same scratch at columns ΣA·Z .. ΣA·Z + Z, so one GEMM per pass writes [A | V | 0] (714 + 51 -> 768);
+the head kernels read V from the loaded A rows (`fused`, `value_col`), the backward writes dV into those columns
+of d_adv (a strided view), one weight-gradient GEMM at the padded width serves both streams (copied back into
+both gradients) and one input-gradient GEMM gives dh = [dA | dV | 0]·[W_a | W_v | 0]ᵀ (one rounding where the
+unfused head has two). Not yet timed on a GPU.
 Backward: `dueling_backward_kernel`, one thread per (b, z) (block (EW_ATOMS, EW_ROWS)): adjacent
 threads touch adjacent atoms (coalesced), each loops over the branches and their actions (uint64
 indices: 504 -> 239 PTX instructions).
@@ -365,13 +371,15 @@ def _load_span_dev(sh, adv, value, adv_start, value_start, n_adv, n_load, t, thr
 
 
 @_cuda.jit(cache=True)
-def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, branch_inv_sizes, support,
-                        max_actions, samples, want_logits, want_stats, want_probs, logits, lse, q, probs):
+def dueling_head_kernel(value, adv, n_atoms, width, fused, value_col, branch_sizes, branch_offsets, branch_inv_sizes,
+                        support, max_actions, samples, want_logits, want_stats, want_probs, logits, lse, q, probs):
     """One block per `samples` samples, block (HEAD_TX, HEAD_TY), dynamic shared memory
     (`head_shared_floats`): the block's value and advantage rows are loaded once, coalesced, and
     every output is computed from shared memory. value [B·Z], adv [B·ΣA·Z] and the outputs (logits,
     probs [B·nb·max_a·Z], lse, q [B·nb·max_a]) are flat views; n_atoms, width, max_actions, samples
-    are uint64.
+    are uint64. fused: V is not a separate array but columns value_col .. value_col + Z of each adv row
+    (the padded head's one GEMM for both streams, `BranchedDuelingC51Head(fuse_value=True)`); the span
+    loaded is then the adv rows alone, V read from them in shared memory (`value` is not read).
 
     1. load  A [S, ΣA·Z] and V [S, Z] as one span (`_load_span_dev`: eight loads in flight);
     2. x     thread row per sample, lane per atom: base = V - (Σ_a A[a, z] in order a = 0..A_k-1)
@@ -392,7 +400,7 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
     """
     # shared: A, then x [n_s, ΣA·Z] | V [n_s, Z] | lse [S·nb·max_a] | support [Z] | row starts [S·nb·max_a]
     sh = _cuda.shared.array(0, float32)
-    batch = np.uint64(value.shape[0]) // n_atoms
+    batch = np.uint64(adv.shape[0]) // width
     n_branches = np.uint64(branch_sizes.shape[0])
     tx = np.uint64(_cuda.threadIdx.x)
     ty = np.uint64(_cuda.threadIdx.y)
@@ -403,13 +411,16 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
     b0 = np.uint64(_cuda.blockIdx.x) * samples  # 64-bit: flat indices reach B·ΣA·Z
     n_s = min(samples, batch - b0)
     rows_per_sample = n_branches * max_actions
-    n_adv = n_s * width  # V follows the block's A rows
+    n_adv = n_s * width  # V follows the block's A rows (fused: V is inside them)
+    v_base, v_stride, n_load = n_adv, n_atoms, n_adv + n_s * n_atoms
+    if fused:
+        v_base, v_stride, n_load = value_col, width, n_adv
     off_lse = samples * (width + n_atoms)
     off_support = off_lse + samples * rows_per_sample
     off_rows = off_support + n_atoms
 
     # 1. load (the block's rows are contiguous in both GEMM outputs)
-    _load_span_dev(sh, adv, value, b0 * width, b0 * n_atoms, n_adv, n_adv + n_s * n_atoms, t, threads)
+    _load_span_dev(sh, adv, value, b0 * width, b0 * n_atoms, n_adv, n_load, t, threads)
     _cuda.syncthreads()
 
     # 2. x = A + base in place, base[s, k, z] = V[s, z] - (Σ_a A[s, k, a, z]) · (1/A_k)
@@ -418,7 +429,7 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
         z = tx
         while z < n_atoms:
             first = s * width + z  # A[s, 0, 0, z]
-            v = sh[n_adv + s * n_atoms + z]  # V[s, z]
+            v = sh[v_base + s * v_stride + z]  # V[s, z]
             k = _U0
             while k < n_branches:
                 n_actions = np.uint64(branch_sizes[k])
@@ -500,12 +511,13 @@ def dueling_head_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets
 
 
 @_cuda.jit(cache=True)
-def dueling_q_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, branch_inv_sizes, support,
-                     max_actions, samples, lse, q):
+def dueling_q_kernel(value, adv, n_atoms, width, fused, value_col, branch_sizes, branch_offsets, branch_inv_sizes,
+                     support, max_actions, samples, lse, q):
     """The Q-only pass (lse and q, no logits, no probs): bit-identical to `dueling_head_kernel`'s
     statistics in fewer instructions, with a smaller footprint. One block per `samples`
     samples, block (Q_TX, Q_TY), dynamic shared memory A | V (`q_shared_floats`); value [B·Z] and
-    adv [B·ΣA·Z] are flat views; n_atoms, width, max_actions, samples are uint64.
+    adv [B·ΣA·Z] are flat views; n_atoms, width, max_actions, samples are uint64; fused, value_col: V in
+    adv's rows, as in `dueling_head_kernel`.
 
     1. load   the block's A [S, ΣA·Z] and V [S, Z] rows as one span, coalesced, eight loads in flight
               per thread: five unguarded rounds over A and one guarded round over the rest of A and
@@ -526,7 +538,7 @@ def dueling_q_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, b
     order per row, so the same bits.
     """
     sh = _cuda.shared.array(0, float32)  # A, then x [n_s, ΣA·Z] (rows as in adv) | V [n_s, Z]
-    batch = np.uint64(value.shape[0]) // n_atoms
+    batch = np.uint64(adv.shape[0]) // width
     n_branches = np.uint64(branch_sizes.shape[0])
     tx = np.uint64(_cuda.threadIdx.x)
     ty = np.uint64(_cuda.threadIdx.y)
@@ -539,7 +551,9 @@ def dueling_q_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, b
 
     # 1. load: the block's A rows then its V rows (each contiguous in its GEMM output) as one span
     n_adv = n_s * width
-    n_load = n_adv + n_s * n_atoms
+    v_base, v_stride, n_load = n_adv, n_atoms, n_adv + n_s * n_atoms
+    if fused:  # V inside the A rows
+        v_base, v_stride, n_load = value_col, width, n_adv
     _load_span_dev(sh, adv, value, b0 * width, b0 * n_atoms, n_adv, n_load, t, threads)
     _cuda.syncthreads()
 
@@ -549,8 +563,9 @@ def dueling_q_kernel(value, adv, n_atoms, width, branch_sizes, branch_offsets, b
     col = t
     while col < n_s * n_atoms:
         s = col // n_atoms
-        first = s * width + (col - s * n_atoms)  # A[s, 0, 0, z]
-        v = sh[n_adv + col]  # V[s, z]
+        z = col - s * n_atoms
+        first = s * width + z  # A[s, 0, 0, z]
+        v = sh[v_base + s * v_stride + z]  # V[s, z]
         k = _U0
         while k < n_branches:
             n_actions = np.uint64(branch_sizes[k])
@@ -636,10 +651,11 @@ def dueling_backward_kernel(d_logits, branch_sizes, branch_offsets, branch_inv_s
 
 
 @_cuda.jit(cache=True)
-def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols):
-    """w_dst[r, j] = w_src[r, j] and b_dst[j] = b_src[j] for j < cols (uint64): a padded layer's weight and bias
-    into its zero-padded copy, or a padded gradient back; the other columns are not written. A grid-stride loop
-    over the (rows + 1) x cols entries (the last row is the bias), uint64 indices."""
+def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col):
+    """w_dst[r, dst_col + j] = w_src[r, src_col + j] and b_dst[dst_col + j] = b_src[src_col + j] for j < cols
+    (uint64): a padded layer's weight and bias into its zero-padded copy, or a padded gradient back; the other
+    columns are not written. A grid-stride loop over the (rows + 1) x cols entries (the last row is the bias),
+    uint64 indices."""
     rows = np.uint64(w_dst.shape[0])
     n = (rows + _U1) * cols
     i = np.uint64(_cuda.grid(1))
@@ -648,9 +664,9 @@ def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols):
         r = i // cols
         j = i - r * cols
         if r < rows:
-            w_dst[r, j] = w_src[r, j]
+            w_dst[r, dst_col + j] = w_src[r, src_col + j]
         else:
-            b_dst[j] = b_src[j]
+            b_dst[dst_col + j] = b_src[src_col + j]
         i += stride
 
 
@@ -682,13 +698,15 @@ class BranchedDuelingC51Head(Module):
     forward(h, stream, tag, role) -> C51Outputs(logits, probs, q); backward(d_logits, stream, tag)
     -> dh, the four gradients by the gradient rule. compute="tf32" switches the GEMMs to TF32. pad_to: the
     advantage GEMMs' width rounded up to a multiple of it (module docstring, "Padded width"); the padded pass
-    declares w_adv_pad / b_adv_pad and, with backward, dw_adv_pad / db_adv_pad.
+    declares w_adv_pad / b_adv_pad and, with backward, dw_adv_pad / db_adv_pad. fuse_value: the value stream
+    joins the advantage's GEMM as its columns ΣA·Z .. ΣA·Z + Z (one GEMM per pass for both, at
+    round_up(ΣA·Z + Z, pad_to) columns; no value / d_value buffers: `pass_views` gives V as a view).
     """
 
     native_dx_accumulate = True  # dh ends in GEMMs: the first takes the ledger's beta
 
     def __init__(self, name: str, hidden: int, branch_sizes, n_atoms: int = 51, v_min: float = -10.0,
-                 v_max: float = 10.0, compute: str = "fp32", pad_to: int = 1):
+                 v_max: float = 10.0, compute: str = "fp32", pad_to: int = 1, fuse_value: bool = False):
         super().__init__(name)
         self.hidden = int(hidden)
         self.branch_sizes = tuple(int(a) for a in branch_sizes)
@@ -709,7 +727,11 @@ class BranchedDuelingC51Head(Module):
         if int(pad_to) < 1:
             raise ValueError(f"{name}: pad_to must be >= 1 (got {pad_to})")
         self.width = self.total_actions * self.n_atoms  # the advantage GEMM's logical width ΣA·Z
-        self.padded_width = -(-self.width // int(pad_to)) * int(pad_to)  # its width in the passes
+        self.fused = bool(fuse_value)  # V in the advantage GEMM's columns width .. width + Z
+        self.value_col = self.width
+        cols = self.width + (self.n_atoms if self.fused else 0)
+        self.padded_width = -(-cols // int(pad_to)) * int(pad_to)  # the GEMM's width in the passes
+        self.plain = self.padded_width == self.width  # unpadded and unfused: the parameters used as they are
 
         # constant per-branch tables, uploaded once (before any capture)
         layout = Arena(f"{name}.layout")
@@ -765,10 +787,10 @@ class BranchedDuelingC51Head(Module):
         unknown = set(outputs) - set(OUTPUTS)
         if unknown or not outputs:
             raise ValueError(f"{self.name}: outputs must be a non-empty subset of {OUTPUTS} (got {tuple(outputs)})")
-        b, z, width, wp = int(batch), self.n_atoms, self.width, self.padded_width
+        b, z, wp = int(batch), self.n_atoms, self.padded_width
         shape4 = (b, self.n_branches, self.max_actions, z)
-        bufs = [Buf("value", (b, z)), Buf("adv", (b, wp))]
-        if wp != width:  # the pass's zero-padded copy of adv.w / adv.b (pad columns stay zero)
+        bufs = ([] if self.fused else [Buf("value", (b, z))]) + [Buf("adv", (b, wp))]
+        if not self.plain:  # the pass's zero-padded copy of adv.w / adv.b (and value's, fused; pads stay zero)
             bufs += [Buf("w_adv_pad", (self.hidden, wp)), Buf("b_adv_pad", (wp,))]
         if "logits" in outputs:
             bufs.append(Buf("logits", shape4))
@@ -777,12 +799,23 @@ class BranchedDuelingC51Head(Module):
         if "probs" in outputs:
             bufs.append(Buf("probs", shape4))
         if backward:
-            if wp != width:  # the padded weight gradient's GEMM output, copied back into the gradient
+            if not self.plain:  # the padded weight gradient's GEMM output, copied back into the gradients
                 bufs += [Buf("dw_adv_pad", (self.hidden, wp)), Buf("db_adv_pad", (wp,))]
-            bufs += [Buf("d_value", (b, z)), Buf("d_adv", (b, wp)), Buf("dh", (b, self.hidden)),
+            bufs += [] if self.fused else [Buf("d_value", (b, z))]
+            bufs += [Buf("d_adv", (b, wp)), Buf("dh", (b, self.hidden)),
                      Buf("partials_value", reduce.col_partials_shape(b, z)),
-                     Buf("partials_adv", reduce.col_partials_shape(b, width))]
+                     Buf("partials_adv", reduce.col_partials_shape(b, self.width))]
         return bufs
+
+    def pass_views(self, tag: str, grads: bool = False):
+        """(V [B, Z], A [B, ≥ ΣA·Z]) of a pass: its value and advantage buffers, or with grads=True d_value and
+        d_adv. Fused, V is a strided view of the advantage buffer's columns ΣA·Z .. ΣA·Z + Z. A's rows may be
+        wider than ΣA·Z (padded): index them as A[b, (offset_k + a)·Z + z]."""
+        acts = self._arena(tag)
+        adv = acts[self._buf_name(tag, "d_adv" if grads else "adv")]
+        if self.fused:
+            return adv[:, self.value_col:self.value_col + self.n_atoms], adv
+        return acts[self._buf_name(tag, "d_value" if grads else "value")], adv
 
     def outputs(self, tag: str = "online") -> C51Outputs:
         acts = self._arena(tag)
@@ -799,24 +832,28 @@ class BranchedDuelingC51Head(Module):
     # -- kernels ------------------------------------------------------------------------------
     def forward_impl(self, c: Ctx, h) -> C51Outputs:
         """The two GEMMs, then the dueling combination + softmax in one launch."""
-        value, adv = c.buf("value"), c.buf("adv")
-        blas.gemm(h, c.p("w_value"), value, bias=c.p("b_value"), compute=self.compute, stream=c.stream)
+        adv = c.buf("adv")
+        if not self.fused:
+            blas.gemm(h, c.p("w_value"), c.buf("value"), bias=c.p("b_value"), compute=self.compute, stream=c.stream)
         w_adv, b_adv = self._adv_weights(c, refresh=True)
-        blas.gemm(h, w_adv, adv, bias=b_adv, compute=self.compute, stream=c.stream)
+        blas.gemm(h, w_adv, adv, bias=b_adv, compute=self.compute, stream=c.stream)  # fused: V's columns too
         out = self.outputs(c.tag)
         lse = c.buf("lse") if out.q is not None else None
-        dueling_forward(value, adv, self.layout, c.stream, logits=out.logits, lse=lse, q=out.q, probs=out.probs,
-                        width=self.width)
+        dueling_forward(None if self.fused else c.buf("value"), adv, self.layout, c.stream, logits=out.logits,
+                        lse=lse, q=out.q, probs=out.probs, width=self.width,
+                        value_col=self.value_col if self.fused else None)
         return out
 
     def _adv_weights(self, c: Ctx, refresh: bool):
         """The advantage GEMM's weight and bias in this pass: the parameters themselves, or (padded) the pass's
         zero-padded copy of them, refreshed by the forward (`copy_cols_kernel`) and read again by the backward."""
-        if self.padded_width == self.width:
+        if self.plain:
             return c.p("w_adv"), c.p("b_adv")
         w_pad, b_pad = c.buf("w_adv_pad"), c.buf("b_adv_pad")
         if refresh:
             copy_cols(c.p("w_adv"), c.p("b_adv"), w_pad, b_pad, c.stream)
+            if self.fused:  # the value stream's weight and bias into the columns after the advantage's
+                copy_cols(c.p("w_value"), c.p("b_value"), w_pad, b_pad, c.stream, dst_col=self.value_col)
         return w_pad, b_pad
 
     def backward_impl(self, c: Ctx, d_logits, dh):
@@ -825,21 +862,39 @@ class BranchedDuelingC51Head(Module):
         expected = (c.batch, self.n_branches, self.max_actions, self.n_atoms)
         if tuple(d_logits.shape) != expected:
             raise ValueError(f"{self.name}.backward: d_logits has shape {tuple(d_logits.shape)}, expected {expected}")
-        h, d_value, d_adv = c.x(), c.buf("d_value"), c.buf("d_adv")
+        h = c.x()
+        d_value, d_adv = self.pass_views(c.tag, grads=True)
         dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)  # d_adv's pad columns stay zero
-        linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
-        betas = c.beta("w_adv"), c.beta("b_adv")
-        if self.padded_width != self.width and betas == (0.0, 0.0):  # the first write: at the padded width
+        if self.plain:
+            linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
+            linear_param_grads(c, h, d_adv, "w_adv", "b_adv", c.buf("partials_adv"), self.compute)
+            blas.gemm(d_value, c.p("w_value"), dh, trans_b=True, beta=c.dx_beta, compute=self.compute,
+                      stream=c.stream)
+            blas.gemm(d_adv, c.p("w_adv"), dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
+            return dh
+        if not self.fused:
+            linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
+        betas = {key: c.beta(key) for key in ("w_adv", "b_adv") + (("w_value", "b_value") if self.fused else ())}
+        if not any(betas.values()):  # the first write of the step: one GEMM at the padded width, copied back
             dw_pad, db_pad = c.buf("dw_adv_pad"), c.buf("db_adv_pad")
             blas.gemm(h, d_adv, dw_pad, trans_a=True, epilogue="bgrad", bias_grad=db_pad, compute=self.compute,
                       stream=c.stream)
-            copy_cols(dw_pad, db_pad, c.g("w_adv"), c.g("b_adv"), c.stream)
-        else:  # unpadded, or a later write that adds: at ΣA·Z columns (a strided view of a padded d_adv)
-            d_adv_cols = d_adv if self.padded_width == self.width else d_adv[:, :self.width]
-            linear_param_grads(c, h, d_adv_cols, "w_adv", "b_adv", c.buf("partials_adv"), self.compute, betas=betas)
-        blas.gemm(d_value, c.p("w_value"), dh, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
+            copy_cols(dw_pad, db_pad, c.g("w_adv"), c.g("b_adv"), c.stream, cols=self.width)
+            if self.fused:
+                copy_cols(dw_pad, db_pad, c.g("w_value"), c.g("b_value"), c.stream, src_col=self.value_col)
+        else:  # a later write that adds: at the logical widths, on strided views of the padded d_adv
+            linear_param_grads(c, h, d_adv[:, :self.width], "w_adv", "b_adv", c.buf("partials_adv"), self.compute,
+                               betas=(betas["w_adv"], betas["b_adv"]))
+            if self.fused:
+                linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute,
+                                   betas=(betas["w_value"], betas["b_value"]))
         w_adv, _ = self._adv_weights(c, refresh=False)  # K = the padded width: zero columns add exact zeros
-        blas.gemm(d_adv, w_adv, dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
+        if self.fused:  # dh = [dA | dV | 0]·[W_a | W_v | 0]ᵀ: one GEMM
+            blas.gemm(d_adv, w_adv, dh, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
+        else:
+            blas.gemm(d_value, c.p("w_value"), dh, trans_b=True, beta=c.dx_beta, compute=self.compute,
+                      stream=c.stream)
+            blas.gemm(d_adv, w_adv, dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
         return dh
 
     # -- float64 reference of the layer (host dict of params by name; composable with Linear's) --
@@ -876,7 +931,7 @@ def q_shared_floats(samples: int, width: int, n_atoms: int) -> int:
 
 
 def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None,
-                    block=None, samples=None, q_kernel: str = "q", width=None) -> None:
+                    block=None, samples=None, q_kernel: str = "q", width=None, value_col=None) -> None:
     """The dueling combination and its softmax in one launch; writes only the outputs given.
 
     value [B, Z], adv [B, ΣA·Z]; logits, probs [B, n_branches, max_actions, Z]; lse, q
@@ -890,6 +945,9 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     columns past ΣA·Z the kernels never read: they take adv.shape[1] as the row stride); None: all of
     adv's columns (a multiple of the atoms).
 
+    value_col: V is not a separate array (value None) but adv's columns value_col .. value_col + Z, at or
+    after the advantage's width (the fused padded layout: one GEMM for both streams).
+
     q_kernel: for a Q-only pass (lse and q, no logits, no probs: acting, the next-obs pass), "q"
     launches `dueling_q_kernel` and "head" the general `dueling_head_kernel` (kept for
     `python -m numbarl.bench.head`, which times both); the two write the same bits. Passes with
@@ -902,12 +960,12 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
         raise ValueError("c51 head: lse and q are written together: give both or neither")
     if not given and q is None:
         raise ValueError("c51 head: dueling_forward needs at least one output (logits, probs or q)")
-    batch, n_atoms = value.shape
+    n_atoms = layout["support"].shape[0]
+    batch = adv.shape[0]
     sizes = layout["branch_sizes"]
     n_branches = sizes.shape[0]
     max_actions = (given[0].shape[2] if given else q.shape[2])
     shape4 = (batch, n_branches, max_actions, n_atoms)
-    _check("value", value, (batch, n_atoms))
     _check("adv", adv, (batch, adv.shape[1]))
     _check("support", layout["support"], (n_atoms,))
     for name, arr in (("logits", logits), ("probs", probs)):
@@ -920,8 +978,19 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     if width % n_atoms or width > adv.shape[1]:
         raise ValueError(f"c51 head: the advantage's width {width} is not a multiple of {n_atoms} atoms "
                          f"or exceeds adv's {adv.shape[1]} columns")
+    if (value is None) == (value_col is None):
+        raise ValueError("c51 head: give value, or value_col (V inside adv's rows), not both or neither")
+    if value is None:
+        value_col = int(value_col)
+        if value_col < width or value_col + n_atoms > adv.shape[1]:
+            raise ValueError(f"c51 head: value_col {value_col} puts V's {n_atoms} columns outside adv's columns "
+                             f"{width} .. {adv.shape[1]}")
+        value, fused = adv, True  # a stand-in the kernels never read
+    else:
+        _check("value", value, (batch, n_atoms))
+        value_col, fused = 0, False
     if q_kernel == "q" and not given:
-        _dueling_q(value, adv, layout, stream, lse, q, max_actions, block, samples)
+        _dueling_q(value, adv, layout, stream, lse, q, max_actions, block, samples, fused, value_col)
         return
     per_sample = (head_shared_floats(1, n_atoms, adv.shape[1], n_branches, max_actions) - n_atoms) * 4
     samples = min(HEAD_SAMPLES if samples is None else int(samples), (SHARED_BYTES_MAX - n_atoms * 4) // per_sample)
@@ -940,8 +1009,8 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         dueling_head_kernel[grid, block, stream, shared_bytes](
-            value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(adv.shape[1]), sizes,
-            layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
+            value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(adv.shape[1]), fused,
+            np.uint64(value_col), sizes, layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
             np.uint64(max_actions), np.uint64(samples), logits is not None, q is not None, probs is not None,
             _flat(u4 if logits is None else logits), _flat(u3 if lse is None else lse), _flat(u3 if q is None else q),
             _flat(u4 if probs is None else probs))
@@ -952,10 +1021,10 @@ def _flat(array):
     return array.reshape(array.size)
 
 
-def _dueling_q(value, adv, layout: Arena, stream, lse, q, max_actions, block, samples) -> None:
+def _dueling_q(value, adv, layout: Arena, stream, lse, q, max_actions, block, samples, fused, value_col) -> None:
     """Launch `dueling_q_kernel` (shapes already checked by `dueling_forward`)."""
-    batch, n_atoms = value.shape
-    width = adv.shape[1]
+    batch, width = adv.shape
+    n_atoms = layout["support"].shape[0]
     per_sample = q_shared_floats(1, width, n_atoms) * 4
     samples = min(Q_SAMPLES if samples is None else int(samples), SHARED_BYTES_MAX // per_sample)
     if samples < 1:
@@ -966,21 +1035,27 @@ def _dueling_q(value, adv, layout: Arena, stream, lse, q, max_actions, block, sa
     with warnings.catch_warnings():  # non-finite inputs: see dueling_forward
         warnings.simplefilter("ignore", RuntimeWarning)
         dueling_q_kernel[grid, block, stream, q_shared_floats(samples, width, n_atoms) * 4](
-            value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(width),
-            layout["branch_sizes"], layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
+            value.reshape(value.size), adv.reshape(adv.size), np.uint64(n_atoms), np.uint64(width), fused,
+            np.uint64(value_col), layout["branch_sizes"], layout["branch_offsets"], layout["branch_inv_sizes"],
+            layout["support"],
             np.uint64(max_actions), np.uint64(samples), lse, q)
 
 
-def copy_cols(w_src, b_src, w_dst, b_dst, stream) -> None:
-    """The first min(widths) columns of a weight [H, ·] and entries of its bias [·] from (w_src, b_src) into
-    (w_dst, b_dst): a padded layer's per-pass copy of its parameters (the pad columns keep their zeros), or its
-    padded weight gradient back into the parameter's gradient."""
-    rows, cols = w_dst.shape[0], min(w_src.shape[1], w_dst.shape[1])
+def copy_cols(w_src, b_src, w_dst, b_dst, stream, src_col: int = 0, dst_col: int = 0, cols=None) -> None:
+    """`cols` columns of a weight [H, ·] and entries of its bias [·] from (w_src, b_src) at src_col into (w_dst,
+    b_dst) at dst_col (default: as many as both have): a padded layer's per-pass copy of its parameters (the pad
+    columns keep their zeros), or its padded weight gradient back into the parameters' gradients."""
+    rows = w_dst.shape[0]
+    cols = min(w_src.shape[1] - src_col, w_dst.shape[1] - dst_col) if cols is None else int(cols)
     _check("w_src", w_src, (rows, w_src.shape[1]))
     _check("b_src", b_src, (w_src.shape[1],))
     _check("b_dst", b_dst, (w_dst.shape[1],))
+    if cols < 1 or src_col < 0 or dst_col < 0 or src_col + cols > w_src.shape[1] or dst_col + cols > w_dst.shape[1]:
+        raise ValueError(f"c51 head: {cols} columns from {src_col} of {w_src.shape[1]} into {dst_col} of "
+                         f"{w_dst.shape[1]} do not fit")
     blocks, threads = elementwise.stride_launch((rows + 1) * cols)
-    copy_cols_kernel[blocks, threads, stream](w_src, b_src, w_dst, b_dst, np.uint64(cols))
+    copy_cols_kernel[blocks, threads, stream](w_src, b_src, w_dst, b_dst, np.uint64(cols), np.uint64(src_col),
+                                              np.uint64(dst_col))
 
 
 def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:

@@ -92,6 +92,10 @@ def _cases() -> dict[str, ModuleCase]:
         "c51-head-pad": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0, v_max=2.0,
                                                                   pad_to=4),
                                    7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
+        # the value stream in the advantage's padded GEMM (agent.head_fuse_value): 25 + 5 -> 32 columns
+        "c51-head-fused": ModuleCase(lambda: BranchedDuelingC51Head("head", 6, (3, 2), n_atoms=5, v_min=-2.0,
+                                                                    v_max=2.0, pad_to=8, fuse_value=True),
+                                     7, 6, primary=_c51_logits, valid="c51", acts={"outputs": ("logits", "q")}),
     }
 
 
