@@ -97,8 +97,10 @@ def parse_horizons(text: str) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"agent.horizons = {text!r}: a comma list of integers (bars), e.g. '1,5,20'") from None
     return tuple(sorted(set(values)))
-# ICM curiosity (agent.curiosity_weight) is off below this weight: nothing of it is built
+
+
 HEAD_PAD_TF32 = 64  # agent.head_pad=0 under TF32: 714 -> 768 columns (docs/BENCHMARKS.md, twentieth session)
+# ICM curiosity (agent.curiosity_weight) is off below this weight: nothing of it is built
 CURIOSITY_MIN_WEIGHT = 1e-3
 
 
@@ -248,7 +250,8 @@ class AgentConfig:
     future_targets: str = ""
     """The terms agent.future_weight regresses: a comma list, each an obs column (feature name or index) or the
     product of two, e.g. 'trade_imb_prev*ret_1' (on the regime-walk market its expectation is the hidden regime's
-    sign times a constant)."""
+    sign times a constant). The terms are read from the batch's next_obs as the learner sees it: with
+    agent.obs_noise on, a noised market column (a square term then gains σ² on average)."""
     reward_centering: float = 0.0
     """Reward centering (numbarl/rl/reward_center.py; Naik et al. 2024): the rate β of a running average r̄ of the
     rewards, updated every train step from the sampled batch's first rewards, and subtracted from every sampled
@@ -627,6 +630,8 @@ class AgentConfig:
                         "confidence_weight": self.confidence_weight > 0,  # recursive confidence
                         "predictive_weight": self.predictive_weight > 0,  # predictive coding
                         "future_weight": self.future_weight > 0,  # future-feature regression
+                        "head_pad": self.head_pad > 1,  # the padded C51 head (0, automatic, pads only a C51 head)
+                        "head_fuse_value": self.head_fuse_value,
                         "risk_head_weight": self.risk_head_weight > 0,  # risk-budget head
                         "regime_dropout": self.regime_dropout,
                         "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,
@@ -981,6 +986,28 @@ def _coerce(section: str, f: dataclasses.Field, current, raw):
 # fields renamed since a released config format: the old name still loads (a run folder's own
 # config.json from an earlier numbarl resumes and reproduces)
 RENAMED = {("env", "fill_delay"): "latency_bars"}
+# fields added with a default that is not what the code before them did: a saved section that lacks one was
+# written by that code, so it takes this value (a run resumes, and numbarl ab compares it, as it ran)
+LEGACY = {("agent", "head_pad"): 1}  # before the twentieth session no head was padded, TF32 included
+
+
+def with_legacy_fields(d: dict) -> dict:
+    """A saved config dict (a run's config.json) with LEGACY's values for the fields its sections lack."""
+    out = dict(d)
+    for (section, key), value in LEGACY.items():
+        if isinstance(out.get(section), dict) and key not in out[section]:
+            out[section] = {**out[section], key: value}
+    return out
+
+
+def behaviour_fields(d: dict) -> dict:
+    """A config dict with its automatic values resolved, for comparing what two configs do (numbarl ab):
+    agent.head_pad 0 becomes the multiple it means (AgentConfig.head_pad_multiple), so fp32's 0 equals 1."""
+    agent = d.get("agent")
+    if not isinstance(agent, dict) or "head_pad" not in agent:
+        return d
+    pad = agent["head_pad"] or (HEAD_PAD_TF32 if agent.get("compute") == "tf32" else 1)
+    return {**d, "agent": {**agent, "head_pad": pad}}
 
 
 def _apply_section(section_name: str, obj, updates: dict):
@@ -1078,7 +1105,9 @@ def from_dict(d: dict) -> Config:
     A section the file holds was saved in full, so a field it lacks was added to numbarl after the run was
     saved: it takes its dataclass default (what the code that wrote the run did: new fields default to off),
     not the preset's current value. E.g. a default-preset run saved before env.pnl_reward_scale existed
-    resumes with its own reward (trade + micro terms), not with the preset's mark-to-market term added."""
+    resumes with its own reward (trade + micro terms), not with the preset's mark-to-market term added. A field
+    whose default is not its old behaviour takes its LEGACY value instead (agent.head_pad: 1, unpadded)."""
+    d = with_legacy_fields(d)
     name = d.get("preset", "default")
     base = preset(name)
     saved = {k: v for k, v in d.items() if k in SECTIONS}

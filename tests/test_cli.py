@@ -89,12 +89,13 @@ def test_bench_train_head_pad_rows():
             train.head_pads(bad)
     row = {"train_step_ms": 1.6, "collect_step_ms": 0.29}
     fused = {"train_step_ms": 1.25, "collect_step_ms": 0.22}
-    results = {"head_pad": "0", "numbarl": {"tf32": {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "tf32.pad1": row,
-                                            "tf32.pad0f": fused},
+    results = {"head_pad": "0", "numbarl": {"fp32": {"train_step_ms": 3.2, "collect_step_ms": 0.6}, "tf32":
+                                            {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "fp32.pad1": row,
+                                            "tf32.pad1": row, "tf32.pad0f": fused},
                "check.pad1": {"available": True, "loss_relerr": 9e-7, "grad_relerr_max": 1e-6}}
-    one, fuse = train.pad_lines(results)
-    assert one.startswith("agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)")
-    assert "loss rel 9.0e-07" in one
+    fp32, one, fuse = train.pad_lines(results)
+    assert "loss rel 9.0e-07" in fp32 and fp32.startswith("agent.head_pad=1 (fp32): train 1.600 ms (-1.600")
+    assert one == "agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)"
     assert fuse.startswith("agent.head_pad=0 + head_fuse_value (tf32): train 1.250 ms (-0.050 vs head_pad=0)")
 
 

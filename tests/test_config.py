@@ -166,6 +166,22 @@ def test_a_run_saved_before_a_field_existed_reloads_with_that_fields_default_not
     assert config.from_dict(json.loads(json.dumps(now.to_dict()))) == now  # a full dump round-trips
 
 
+def test_a_tf32_run_saved_before_head_pad_resumes_unpadded():
+    """agent.head_pad's default (0: 64 under TF32) is not what the code before it did: a run saved without the
+    field reloads with head_pad = 1 (config.LEGACY), and numbarl ab compares the automatic 0 by what it means."""
+    from numbarl import config
+
+    old = config.apply(config.preset("default"), {"agent.compute": "tf32"}).to_dict()
+    old["agent"].pop("head_pad")
+    cfg = config.from_dict(json.loads(json.dumps(old)))
+    assert cfg.agent.head_pad == 1 and cfg.agent.head_pad_multiple == 1
+    now = config.apply(config.preset("default"), {"agent.compute": "tf32"})
+    assert now.agent.head_pad_multiple == 64 and config.from_dict(now.to_dict()) == now
+    fp32 = config.preset("default").to_dict()
+    assert config.behaviour_fields(fp32)["agent"]["head_pad"] == 1  # fp32's automatic 0 is unpadded
+    assert config.behaviour_fields(now.to_dict())["agent"]["head_pad"] == 64
+
+
 def test_renamed_env_fill_delay_still_loads():
     """env.fill_delay (renamed env.latency_bars) in an earlier run's config.json or a --set still
     loads; both names with different values is one clear error."""

@@ -215,7 +215,7 @@ COMPONENTS: tuple[Component, ...] = (
         "future_features", "future-feature regression: a linear head on the online trunk features regressing named "
         "terms of the n-step next observation (a column or the product of two), mean squared error, gradient into "
         "the trunk (aux steps)",
-        "agent.future_weight=0.1,agent.future_targets=trade_imb_prev*ret_1",
+        "agent.future_weight=0.1,agent.future_targets=ret_1",
         "Jaderberg et al. 2017 (UNREAL), §3.2's reward prediction as an auxiliary task, with user-named targets",
         ("tests/rl/test_future.py", "tests/rl/test_gpu_future.py"),
         "future_loss", "> 0"),

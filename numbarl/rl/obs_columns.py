@@ -119,6 +119,8 @@ def check_agent_columns(agent_cfg, feature_names: Sequence[str] | None, state_di
         resolve_obs_columns(agent_cfg.regime_dropout_col, feature_names, "regime_dropout_col", state_dim, many=False)
     if agent_cfg.horizons:
         resolve_obs_columns(agent_cfg.horizon_regime_col, feature_names, "horizon_regime_col", state_dim, many=False)
+    if agent_cfg.future_weight > 0:
+        resolve_obs_terms(agent_cfg.future_targets, feature_names, "future_targets", state_dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,9 +161,17 @@ def resolve_obs_terms(value, feature_names: Sequence[str] | None, field: str, st
     """(first, second): the obs column indices of agent.<field>'s terms (lists of ints, second NO_COLUMN for a
     one-column term) for an observation of ``feature_names`` then the portfolio features; errors as
     :func:`resolve_obs_columns`."""
-    first, second = [], []
+    first, second, seen = [], [], set()
     for factors in parse_obs_terms(value, field):
-        cols = [resolve_obs_columns(f, feature_names, field, state_dim, many=False)[0] for f in factors]
+        try:
+            cols = [resolve_obs_columns(f, feature_names, field, state_dim, many=False)[0] for f in factors]
+        except ConfigError as e:  # name the whole option, not only the factor that failed
+            raise ConfigError(f"agent.{field} = {value!r}: {str(e).split(': ', 1)[-1]}") from None
+        pair = tuple(sorted(cols))
+        if pair in seen:
+            raise ConfigError(f"agent.{field} = {value!r}: the term {'*'.join(factors)!r} names the same columns as "
+                              "an earlier one")
+        seen.add(pair)
         first.append(cols[0])
         second.append(cols[1] if len(cols) == 2 else NO_COLUMN)
     return first, second

@@ -58,7 +58,8 @@ A finished run is skipped by its folder name and a started one resumed with its 
 the grid checks each such folder's config.json against the config the arm's options resolve to now (``numbarl train --print-config``, the seed
 aside): a folder run with other options, or under a preset that has changed since (e.g. the `default` preset's
 precision), stops the grid with an error naming the folder and the fields that differ. Fields the saved config
-does not have (added to numbarl after the run) are not compared. A finished folder without config.json (a light
+does not have (added to numbarl after the run) are not compared, except those whose default is not the old
+behaviour (``config.LEGACY``: agent.head_pad, 1 for a run saved before it), which compare as that value. A finished folder without config.json (a light
 copy, e.g. ``bin/gpu-ab``'s archives before the twelfth session) cannot be checked, so it stops the grid too, naming
 the folders, unless ``--accept-unchecked`` takes such folders as they are: a preset default changed since they ran
 (the `default` preset's epsilon_end in the fifteenth session) would otherwise pass unseen.
@@ -75,6 +76,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from numbarl import config
 from numbarl.run.compare import checkpoint_epoch, spread
 
 
@@ -223,7 +225,7 @@ def check_finished_runs(out: Path, preset: str, arms, extra: list[str],
             if not (finished or (folder / "checkpoints").is_dir()):
                 continue
             try:
-                saved = json.loads((folder / "config.json").read_text())
+                saved = config.behaviour_fields(config.with_legacy_fields(json.loads((folder / "config.json").read_text())))
             except (OSError, ValueError):
                 if finished:  # a folder to resume without its config.json fails in numbarl train itself
                     unchecked.append(folder)
@@ -232,7 +234,7 @@ def check_finished_runs(out: Path, preset: str, arms, extra: list[str],
 
     def one(job):
         folder, opts, seed, saved, finished = job
-        diff = config_differences(saved, resolved_config(preset, opts, seed, extra))
+        diff = config_differences(saved, config.behaviour_fields(resolved_config(preset, opts, seed, extra)))
         what = "finished" if finished else "started (the grid would resume it)"
         return f"{folder}: {what} with other settings than its arm gives now ({'; '.join(diff)})" if diff else None
 

@@ -476,3 +476,6 @@ def test_agent_with_the_value_stream_fused_trains_as_unfused():
     with pytest.raises(ConfigError, match="head_fuse_value = true needs a padded head"):
         AgentConfig(head_fuse_value=True).validate()
     AgentConfig(head_fuse_value=True, compute="tf32").validate()
+    # the ensemble's extra heads are laid out as the agent's head
+    agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=8, head_fuse_value=True, ensemble_heads=2)
+    assert [(h.padded_width, h.fused) for h in (agent.head, *agent.ens_heads)] == [(32, True), (32, True)]

@@ -97,6 +97,9 @@ def test_terms_parse_resolve_and_fail_naming_the_field():
                      ("ret_1*", "product of two"), ("ret-1", "neither a feature name")):
         with pytest.raises(ConfigError, match=msg):
             parse_obs_terms(bad, "future_targets")
+    for same in ("ret_1*trade_imb,trade_imb*ret_1", "ret_1,0"):  # the same columns by order or by index
+        with pytest.raises(ConfigError, match="names the same columns as an earlier one"):
+            resolve_obs_terms(same, names, "future_targets")
     with pytest.raises(ConfigError, match="agent.future_targets.*'rv_99' is not a column"):
         resolve_obs_terms("ret_1*rv_99", names, "future_targets")
     with pytest.raises(ConfigError, match="agent.future_targets.*'ret_11' is not a feature"):
@@ -156,13 +159,17 @@ def test_the_regime_walks_flow_move_term_carries_the_regime():
     import sys
     from pathlib import Path
 
+    import os
+
     root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the tree under test
     out = subprocess.run([sys.executable, str(root / "bin" / "regime-term-probe")], capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+                         check=True, timeout=300, env=env).stdout
     corr = {(m[1], int(m[2])): float(m[3]) for m in re.finditer(r"(\S+)\s+n=(\d): corr with the regime ([+-][\d.]+)",
                                                                  out)}
     assert corr[("trade_imb_prev*ret_1", 3)] > 0.3 and corr[("trade_imb_prev*ret_1", 1)] > 0.3, out
     assert abs(corr[("ret_1", 3)]) < 0.1 and abs(corr[("ret_1", 1)]) < 0.1, out
-    bad = subprocess.run([sys.executable, str(root / "bin" / "regime-term-probe"), "--terms", "ret_1*nope"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "'nope' is not a feature" in bad.stderr
+    for terms, msg in (("ret_1*nope", "'nope' is not a column"), ("ret_1*position", "('position' in the observation) is not an obs column")):
+        bad = subprocess.run([sys.executable, str(root / "bin" / "regime-term-probe"), "--terms", terms],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert bad.returncode == 2 and msg in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

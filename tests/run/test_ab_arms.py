@@ -44,7 +44,8 @@ def test_the_archived_bases_match_their_arms(tmp_path):
             members = [m for m in tar.getmembers() if "-s0/" in m.name]
             tar.extractall(tmp_path, members=members, filter="data")
     arms = [("e10", []), ("t32b", shlex.split(v["T"])), ("rw", shlex.split(v["RW"])),
-            ("rwl10", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']}")), ("all14x", shlex.split(v["ALL"]))]
+            ("rwl10", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']}")), ("all14x", shlex.split(v["ALL"])),
+            ("rwlp", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} --set agent.predictive_weight=0.1"))]
     for arm, _ in arms:
         assert ab._finished(tmp_path / f"{arm}-s0"), f"{arm}-s0 is not a finished run in {v['BASE_RUNS']}"
     errors, unchecked = ab.check_finished_runs(tmp_path, "default", [(a, o, [0]) for a, o in arms], [], parallel=2)
@@ -52,3 +53,7 @@ def test_the_archived_bases_match_their_arms(tmp_path):
     # the check is not vacuous: the regime-walk base under the planted market's options differs
     errors, _ = ab.check_finished_runs(tmp_path, "default", [("rw", shlex.split(v["T"]), [0])], [], parallel=1)
     assert len(errors) == 1 and "data.synth_mode" in errors[0]
+    # a TF32 base saved before agent.head_pad (unpadded) is not today's padded TF32 default (config.LEGACY)
+    errors, _ = ab.check_finished_runs(tmp_path, "default", [("t32b", ["--set", "agent.compute=tf32"], [0])], [],
+                                       parallel=1)
+    assert len(errors) == 1 and "agent.head_pad: 1 -> 64" in errors[0]

@@ -325,7 +325,7 @@ def _schema_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("case", ["missing", "schema", "config", "sessions", "resume", "columns"])
+@pytest.mark.parametrize("case", ["missing", "schema", "config", "sessions", "resume", "columns", "future"])
 def test_bad_input_one_clear_error_nothing_written(run_cli, tmp_path, case):
     out = tmp_path / "run"
     args = {
@@ -338,6 +338,9 @@ def test_bad_input_one_clear_error_nothing_written(run_cli, tmp_path, case):
         # run folder is written (numbarl/rl/obs_columns.py check_agent_columns)
         "columns": (["--set", "data.features=rv_8,rv_32,adx_14,rv_128", "--set", "agent.regime_gate=true"],
                     "'rv_ratio' is not a column of the observation"),
+        # a future-feature term naming a known feature this observation lacks: the same, before the folder
+        "future": (["--set", "agent.future_weight=0.1", "--set", "agent.future_targets=trade_imb_prev*ret_1"],
+                   "agent.future_targets = 'trade_imb_prev*ret_1': 'trade_imb_prev' is not a column"),
     }[case]
     if case == "resume":
         (tmp_path / "notarun").mkdir()

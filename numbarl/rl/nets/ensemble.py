@@ -251,12 +251,13 @@ class EnsembleC51Head(BranchedDuelingC51Head):
 
 
 def make_extra_heads(n_heads: int, hidden: int, branch_sizes, n_atoms: int, v_min: float, v_max: float,
-                     compute: str) -> list[EnsembleC51Head]:
-    """The M − 1 extra heads head.ens1 .. head.ens<M-1> (n_heads = M >= 2)."""
+                     compute: str, pad_to: int = 1, fuse_value: bool = False) -> list[EnsembleC51Head]:
+    """The M − 1 extra heads head.ens1 .. head.ens<M-1> (n_heads = M >= 2), laid out as the agent's head
+    (pad_to, fuse_value: agent.head_pad, agent.head_fuse_value)."""
     if not 2 <= int(n_heads) <= MAX_HEADS:
         raise ValueError(f"agent.ensemble_heads = {n_heads}: an ensemble needs 2..{MAX_HEADS} heads (0 or 1 = off)")
-    return [EnsembleC51Head(f"head.ens{m}", hidden, branch_sizes, n_atoms, v_min, v_max, compute=compute)
-            for m in range(1, int(n_heads))]
+    return [EnsembleC51Head(f"head.ens{m}", hidden, branch_sizes, n_atoms, v_min, v_max, compute=compute,
+                            pad_to=pad_to, fuse_value=fuse_value) for m in range(1, int(n_heads))]
 
 
 def bootstrap_masks(seed: int, index, out, stream, weights=None) -> None:
