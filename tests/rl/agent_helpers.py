@@ -191,6 +191,28 @@ def check_aux_step_trains_the_head(agent, s, prefix):
     return names, before, target, after
 
 
+def check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it(agent, s, before, d_out, prefix):
+    """After `check_aux_step_trains_the_head`: the trunk's gradients are the float64 reference backward of the C51
+    head's dh plus the auxiliary linear head's, d_out · W (d_out: its λ-scaled output gradient [B, T], W its
+    weight before the step, `prefix + "w"`); then a plain step zeroes every gradient of the head's parameters."""
+    from numbarl.cuda.testing import assert_close
+
+    p64 = {k: np.asarray(v, np.float64) for k, v in before.items()}
+    h_on = agent.trunk.output("online").copy_to_host()
+    _, cache = agent.head.forward_ref(h_on, p64)
+    dh_c51, _ = agent.head.backward_ref(agent.loss.d_logits.copy_to_host(), cache, p64)
+    _, trunk_cache = agent.trunk.forward_ref(agent.replay.batch.obs.copy_to_host(), p64)
+    _, g_ref = agent.trunk.backward_ref(dh_c51 + d_out @ before[prefix + "w"].T, trunk_cache, p64)
+    grads = agent.store.to_host("grads")
+    for name, want in g_ref.items():
+        assert_close(grads[name], want, 1e-5, 1e-4)
+    agent.train_step(s, aux=False)
+    s.synchronize()
+    grads = agent.store.to_host("grads")
+    head = [n for n in grads if n.startswith(prefix)]
+    assert head and not any(grads[n].any() for n in head), head
+
+
 def agent_snapshot(agent, s, arrays=None):
     """The agent's state arrays, then the given device arrays {name: array} (copied on s, in order), then its
     parameter gradients as grads/<name>, all on the host."""

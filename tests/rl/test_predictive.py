@@ -94,7 +94,11 @@ def test_agent_aux_step_trains_the_predictor_and_the_trunk(rng):
     """One aux step: head.pc and the trunk get gradients; predictive_loss is the reference loss of the
     predictor's output (pre-update parameters) against the target pass's trunk output on next_obs,
     masked by the batch's dones; a plain step zeroes the predictor's gradients."""
-    from agent_helpers import check_aux_step_trains_the_head, fill_replay
+    from agent_helpers import (
+        check_aux_step_trains_the_head,
+        check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it,
+        fill_replay,
+    )
 
     from numbarl.config import AgentConfig
     from numbarl.rl.agents.dqn import DQNAgent
@@ -114,19 +118,5 @@ def test_agent_aux_step_trains_the_predictor_and_the_trunk(rng):
     stats = agent.read_stats(s)
     assert stats["predictive_loss"] > 0 and stats["predictive_loss"] == pytest.approx(loss_ref, rel=1e-5)
     # inside the agent the predictor's input gradient (λ · ∂L/∂pred through W_pc) adds to the C51 head's dh
-    d_pred = agent.pc_loss.grad("pred").copy_to_host()  # λ-scaled in place by Loss.apply
-    dh_pc = d_pred @ before["head.pc.w"].T
-    _, cache = agent.head.forward_ref(h_on, {k: np.asarray(v, np.float64) for k, v in before.items()})
-    dh_c51, _ = agent.head.backward_ref(agent.loss.d_logits.copy_to_host(), cache,
-                                        {k: np.asarray(v, np.float64) for k, v in before.items()})
-    _, trunk_cache = agent.trunk.forward_ref(agent.replay.batch.obs.copy_to_host(),
-                                             {k: np.asarray(v, np.float64) for k, v in before.items()})
-    _, g_ref = agent.trunk.backward_ref(dh_c51 + dh_pc, trunk_cache, {k: np.asarray(v, np.float64)
-                                                                       for k, v in before.items()})
-    grads = agent.store.to_host("grads")
-    for name, want in g_ref.items():
-        assert_close(grads[name], want, 1e-5, 1e-4)
-    agent.train_step(s, aux=False)
-    s.synchronize()
-    grads = agent.store.to_host("grads")
-    assert not grads["head.pc.w"].any() and not grads["head.pc.b"].any()
+    check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it(  # λ-scaled in place by Loss.apply
+        agent, s, before, agent.pc_loss.grad("pred").copy_to_host(), "head.pc.")
