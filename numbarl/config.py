@@ -992,7 +992,9 @@ LEGACY = {("agent", "head_pad"): 1}  # before the twentieth session no head was 
 
 
 def with_legacy_fields(d: dict) -> dict:
-    """A saved config dict (a run's config.json) with LEGACY's values for the fields its sections lack."""
+    """A saved config dict (a run's config.json) with LEGACY's values for the fields its sections lack. A section
+    the dict lacks altogether takes the preset's (from_dict's rule), LEGACY not applied. `--config` with an old
+    run's config.json goes through `resolve`, not here: it runs with today's defaults (TF32 padded)."""
     out = dict(d)
     for (section, key), value in LEGACY.items():
         if isinstance(out.get(section), dict) and key not in out[section]:
@@ -1006,7 +1008,8 @@ def behaviour_fields(d: dict) -> dict:
     agent = d.get("agent")
     if not isinstance(agent, dict) or "head_pad" not in agent:
         return d
-    pad = agent["head_pad"] or (HEAD_PAD_TF32 if agent.get("compute") == "tf32" else 1)
+    c51_tf32 = agent.get("compute") == "tf32" and agent.get("kind", "c51") == "c51"  # PPO and DT pad nothing
+    pad = agent["head_pad"] or (HEAD_PAD_TF32 if c51_tf32 else 1)
     return {**d, "agent": {**agent, "head_pad": pad}}
 
 

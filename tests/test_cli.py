@@ -84,7 +84,7 @@ def test_bench_train_head_pad_rows():
     from numbarl.bench import train
 
     assert train.head_pads("0,1,8,0f") == ["0", "1", "8", "0f"]
-    for bad in ("1,x", "-1", "4,4", "", "1ff", "f", "0f,1"):
+    for bad in ("1,x", "-1", "4,4", "", "1ff", "f", "0f,1", "0,1f"):
         with pytest.raises(SystemExit, match="--head-pad"):
             train.head_pads(bad)
     row = {"train_step_ms": 1.6, "collect_step_ms": 0.29}

@@ -377,6 +377,8 @@ def head_pads(text) -> list[str]:
                          f"(the value stream fused), comma-separated (got {text!r})")
     if pads[0].endswith("f"):
         raise SystemExit(f"error: --head-pad's first row is the table's, fp32 and TF32: not a fused one (got {text!r})")
+    if "1f" in pads:
+        raise SystemExit(f"error: --head-pad 1f: the value stream fuses into a padded head only (got {text!r})")
     return pads
 
 

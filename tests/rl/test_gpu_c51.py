@@ -72,8 +72,8 @@ def _batch(rng, batch=BATCH):
 
 def _layout(pad):
     """The learner's arguments of a parametrized pad: Q, "Qf" for Q with the value stream fused, "Qt" for Q in
-    TF32 (the shipped TF32 default is "64t")."""
-    return {"pad_to": int(str(pad).rstrip("ft")), "fuse_value": str(pad).endswith("f"),
+    TF32 (the shipped TF32 default is "64t"; "64ft" the fused layout it is meant to become)."""
+    return {"pad_to": int(str(pad).rstrip("ft")), "fuse_value": "f" in str(pad),
             "compute": "tf32" if str(pad).endswith("t") else "fp32"}
 
 
@@ -201,8 +201,8 @@ def _assert_bitwise(a, b):
 
 
 # 4: the advantage GEMMs at 716 columns (agent.head_pad); "64f": the value stream in them, 768 (agent.head_fuse_value);
-# "64t": the TF32 default's layout in TF32
-@pytest.mark.parametrize("pad", [1, 4, "64f", "64t"])
+# "64t": the TF32 default's layout in TF32; "64ft": fused, in TF32
+@pytest.mark.parametrize("pad", [1, 4, "64f", "64t", "64ft"])
 def test_graph_replay_equals_eager_bitwise(rng, pad):
     from numbarl.cuda import graph as graphs
 
@@ -220,7 +220,7 @@ def test_graph_replay_equals_eager_bitwise(rng, pad):
     assert np.isfinite(eager["loss"][0]) and all(np.all(np.isfinite(v)) for v in eager.values())
 
 
-@pytest.mark.parametrize("pad", [1, 4, "64f", "64t"])  # as test_graph_replay_equals_eager_bitwise
+@pytest.mark.parametrize("pad", [1, 4, "64f", "64t", "64ft"])  # as test_graph_replay_equals_eager_bitwise
 def test_two_runs_bitwise_identical(rng, pad):
     seed = int(rng.integers(2**31))
     snaps = []

@@ -73,6 +73,18 @@ def test_fields_saved_in_two_spellings_compare_by_meaning(tmp_path):
                                                        "data.synth_regime_bars": [40.0, 200.0]}
 
 
+def test_head_pad_compares_by_what_the_run_ran(tmp_path):
+    """agent.head_pad: a TF32 run saved before the field (unpadded, config.LEGACY) equals one saved with 1, and
+    differs from today's automatic 0 (64 under TF32); in fp32 the automatic 0 equals 1."""
+    old = RunDir.create(tmp_path / "old", {"agent": {"compute": "tf32"}})
+    one = RunDir.create(tmp_path / "one", {"agent": {"compute": "tf32", "head_pad": 1}})
+    auto = RunDir.create(tmp_path / "auto", {"agent": {"compute": "tf32", "head_pad": 0}})
+    fp32 = [RunDir.create(tmp_path / f"f{p}", {"agent": {"compute": "fp32", "head_pad": p}}) for p in (0, 1)]
+    assert compare.config_differences([old, one]) == {}
+    assert compare.config_differences([one, auto]) == {"agent.head_pad": [1, 64]}
+    assert compare.config_differences(fp32) == {}
+
+
 def test_unfinished_run_and_non_run_are_clear_errors(tmp_path):
     unfinished = RunDir.create(tmp_path / "u", {"train": {"seed": 0}})
     with pytest.raises(RunError, match="has no summary.json"):
