@@ -283,6 +283,17 @@ def check_two_runs_bitwise_identical(rng, make_agent, snapshot, steps=aux_steps)
     assert_bitwise(*snaps)
 
 
+def central_differences(loss_of, x, eps=1e-6):
+    """∂loss_of/∂x by central differences at every entry of the float64 array x (a reference's gradient check)."""
+    fd = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        hi, lo = x.copy(), x.copy()
+        hi[i] += eps
+        lo[i] -= eps
+        fd[i] = (loss_of(hi) - loss_of(lo)) / (2 * eps)
+    return fd
+
+
 def check_input_gradient_fd(rng, loss_of, h, dh, n, eps=1e-6):
     """dh against central differences of loss_of(h) at n random entries of the (B, H) input h."""
     B, H = h.shape
