@@ -100,6 +100,12 @@ def parse_horizons(text: str) -> tuple[int, ...]:
 
 
 HEAD_PAD_TF32 = 64  # agent.head_pad=0 under TF32: 714 -> 768 columns (docs/BENCHMARKS.md, twentieth session)
+
+
+def head_pad_multiple(head_pad: int, compute: str, kind: str = "c51") -> int:
+    """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32, else 1 (fp32, where
+    padding costs time; PPO and DT, which have no C51 head)."""
+    return head_pad or (HEAD_PAD_TF32 if compute == "tf32" and kind == "c51" else 1)
 # ICM curiosity (agent.curiosity_weight) is off below this weight: nothing of it is built
 CURIOSITY_MIN_WEIGHT = 1e-3
 
@@ -476,8 +482,8 @@ class AgentConfig:
 
     @property
     def head_pad_multiple(self) -> int:
-        """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 under TF32 and 1 in fp32."""
-        return self.head_pad or (HEAD_PAD_TF32 if self.compute == "tf32" else 1)
+        """agent.head_pad resolved (:func:`head_pad_multiple`)."""
+        return head_pad_multiple(self.head_pad, self.compute, self.kind)
 
     @property
     def curiosity(self) -> bool:
@@ -1008,9 +1014,13 @@ def behaviour_fields(d: dict) -> dict:
     agent = d.get("agent")
     if not isinstance(agent, dict) or "head_pad" not in agent:
         return d
-    c51_tf32 = agent.get("compute") == "tf32" and agent.get("kind", "c51") == "c51"  # PPO and DT pad nothing
-    pad = agent["head_pad"] or (HEAD_PAD_TF32 if c51_tf32 else 1)
+    pad = head_pad_multiple(agent["head_pad"], agent.get("compute", "fp32"), agent.get("kind", "c51"))
     return {**d, "agent": {**agent, "head_pad": pad}}
+
+
+def saved_as_ran(d: dict) -> dict:
+    """A run's saved config (config.json) as the run ran it, for comparisons: LEGACY fields, automatic values."""
+    return behaviour_fields(with_legacy_fields(d))
 
 
 def _apply_section(section_name: str, obj, updates: dict):

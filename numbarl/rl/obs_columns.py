@@ -23,12 +23,14 @@ _INDEX = re.compile(r"\d+")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def parse_obs_columns(value, field: str, many: bool = True) -> tuple[int | str, ...]:
+def parse_obs_columns(value, field: str, many: bool = True, where: str | None = None) -> tuple[int | str, ...]:
     """The items of agent.<field>: ints (obs column indices) and strs (feature names), in order.
 
     ``value``: a comma list (str) or an int (a legacy index). ``many=False``: exactly one column.
-    Raises ConfigError naming the field and the value: not a name or an index >= 0, empty, or repeated."""
-    where = f"agent.{field} = {value!r}"
+    Raises ConfigError naming the field and the value: not a name or an index >= 0, empty, or repeated.
+    ``where``: how the message names the option (default "agent.<field> = <value>"; a term's factor names the
+    whole option)."""
+    where = where or f"agent.{field} = {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"{where} must name {'obs columns' if many else 'one obs column'}: feature names "
                           "(e.g. 'adx_14') or column indices >= 0")
@@ -61,7 +63,7 @@ def obs_names(feature_names: Sequence[str] | None) -> list[str]:
     return market + list(PORTFOLIO_FEATURES)
 
 
-def check_known_names(value, field: str, many: bool = True) -> None:
+def check_known_names(value, field: str, many: bool = True, where: str | None = None) -> None:
     """Config-time check: every name in agent.<field> is a feature numbarl knows (data.features's registry)
     or a portfolio feature, so a typo fails before the data is prepared; whether the run's observation
     has it is checked when the agent is built (:func:`resolve_obs_columns`)."""
@@ -69,22 +71,24 @@ def check_known_names(value, field: str, many: bool = True) -> None:
     from numbarl.env.params import PORTFOLIO_FEATURES
 
     known = list(REGISTRY) + list(PORTFOLIO_FEATURES)
-    for item in parse_obs_columns(value, field, many):
+    where = where or f"agent.{field} = {value!r}"
+    for item in parse_obs_columns(value, field, many, where):
         if isinstance(item, str) and item not in known:
             close = difflib.get_close_matches(item, known, n=3)
             hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
-            raise ConfigError(f"agent.{field} = {value!r}: {item!r} is not a feature{hint}; name a feature of "
+            raise ConfigError(f"{where}: {item!r} is not a feature{hint}; name a feature of "
                               "data.features (e.g. 'adx_14', 'rv_32'), a portfolio feature (e.g. 'position') "
                               "or give an obs column index")
 
 
 def resolve_obs_columns(value, feature_names: Sequence[str] | None, field: str, state_dim: int | None = None,
-                        many: bool = True) -> tuple[int, ...]:
+                        many: bool = True, where: str | None = None) -> tuple[int, ...]:
     """The obs column indices agent.<field> names, for an observation of ``feature_names`` (the cache's
     market features; None: the default list) then the portfolio features, ``state_dim`` columns wide
     (None: unchecked). Raises ConfigError naming the field and the value (an unknown name, with a few
-    of the observation's names; an index outside the observation; a column named twice)."""
-    where = f"agent.{field} = {value!r}"
+    of the observation's names; an index outside the observation; a column named twice); ``where`` as in
+    :func:`parse_obs_columns`."""
+    where = where or f"agent.{field} = {value!r}"
     names = obs_names(feature_names)
     index: dict[str, int] = {}
     for i, n in enumerate(names):
@@ -92,7 +96,7 @@ def resolve_obs_columns(value, feature_names: Sequence[str] | None, field: str, 
     source = ("the default feature list (the agent was given no feature names)" if feature_names is None
               else "the observation")
     out = []
-    for item in parse_obs_columns(value, field, many):
+    for item in parse_obs_columns(value, field, many, where):
         if isinstance(item, str):
             if item not in index:
                 close = difflib.get_close_matches(item, names, n=3) or names[:5]
@@ -143,7 +147,7 @@ def parse_obs_terms(value, field: str) -> tuple[tuple[str, ...], ...]:
         if not 1 <= len(factors) <= 2 or not all(factors):
             raise ConfigError(f"{where}: {part.strip()!r} is not a column or the product of two columns ('a*b')")
         for f in factors:
-            parse_obs_columns(f, field, many=False)
+            parse_obs_columns(f, field, many=False, where=where)
         terms.append(factors)
     if len(set(terms)) != len(terms):
         raise ConfigError(f"{where}: a term is listed twice")
@@ -154,22 +158,20 @@ def check_known_terms(value, field: str) -> None:
     """Config-time check of agent.<field>'s terms: the syntax, and every named factor a known feature."""
     for factors in parse_obs_terms(value, field):
         for f in factors:
-            check_known_names(f, field, many=False)
+            check_known_names(f, field, many=False, where=f"agent.{field} = {value!r}")
 
 
 def resolve_obs_terms(value, feature_names: Sequence[str] | None, field: str, state_dim: int | None = None):
     """(first, second): the obs column indices of agent.<field>'s terms (lists of ints, second NO_COLUMN for a
     one-column term) for an observation of ``feature_names`` then the portfolio features; errors as
     :func:`resolve_obs_columns`."""
+    where = f"agent.{field} = {value!r}"
     first, second, seen = [], [], set()
     for factors in parse_obs_terms(value, field):
-        try:
-            cols = [resolve_obs_columns(f, feature_names, field, state_dim, many=False)[0] for f in factors]
-        except ConfigError as e:  # name the whole option, not only the factor that failed
-            raise ConfigError(f"agent.{field} = {value!r}: {str(e).split(': ', 1)[-1]}") from None
+        cols = [resolve_obs_columns(f, feature_names, field, state_dim, many=False, where=where)[0] for f in factors]
         pair = tuple(sorted(cols))
         if pair in seen:
-            raise ConfigError(f"agent.{field} = {value!r}: the term {'*'.join(factors)!r} names the same columns as "
+            raise ConfigError(f"{where}: the term {'*'.join(factors)!r} names the same columns as "
                               "an earlier one")
         seen.add(pair)
         first.append(cols[0])

@@ -225,7 +225,7 @@ def check_finished_runs(out: Path, preset: str, arms, extra: list[str],
             if not (finished or (folder / "checkpoints").is_dir()):
                 continue
             try:
-                saved = config.behaviour_fields(config.with_legacy_fields(json.loads((folder / "config.json").read_text())))
+                saved = config.saved_as_ran(json.loads((folder / "config.json").read_text()))
             except (OSError, ValueError):
                 if finished:  # a folder to resume without its config.json fails in numbarl train itself
                     unchecked.append(folder)

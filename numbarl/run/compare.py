@@ -122,11 +122,11 @@ def effective_config(run: RunDir) -> dict:
     used (absent: 1, config.LEGACY; 0: the automatic one), data.synth_regime_bars 0 (the
     mode's own) as that mode's duration, and the options naming obs columns (feature names, or the indices
     runs saved before names were accepted) as the columns of the run's observation."""
-    from numbarl.config import ConfigError, behaviour_fields, with_legacy_fields
+    from numbarl.config import ConfigError, saved_as_ran
     from numbarl.data.synth import mode_regime_bars
     from numbarl.rl.obs_columns import resolve_obs_columns
 
-    flat = flatten_record(behaviour_fields(with_legacy_fields(run.config)))  # agent.head_pad as the run ran it
+    flat = flatten_record(saved_as_ran(run.config))  # agent.head_pad as the run ran it
     if flat.get("data.synth_regime_bars") == 0:
         flat["data.synth_regime_bars"] = mode_regime_bars(flat.get("data.synth_mode", "planted"))
     names = (getattr(run, "meta", None) or {}).get("feature_names")

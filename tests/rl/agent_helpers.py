@@ -191,6 +191,26 @@ def check_aux_step_trains_the_head(agent, s, prefix):
     return names, before, target, after
 
 
+def aux_head_agent_after_one_step(rng, prefix, **fields):
+    """A simulator-sized C51 agent with one linear auxiliary head on its trunk (`fields` switch it on; its
+    parameters `prefix` + "w" / "b", its optimizer group `prefix` without the dot), aux steps every second train
+    step, a replay of random transitions, and one aux step checked by `check_aux_step_trains_the_head`.
+    Returns (agent, stream, the parameters before the step)."""
+    from numbarl.config import AgentConfig
+    from numbarl.cuda.runtime import stream
+    from numbarl.rl.agents.dqn import DQNAgent
+
+    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=40, n_step=2, gamma=0.9,
+                      target_update="polyak", aux_frequency=2, **fields)
+    agent = DQNAgent(cfg, 5, (3, 3, 4, 4), 4, seed=1)
+    assert agent.aux_every == 2 and prefix.rstrip(".") in agent.optim.groups
+    fill_replay(agent, rng, done_rate=0.3, count=13)
+    s = stream()
+    names, before, _, _ = check_aux_step_trains_the_head(agent, s, prefix)
+    assert sorted(names) == [prefix + "b", prefix + "w"]
+    return agent, s, before
+
+
 def check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it(agent, s, before, d_out, prefix):
     """After `check_aux_step_trains_the_head`: the trunk's gradients are the float64 reference backward of the C51
     head's dh plus the auxiliary linear head's, d_out · W (d_out: its λ-scaled output gradient [B, T], W its
@@ -281,17 +301,6 @@ def check_two_runs_bitwise_identical(rng, make_agent, snapshot, steps=aux_steps)
         steps(agent, s)
         snaps.append(snapshot(agent, s))
     assert_bitwise(*snaps)
-
-
-def central_differences(loss_of, x, eps=1e-6):
-    """∂loss_of/∂x by central differences at every entry of the float64 array x (a reference's gradient check)."""
-    fd = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        hi, lo = x.copy(), x.copy()
-        hi[i] += eps
-        lo[i] -= eps
-        fd[i] = (loss_of(hi) - loss_of(lo)) / (2 * eps)
-    return fd
 
 
 def check_input_gradient_fd(rng, loss_of, h, dh, n, eps=1e-6):

@@ -7,7 +7,7 @@ import pytest
 
 from numbarl.config import AgentConfig, ConfigError
 from numbarl.cuda.runtime import cuda, stream
-from numbarl.cuda.testing import assert_close
+from numbarl.cuda.testing import assert_close, assert_fd_gradient
 from numbarl.rl.losses.future import FutureFeatureLoss, future_ref, future_terms_ref
 from numbarl.rl.obs_columns import NO_COLUMN, parse_obs_terms, resolve_obs_terms
 
@@ -29,11 +29,9 @@ def test_hand_computed():
 def test_reference_matches_finite_differences(rng):
     p, x = rng.standard_normal((4, 3)), rng.standard_normal((4, 6))
     first, second, dones = [1, 4, 0], [5, NO_COLUMN, 0], np.array([0.0, 1.0, 0.0, 0.0])
-    from agent_helpers import central_differences
-
     _, _, d = future_ref(p, x, first, second, dones)
-    fd = central_differences(lambda q: future_ref(q, x, first, second, dones)[0], p)
-    np.testing.assert_allclose(d, fd, atol=1e-8)
+    assert_fd_gradient(lambda: future_ref(p, x, first, second, dones)[0], p, d, range(p.size), 1e-8, 1e-7,
+                       label="dpred")
 
 
 def _run(p, x, first, second, dones, weight=0.5):
@@ -114,22 +112,9 @@ def test_agent_aux_step_trains_the_head_and_the_trunk(rng):
     """One aux step: head.ff and the trunk get gradients; future_loss is the reference loss of the head's output
     (pre-update parameters) against the terms of the batch's next_obs, masked by its dones; the trunk's gradient is
     the sum of the C51 head's and the future head's input gradients; a plain step zeroes the head's gradients."""
-    from agent_helpers import (
-        check_aux_step_trains_the_head,
-        check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it,
-        fill_replay,
-    )
+    from agent_helpers import aux_head_agent_after_one_step, check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it
 
-    from numbarl.rl.agents.dqn import DQNAgent
-
-    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=40, n_step=2, gamma=0.9,
-                      target_update="polyak", future_weight=0.25, future_targets="1*3,0", aux_frequency=2)
-    agent = DQNAgent(cfg, 5, (3, 3, 4, 4), 4, seed=1)
-    assert agent.aux_every == 2 and "head.ff" in agent.optim.groups
-    fill_replay(agent, rng, done_rate=0.3, count=13)
-    s = stream()
-    names, before, _, _ = check_aux_step_trains_the_head(agent, s, "head.ff.")
-    assert sorted(names) == ["head.ff.b", "head.ff.w"]
+    agent, s, before = aux_head_agent_after_one_step(rng, "head.ff.", future_weight=0.25, future_targets="1*3,0")
     p64 = {k: np.asarray(v, np.float64) for k, v in before.items()}
     h_on = agent.trunk.output("online").copy_to_host()
     pred, _ = agent.ff_head.forward_ref(h_on, p64)

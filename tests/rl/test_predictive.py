@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numbarl.cuda.runtime import cuda, stream
-from numbarl.cuda.testing import assert_close
+from numbarl.cuda.testing import assert_close, assert_fd_gradient
 from numbarl.rl.losses.predictive import PredictiveLoss, predictive_ref
 
 _cuda = cuda()
@@ -25,10 +25,8 @@ def test_hand_computed():
 def test_reference_matches_finite_differences(rng):
     p, t = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
     dones = np.array([0.0, 1.0, 0.0, 0.0])
-    from agent_helpers import central_differences
-
     _, _, d = predictive_ref(p, t, dones)
-    np.testing.assert_allclose(d, central_differences(lambda x: predictive_ref(x, t, dones)[0], p), atol=1e-8)
+    assert_fd_gradient(lambda: predictive_ref(p, t, dones)[0], p, d, range(p.size), 1e-8, 1e-7, label="dpred")
 
 
 def _run(p, t, dones):
@@ -89,23 +87,9 @@ def test_agent_aux_step_trains_the_predictor_and_the_trunk(rng):
     """One aux step: head.pc and the trunk get gradients; predictive_loss is the reference loss of the
     predictor's output (pre-update parameters) against the target pass's trunk output on next_obs,
     masked by the batch's dones; a plain step zeroes the predictor's gradients."""
-    from agent_helpers import (
-        check_aux_step_trains_the_head,
-        check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it,
-        fill_replay,
-    )
+    from agent_helpers import aux_head_agent_after_one_step, check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it
 
-    from numbarl.config import AgentConfig
-    from numbarl.rl.agents.dqn import DQNAgent
-
-    cfg = AgentConfig(trunk=(8,), n_atoms=5, batch_size=4, replay_capacity=40, n_step=2, gamma=0.9,
-                      target_update="polyak", predictive_weight=0.25, aux_frequency=2)
-    agent = DQNAgent(cfg, 5, (3, 3, 4, 4), 4, seed=1)
-    assert agent.aux_every == 2 and "head.pc" in agent.optim.groups
-    fill_replay(agent, rng, done_rate=0.3, count=13)
-    s = stream()
-    names, before, _, _ = check_aux_step_trains_the_head(agent, s, "head.pc.")
-    assert sorted(names) == ["head.pc.b", "head.pc.w"]
+    agent, s, before = aux_head_agent_after_one_step(rng, "head.pc.", predictive_weight=0.25)
     h_on = agent.trunk.output("online").copy_to_host()
     pred, _ = agent.pc_head.forward_ref(h_on, {k: np.asarray(v, np.float64) for k, v in before.items()})
     loss_ref, _, _ = predictive_ref(pred, agent.trunk.output("target").copy_to_host(),

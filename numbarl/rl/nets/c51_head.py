@@ -859,32 +859,26 @@ class BranchedDuelingC51Head(Module):
 
     def backward_impl(self, c: Ctx, d_logits, dh):
         """dV, dA from d_logits [B, n_branches, max_actions, Z]; the four gradients by the gradient
-        rule; dh = dV·W_vᵀ + dA·W_aᵀ into `dh` (the second GEMM accumulates)."""
+        rule; dh = dV·W_vᵀ + dA·W_aᵀ into `dh` (the second GEMM accumulates; fused, one GEMM)."""
         expected = (c.batch, self.n_branches, self.max_actions, self.n_atoms)
         if tuple(d_logits.shape) != expected:
             raise ValueError(f"{self.name}.backward: d_logits has shape {tuple(d_logits.shape)}, expected {expected}")
         h = c.x()
         d_value, d_adv = self.pass_views(c.tag, grads=True)
         dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)  # d_adv's pad columns stay zero
-        if self.plain:
-            linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
-            linear_param_grads(c, h, d_adv, "w_adv", "b_adv", c.buf("partials_adv"), self.compute)
-            blas.gemm(d_value, c.p("w_value"), dh, trans_b=True, beta=c.dx_beta, compute=self.compute,
-                      stream=c.stream)
-            blas.gemm(d_adv, c.p("w_adv"), dh, trans_b=True, beta=1.0, compute=self.compute, stream=c.stream)
-            return dh
         if not self.fused:
             linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
         betas = {key: c.beta(key) for key in ("w_adv", "b_adv") + (("w_value", "b_value") if self.fused else ())}
-        if not any(betas.values()):  # the first write of the step: one GEMM at the padded width, copied back
+        if not self.plain and not any(betas.values()):  # padded, the step's first write: one GEMM at Wp, copied back
             dw_pad, db_pad = c.buf("dw_adv_pad"), c.buf("db_adv_pad")
             blas.gemm(h, d_adv, dw_pad, trans_a=True, epilogue="bgrad", bias_grad=db_pad, compute=self.compute,
                       stream=c.stream)
             copy_cols(dw_pad, db_pad, c.g("w_adv"), c.g("b_adv"), c.stream, cols=self.width)
             if self.fused:
                 copy_cols(dw_pad, db_pad, c.g("w_value"), c.g("b_value"), c.stream, src_col=self.value_col)
-        else:  # a later write that adds: at the logical widths, on strided views of the padded d_adv
-            linear_param_grads(c, h, d_adv[:, :self.width], "w_adv", "b_adv", c.buf("partials_adv"), self.compute,
+        else:  # unpadded, or a later write that adds: at the logical widths (a strided view of a padded d_adv)
+            d_adv_cols = d_adv if self.plain else d_adv[:, :self.width]
+            linear_param_grads(c, h, d_adv_cols, "w_adv", "b_adv", c.buf("partials_adv"), self.compute,
                                betas=(betas["w_adv"], betas["b_adv"]))
             if self.fused:
                 linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute,
