@@ -11,12 +11,15 @@ RW="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.
 RWK="--set data.synth_mode=regime_walk --set data.synth_sessions=1000 --set train.train_sessions=994 $T"
 TEMP16="--set agent.temporal=mamba --set agent.temporal_steps=16 --set agent.temporal_lr=5e-4"
 LAG10="--set agent.temporal_conv=4 --set data.features=default,trade_imb_prev"   # + scan: issue 15's agent
+FF="--set agent.future_targets=trade_imb_prev*ret_1"   # future-feature regression's term (+ agent.future_weight)
 LAG="$LAG10 --epochs 5"                                                          # the ninth/tenth sessions' 5 epochs
 ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true --set agent.cql_alpha=0.1 \
 --set agent.confidence_weight=0.5 --set agent.confidence_floor=0.55 --set agent.spectral_norm=trunk.fc0,head.value \
 --set agent.horizons=1,3,20 --set agent.cvar_alpha=0.1 --set agent.cvar_floor=0.005 --set agent.ensemble_heads=3 \
 --set agent.epistemic_theta=0.0046 --set env.kelly_lambda=0.5 --set env.dsr_reward_scale=0.01"   # issue 14 all on
 # archived finished runs of the bases (SEED_RUNS of bin/gpu-ab): e10 / e10null (fp32 default), t32b ($T), rw ($RW),
-# rwl10 ($RW $TEMP16 $LAG10), all14x ($ALL); rwlp / rwl10null (twentieth session, agent.head_pad=1 in config.json)
+# rwl10 ($RW $TEMP16 $LAG10), all14x ($ALL); rwlp / rwl10null (twentieth session, agent.head_pad=1 in config.json);
+# rwlff / rwlff1 (twenty-first: rwl10 + $FF at agent.future_weight 0.1 / 1)
 BASE_RUNS="docs/results/2026-12-03-session15/runs-call3.tgz docs/results/2026-12-03-session16/runs-call3.tgz \
-docs/results/2026-12-03-session19/runs.tgz docs/results/2026-12-03-session20/runs.tgz"
+docs/results/2026-12-03-session19/runs.tgz docs/results/2026-12-03-session20/runs.tgz \
+docs/results/2026-12-03-session21/runs.tgz"

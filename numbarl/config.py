@@ -166,11 +166,14 @@ class AgentConfig:
     padded train step is ~0.25 ms faster on the H200, and 1 in fp32, where padding costs time (docs/BENCHMARKS.md,
     issue 17). The parameters keep their shape: each pass copies them into a zero-padded scratch, so the values
     are the same math, rounded by other GEMM kernels (numbarl/rl/nets/c51_head.py)."""
-    head_fuse_value: bool = False
-    """With a padded head (agent.head_pad resolving above 1): the value stream joins the advantage's GEMM as its
-    columns ΣA·Z .. ΣA·Z + Z, one GEMM per pass for both (714 + 51 -> 768 columns at 64), instead of a separate
-    51-wide one. Off until timed on the GPU (docs/BENCHMARKS.md, twentieth session: predicted ~0.08 ms of the TF32
-    train step). The same math; the bits of a padded run change with it."""
+    head_fuse_value: bool = True
+    """With a padded head (agent.head_pad resolving above 1, TF32's automatic padding included): the value stream
+    joins the advantage's GEMM as its columns ΣA·Z .. ΣA·Z + Z, one GEMM per pass for both (714 + 51 -> 768
+    columns at 64), instead of a separate 51-wide one: the TF32 train step 1.34 -> 1.22 ms on the H200
+    (docs/BENCHMARKS.md, twenty-first session). The same math, rounded by other kernels. An unpadded head (fp32's
+    automatic padding, agent.head_pad = 1) has no padding columns to hold the value stream and keeps its own
+    GEMM: there the switch does nothing (AgentConfig.fuse_value is what runs). Before the twenty-first session
+    the default was false (config.LEGACY)."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up of every optimizer group over this many train steps from the
     group's start (numbarl/rl/schedules.py; 0 = off)."""
@@ -486,6 +489,11 @@ class AgentConfig:
         return head_pad_multiple(self.head_pad, self.compute, self.kind)
 
     @property
+    def fuse_value(self) -> bool:
+        """agent.head_fuse_value resolved: the value stream fused into the advantage's GEMM, on a padded head only."""
+        return self.head_fuse_value and self.head_pad_multiple > 1
+
+    @property
     def curiosity(self) -> bool:
         """ICM curiosity is on: agent.curiosity_weight >= CURIOSITY_MIN_WEIGHT."""
         return self.curiosity_weight >= CURIOSITY_MIN_WEIGHT
@@ -586,9 +594,6 @@ class AgentConfig:
         _check("agent", "head_pad", self.head_pad, lo=0, hi=1024)
         if not isinstance(self.head_fuse_value, bool):
             raise ConfigError(f"agent.head_fuse_value = {self.head_fuse_value!r} must be true or false")
-        if self.head_fuse_value and self.head_pad_multiple == 1:
-            raise ConfigError("agent.head_fuse_value = true needs a padded head (agent.head_pad above 1, or 0 under "
-                              f"TF32); agent.head_pad = {self.head_pad} with agent.compute = {self.compute!r} is unpadded")
         _check("agent", "support", self.support, choices=("fixed", "fit"))
         _check("agent", "atom_entropy_source", self.atom_entropy_source, choices=("taken", "target"))
         _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)
@@ -637,7 +642,6 @@ class AgentConfig:
                         "predictive_weight": self.predictive_weight > 0,  # predictive coding
                         "future_weight": self.future_weight > 0,  # future-feature regression
                         "head_pad": self.head_pad > 1,  # the padded C51 head (0, automatic, pads only a C51 head)
-                        "head_fuse_value": self.head_fuse_value,
                         "risk_head_weight": self.risk_head_weight > 0,  # risk-budget head
                         "regime_dropout": self.regime_dropout,
                         "atom_entropy_max": self.atom_entropy_max > 0, "adaptive_atoms": self.adaptive_atoms,
@@ -994,7 +998,8 @@ def _coerce(section: str, f: dataclasses.Field, current, raw):
 RENAMED = {("env", "fill_delay"): "latency_bars"}
 # fields added with a default that is not what the code before them did: a saved section that lacks one was
 # written by that code, so it takes this value (a run resumes, and numbarl ab compares it, as it ran)
-LEGACY = {("agent", "head_pad"): 1}  # before the twentieth session no head was padded, TF32 included
+LEGACY = {("agent", "head_pad"): 1,  # before the twentieth session no head was padded, TF32 included
+          ("agent", "head_fuse_value"): False}  # before the twenty-first, no value stream was fused
 
 
 def with_legacy_fields(d: dict) -> dict:
@@ -1010,12 +1015,16 @@ def with_legacy_fields(d: dict) -> dict:
 
 def behaviour_fields(d: dict) -> dict:
     """A config dict with its automatic values resolved, for comparing what two configs do (numbarl ab):
-    agent.head_pad 0 becomes the multiple it means (AgentConfig.head_pad_multiple), so fp32's 0 equals 1."""
+    agent.head_pad 0 becomes the multiple it means (AgentConfig.head_pad_multiple), so fp32's 0 equals 1, and
+    agent.head_fuse_value what runs (AgentConfig.fuse_value: false on an unpadded head)."""
     agent = d.get("agent")
     if not isinstance(agent, dict) or "head_pad" not in agent:
         return d
     pad = head_pad_multiple(agent["head_pad"], agent.get("compute", "fp32"), agent.get("kind", "c51"))
-    return {**d, "agent": {**agent, "head_pad": pad}}
+    out = {**agent, "head_pad": pad}
+    if "head_fuse_value" in agent:
+        out["head_fuse_value"] = bool(agent["head_fuse_value"]) and pad > 1
+    return {**d, "agent": out}
 
 
 def saved_as_ran(d: dict) -> dict:

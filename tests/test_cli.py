@@ -83,20 +83,20 @@ def test_bench_train_head_pad_rows():
     line of its train and collect steps against the first row, with its peer check."""
     from numbarl.bench import train
 
-    assert train.head_pads("0,1,8,0f") == ["0", "1", "8", "0f"]
-    for bad in ("1,x", "-1", "4,4", "", "1ff", "f", "0f,1", "0,1f"):
+    assert train.head_pads("0,1,8,0u") == ["0", "1", "8", "0u"]
+    for bad in ("1,x", "-1", "4,4", "", "1uu", "u", "0u,1", "0,1u", "0,0f"):
         with pytest.raises(SystemExit, match="--head-pad"):
             train.head_pads(bad)
     row = {"train_step_ms": 1.6, "collect_step_ms": 0.29}
-    fused = {"train_step_ms": 1.25, "collect_step_ms": 0.22}
+    unfused = {"train_step_ms": 1.35, "collect_step_ms": 0.24}
     results = {"head_pad": "0", "numbarl": {"fp32": {"train_step_ms": 3.2, "collect_step_ms": 0.6}, "tf32":
                                             {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "fp32.pad1": row,
-                                            "tf32.pad1": row, "tf32.pad0f": fused},
+                                            "tf32.pad1": row, "tf32.pad0u": unfused},
                "check.pad1": {"available": True, "loss_relerr": 9e-7, "grad_relerr_max": 1e-6}}
-    fp32, one, fuse = train.pad_lines(results)
+    fp32, one, unfuse = train.pad_lines(results)
     assert "loss rel 9.0e-07" in fp32 and fp32.startswith("agent.head_pad=1 (fp32): train 1.600 ms (-1.600")
     assert one == "agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)"
-    assert fuse.startswith("agent.head_pad=0 + head_fuse_value (tf32): train 1.250 ms (-0.050 vs head_pad=0)")
+    assert unfuse.startswith("agent.head_pad=0 head_fuse_value=false (tf32): train 1.350 ms (+0.050 vs head_pad=0)")
 
 
 def test_sigterm_unwinds_like_ctrl_c():

@@ -182,6 +182,24 @@ def test_a_tf32_run_saved_before_head_pad_resumes_unpadded():
     assert config.behaviour_fields(now.to_dict())["agent"]["head_pad"] == 64
 
 
+def test_a_padded_run_saved_before_head_fuse_value_resumes_unfused():
+    """agent.head_fuse_value's default (true: the value stream in a padded head's GEMM) is not what the code before
+    it did: a TF32 run saved without the field (padded by the automatic head_pad, twentieth session) reloads unfused
+    (config.LEGACY), and numbarl ab compares the switch by what runs (false on an unpadded head)."""
+    from numbarl import config
+
+    now = config.apply(config.preset("default"), {"agent.compute": "tf32"})
+    assert now.agent.fuse_value and now.agent.head_pad_multiple == 64
+    old = now.to_dict()
+    old["agent"].pop("head_fuse_value")
+    cfg = config.from_dict(json.loads(json.dumps(old)))
+    assert cfg.agent.head_pad_multiple == 64 and not cfg.agent.fuse_value
+    assert config.saved_as_ran(old)["agent"]["head_fuse_value"] is False
+    assert config.saved_as_ran(now.to_dict())["agent"]["head_fuse_value"] is True
+    fp32 = config.preset("default").to_dict()  # fp32: unpadded, so nothing to fuse, whatever the switch says
+    assert fp32["agent"]["head_fuse_value"] is True and config.behaviour_fields(fp32)["agent"]["head_fuse_value"] is False
+
+
 def test_renamed_env_fill_delay_still_loads():
     """env.fill_delay (renamed env.latency_bars) in an earlier run's config.json or a --set still
     loads; both names with different values is one clear error."""

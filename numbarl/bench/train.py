@@ -13,7 +13,7 @@ Checks before it times: one batch's loss and gradients of numbarl and of the PyT
   N = n_envs: env-steps/s including inference.
 
     python -m numbarl.bench.train [--json PATH] [--batch 16384] [--n-envs 16384] [--trunk 512,512]
-                                  [--head-pad 0,1,0f]   # the default, then other agent.head_pad values
+                                  [--head-pad 0,1,0u]   # the default, then other agent.head_pad values
 
 Default model: 64 features, trunk 2×512, 4 branches, 51 atoms, batch 16,384.
 """
@@ -145,9 +145,9 @@ def run(args) -> dict:
     results["head_pad"] = pads[0]
     for compute, pad in [(c, q) for c in ("fp32", "tf32") for q in pads]:
         key = compute if pad == pads[0] else f"{compute}.pad{pad}"  # the first padding is the table's row
-        q, fuse = int(pad.rstrip("f")), pad.endswith("f")
-        if fuse and AgentConfig(compute=compute, head_pad=q).head_pad_multiple == 1:
-            continue  # the value stream fuses into a padded head only (fp32's automatic padding is none)
+        q, fuse = int(pad.rstrip("u")), not pad.endswith("u")
+        if not fuse and AgentConfig(compute=compute, head_pad=q).head_pad_multiple == 1:
+            continue  # an unpadded head fuses nothing (fp32's automatic padding is none): the row would repeat Q's
         cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute,
                           head_pad=q, head_fuse_value=fuse)
         env = DeviceEnv(market, params, args.n_envs, seed=args.seed)
@@ -368,17 +368,19 @@ def jax_table_lines(results: dict) -> list:
 
 
 def head_pads(text) -> list[str]:
-    """--head-pad's rows: agent.head_pad per row, with an "f" for agent.head_fuse_value, the first the table's
-    (e.g. "0,1,8,0f": the default, which is automatic, unpadded, padded to a multiple of 8, the default padding
-    with the value stream fused)."""
+    """--head-pad's rows: agent.head_pad per row, with a "u" for agent.head_fuse_value = false (the value stream
+    unfused; a padded head fuses it by default), the first the table's (e.g. "0,1,8,0u": the default, which is
+    automatic and fused under TF32, unpadded, padded to a multiple of 8, the default padding unfused)."""
     pads = [x.strip() for x in str(text).split(",")]
-    if not all(p.rstrip("f").isdigit() and p.count("f") <= 1 for p in pads) or len(set(pads)) != len(pads):
-        raise SystemExit(f"error: --head-pad takes distinct integers >= 0, each optionally followed by f "
-                         f"(the value stream fused), comma-separated (got {text!r})")
-    if pads[0].endswith("f"):
-        raise SystemExit(f"error: --head-pad's first row is the table's, fp32 and TF32: not a fused one (got {text!r})")
-    if "1f" in pads:
-        raise SystemExit(f"error: --head-pad 1f: the value stream fuses into a padded head only (got {text!r})")
+    if not all(p.rstrip("u").isdigit() and p.count("u") <= 1 for p in pads) or len(set(pads)) != len(pads):
+        raise SystemExit(f"error: --head-pad takes distinct integers >= 0, each optionally followed by u "
+                         f"(the value stream unfused), comma-separated (got {text!r})")
+    if pads[0].endswith("u"):
+        raise SystemExit(f"error: --head-pad's first row is the table's, fp32 and TF32: not an unfused one "
+                         f"(got {text!r})")
+    if "1u" in pads:
+        raise SystemExit(f"error: --head-pad 1u: an unpadded head has no value stream to unfuse; 1 is the "
+                         f"same row (got {text!r})")
     return pads
 
 
@@ -391,7 +393,7 @@ def pad_lines(results: dict) -> list[str]:
         chk = results.get(f"check.pad{pad}", {}) if prec == "fp32" else {}  # the peer check runs in fp32 only
         peer = (f", vs PyTorch loss rel {chk['loss_relerr']:.1e} grad rel {chk['grad_relerr_max']:.1e}"
                 if chk.get("available") else "")
-        what = f"agent.head_pad={pad.rstrip('f')}" + (" + head_fuse_value" if pad.endswith("f") else "")
+        what = f"agent.head_pad={pad.rstrip('u')}" + (" head_fuse_value=false" if pad.endswith("u") else "")
         lines.append(f"{what} ({prec}): train {r['train_step_ms']:.3f} ms "
                      f"({r['train_step_ms'] - base['train_step_ms']:+.3f} vs head_pad={results['head_pad']}), collect "
                      f"{r['collect_step_ms']:.3f} ms ({r['collect_step_ms'] - base['collect_step_ms']:+.3f}){peer}")
@@ -448,8 +450,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
     p.add_argument("--profile", action="store_true", help="also list GPU time per kernel (needs torch)")
     p.add_argument("--head-pad", default="0", metavar="Q[,Q...]",
-                   help="agent.head_pad per numbarl row (0: the automatic default; a trailing f: with "
-                        "agent.head_fuse_value); the first is the table's, each other one a line of its train and "
+                   help="agent.head_pad per numbarl row (0: the automatic default; a trailing u: with "
+                        "agent.head_fuse_value=false); the first is the table's, each other one a line of its train and "
                         "collect steps against it (default: %(default)s)")
     args = p.parse_args(argv)
     head_pads(args.head_pad)  # a bad value stops here, before the GPU work

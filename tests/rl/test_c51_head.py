@@ -430,7 +430,7 @@ def test_agent_with_a_padded_head_trains_to_the_same_bits():
 
     snaps = []
     for pad in (1, 4):
-        agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=pad)
+        agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=pad, head_fuse_value=False)
         assert agent.head.padded_width == (25 if pad == 1 else 28)
         fill_replay(agent, np.random.default_rng(3))
         aux_steps(agent, stream())
@@ -457,8 +457,8 @@ def test_head_pad_default_pads_under_tf32_only():
 
 def test_agent_with_the_value_stream_fused_trains_as_unfused():
     """agent.head_fuse_value through the agent: three train steps give the unpadded agent's parameters and
-    gradients to rounding (dh is one GEMM instead of two), the value head's gradients included; the config refuses
-    it without padding."""
+    gradients to rounding (dh is one GEMM instead of two), the value head's gradients included; the config fuses
+    a padded head only."""
     from agent_helpers import aux_steps, fill_replay, tiny_agent
 
     from numbarl.config import AgentConfig, ConfigError
@@ -473,9 +473,11 @@ def test_agent_with_the_value_stream_fused_trains_as_unfused():
     for k, v in snaps[0].items():
         _close(snaps[1][k], v, atol=1e-5, rtol=1e-4, what=k)
     assert np.any(snaps[1]["grads:head.value.w"] != 0) and np.any(snaps[1]["grads:head.adv.w"] != 0)
-    with pytest.raises(ConfigError, match="head_fuse_value = true needs a padded head"):
-        AgentConfig(head_fuse_value=True).validate()
-    AgentConfig(head_fuse_value=True, compute="tf32").validate()
+    # the default fuses where the head is padded (TF32's automatic 64), and an unpadded head keeps its value GEMM
+    assert AgentConfig(compute="tf32").fuse_value and not AgentConfig(compute="tf32", head_fuse_value=False).fuse_value
+    assert not AgentConfig().fuse_value and not AgentConfig(compute="tf32", head_pad=1).fuse_value
+    with pytest.raises(ConfigError, match="head_fuse_value = 'yes' must be true or false"):
+        AgentConfig(head_fuse_value="yes").validate()
     # the ensemble's extra heads are laid out as the agent's head
     agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=8, head_fuse_value=True, ensemble_heads=2)
     assert [(h.padded_width, h.fused) for h in (agent.head, *agent.ens_heads)] == [(32, True), (32, True)]

@@ -72,7 +72,7 @@ def _batch(rng, batch=BATCH):
 
 def _layout(pad):
     """The learner's arguments of a parametrized pad: Q, "Qf" for Q with the value stream fused, "Qt" for Q in
-    TF32 (the shipped TF32 default is "64t"; "64ft" the fused layout it is meant to become)."""
+    TF32 (the shipped TF32 default is "64ft", fused since the twenty-first session; "64t" unfused)."""
     return {"pad_to": int(str(pad).rstrip("ft")), "fuse_value": "f" in str(pad),
             "compute": "tf32" if str(pad).endswith("t") else "fp32"}
 

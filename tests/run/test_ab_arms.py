@@ -12,7 +12,7 @@ from numbarl import config
 from numbarl.run import ab
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "LAG", "ALL", "BASE_RUNS")
+NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "FF", "LAG", "ALL", "BASE_RUNS")
 
 
 def arm_sets() -> dict:
@@ -27,15 +27,15 @@ def arm_sets() -> dict:
 def test_every_option_set_resolves():
     v = arm_sets()
     # the sets as the commands combine them (the convolution and the flow feature ride on the scan)
-    for combo in ("T", "RW", "RWK", "TEMP16", "RW TEMP16 LAG10", "RWK TEMP16 LAG", "ALL"):
-        opts = shlex.split(" ".join(v[n] for n in combo.split()))
+    for combo in ("T", "RW", "RWK", "TEMP16", "RW TEMP16 LAG10", "RWK TEMP16 LAG", "ALL", "RW TEMP16 LAG10 FF"):
+        opts = shlex.split(" ".join(v[n] for n in combo.split()) + (" --set agent.future_weight=0.1" * ("FF" in combo)))
         config.resolve(sets=ab.train_arg_sets(opts))  # raises on an unknown field or a bad value
     assert "--epochs 5" in v["LAG"] and v["LAG"].startswith(v["LAG10"])
     assert set(v["RW"].split()) >= set(v["T"].split()) and "agent.iqn=true" in v["ALL"]
 
 
 def test_the_archived_bases_match_their_arms(tmp_path):
-    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x): finished, with config.json,
+    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x, rwlp, rwlff): finished, with config.json,
     equal to what numbarl train resolves for its arm today."""
     v = arm_sets()
     archives = [ROOT / p for p in v["BASE_RUNS"].split()]
@@ -45,7 +45,8 @@ def test_the_archived_bases_match_their_arms(tmp_path):
             tar.extractall(tmp_path, members=members, filter="data")
     arms = [("e10", []), ("t32b", shlex.split(v["T"])), ("rw", shlex.split(v["RW"])),
             ("rwl10", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']}")), ("all14x", shlex.split(v["ALL"])),
-            ("rwlp", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} --set agent.predictive_weight=0.1"))]
+            ("rwlp", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} --set agent.predictive_weight=0.1")),
+            ("rwlff", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} {v['FF']} --set agent.future_weight=0.1"))]
     for arm, _ in arms:
         assert ab._finished(tmp_path / f"{arm}-s0"), f"{arm}-s0 is not a finished run in {v['BASE_RUNS']}"
     errors, unchecked = ab.check_finished_runs(tmp_path, "default", [(a, o, [0]) for a, o in arms], [], parallel=2)

@@ -666,7 +666,7 @@ class DQNAgent(Agent):
                          attention=cfg.feature_attention, bottleneck=bottleneck, regime_gate=regime_cols)
         self.head = BranchedDuelingC51Head("head", self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
                                            cfg.v_min, cfg.v_max, compute=cfg.compute, pad_to=cfg.head_pad_multiple,
-                                           fuse_value=cfg.head_fuse_value)
+                                           fuse_value=cfg.fuse_value)
         self.trunk.declare_params(self.store)
         self.head.declare_params(self.store)
         self.acts = Arena("activations")
@@ -1133,7 +1133,7 @@ class DQNAgent(Agent):
         cfg, B = self.cfg, self.cfg.batch_size
         self.ens_heads = make_extra_heads(cfg.ensemble_heads, self.trunk.out_dim, self.branch_sizes, cfg.n_atoms,
                                           cfg.v_min, cfg.v_max, cfg.compute, pad_to=cfg.head_pad_multiple,
-                                          fuse_value=cfg.head_fuse_value)
+                                          fuse_value=cfg.fuse_value)
         passes = [("online", B, True, ("logits", "q")), ("next", B, False, ("q",)), ("target", B, False, ("probs",))]
         self._ens_eval_batch = eval_batch
         if cfg.epistemic_theta > 0:
