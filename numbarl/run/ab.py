@@ -18,6 +18,8 @@ row per arm with, over its seeds:
   selection score survives out of sample): mean, sample std;
 * last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay; n/a when the
   last epoch made no trades): mean, min;
+* best epochs: the epoch each seed's selected checkpoint comes from (the test window scored it); under the table,
+  each arm's validation Sharpe per epoch, the mean over its finished seeds (``val_curve_mean`` in ``ab.json``);
 * test t per seed: t = daily Sharpe x sqrt(test days / 252) of the test window (the null market's check: no
   seed above 2; a negative one is a losing seed, not a false edge); ``ab.json`` also has the largest |t| with
   its sign (``t_at_abs_max``);
@@ -318,6 +320,7 @@ def run_numbers(folder: Path) -> dict | None:
     validation epoch logged (decay columns only, ``finished`` False); None otherwise."""
     traj = metrics_trajectory(folder)
     common = {"run": folder.name, "atom_utilization": traj["atom_utilization"], "epochs": traj["epochs"],
+              "val_curve": traj["val_sharpe"],  # the validation Sharpe per epoch, as logged
               "fingerprint": traj["fingerprint"], "train_fingerprint": traj["train_fingerprint"],
               "train_path_last_over_best": _ratio_to_best(traj["train_path_sharpe"]),
               "val_trades_last_over_best": _trades_drift(traj["val_sharpe"], traj["val_trades"])}
@@ -370,9 +373,32 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     # every *_all list is over the same runs, in this order (an unfinished run: None where it has no number)
     r["run_all"], r["finished_all"] = [x["run"] for x in runs], [x.get("finished", True) for x in runs]
     r["best_epoch_all"] = [x.get("best_epoch") for x in runs]  # the epoch the test window scored (finished runs)
+    r["val_curve_all"] = [x.get("val_curve") for x in runs]
+    r["val_curve_mean"] = curve_mean(_done_values(r, "val_curve"))
     r["fingerprint_all"] = [x.get("fingerprint") for x in runs]
     r["train_fingerprint_all"] = [x.get("train_fingerprint") for x in runs]
     return r
+
+
+def curve_mean(curves: list) -> list:
+    """The per-epoch mean of the curves (lists of floats, None where an epoch had no number), over the curves that
+    reach that epoch and have a number there; None for an epoch without any."""
+    curves = [c or [] for c in curves]
+    out = []
+    for e in range(max((len(c) for c in curves), default=0)):
+        xs = [_f(c[e]) for c in curves if e < len(c) and _f(c[e]) is not None]
+        out.append(sum(xs) / len(xs) if xs else None)
+    return out
+
+
+def curve_note(rows: list[dict]) -> str:
+    """The lines under the table with each arm's mean validation Sharpe per epoch over its finished seeds: where the
+    arm peaks and how it decays, which last/best val sums up in one number (empty without curves)."""
+    lines = [f"{r['arm']}: {', '.join(_c(x, '.1f') for x in r['val_curve_mean'])}"
+             for r in rows if r.get("val_curve_mean")]
+    if not lines:
+        return ""
+    return "\nValidation Sharpe per epoch, mean over the finished seeds:\n" + "".join(f"- {x}\n" for x in lines)
 
 
 def _seed_of(run: str) -> str:
@@ -437,20 +463,21 @@ def _c(x, spec=".2f"):
 
 def format_table(rows: list[dict]) -> str:
     head = ("| arm | runs | test/oracle per seed | mean | std | min | val-test mean | val-test std "
-            "| last/best val mean | min | test t per seed | hold t | trade t per seed | atoms | train-path last/best "
+            "| last/best val mean | min | best epochs | test t per seed | hold t | trade t per seed | atoms | train-path last/best "
             "| val trades last/best |")
-    lines = [head, "|" + "|".join(["---"] * 16) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 17) + "|"]
     for r in rows:
         per = ", ".join(_c(x) for x in _done_values(r, "test_over_oracle"))
         trade_t = ", ".join(_c(x, ".1f") for x in _done_values(r, "trade_t"))
         test_t = ", ".join(_c(x) for x in _done_values(r, "t"))
+        best = ", ".join(_c(x, "d") for x in _done_values(r, "best_epoch"))
         shared = _shared_hold_t(r)  # one number for one market path, else each run's
         hold = _c(shared, "+.2f") if shared is not None else ", ".join(_c(h, "+.2f") for h in _done_values(r, "hold_t"))
         runs = str(r["runs"]) + (f" (+{r['unfinished']} unfinished)" if r.get("unfinished") else "")
         lines.append(f"| {r['arm']} | {runs} | {per} | {_c(r['test_over_oracle_mean'])} | "
                      f"{_c(r['test_over_oracle_std'])} | {_c(r['test_over_oracle_min'])} | {_c(r['val_test_gap_mean'], '.1f')} | "
                      f"{_c(r['val_test_gap_std'], '.1f')} | {_c(r['last_over_best_val_mean'])} | "
-                     f"{_c(r['last_over_best_val_min'])} | {test_t} | {hold} | "
+                     f"{_c(r['last_over_best_val_min'])} | {best} | {test_t} | {hold} | "
                      f"{trade_t} | {_c(r['atom_utilization_mean'])} | "
                      f"{_c(r['train_path_last_over_best_mean'])} | {_c(r['val_trades_last_over_best_mean'])} |")
     return "\n".join(lines)
@@ -516,7 +543,8 @@ def main(argv=None) -> int:
     for arm, _, arm_seeds in arms:
         runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in arm_seeds) if n is not None]
         rows.append(arm_row(arm, runs))
-    table = format_table(rows) + identical_note(rows) + shared_window_note(rows)
+    notes = identical_note(rows) + shared_window_note(rows) + curve_note(rows)  # each starts with a line break
+    table = format_table(rows) + ("\n" + notes.rstrip("\n") if notes else "")  # a blank line ends the table
     (out / "ab.md").write_text(table + "\n")
     (out / "ab.json").write_text(json.dumps(rows, indent=2))
     print(table)

@@ -59,6 +59,23 @@ def test_an_interrupted_run_resumes_with_its_saved_config(tmp_path):
     assert again[3:] == ["train", "--quiet", "--resume", str(folder)]
 
 
+def test_best_epochs_and_the_mean_validation_curve():
+    """The table names each finished seed's selected epoch, and the note under it the arm's mean validation Sharpe
+    per epoch over its finished seeds (a shorter curve counts where it reaches, a None epoch not at all)."""
+    def run(seed, best, curve, done=True):
+        return {"run": f"a-s{seed}", "finished": done, "t": None, "hold_t": None, "trade_t": None, "best_epoch": best,
+                "val_curve": curve, **{k: None for k in ("test_over_oracle", "val_test_gap", "last_over_best_val",
+                                                         "atom_utilization", "train_path_last_over_best",
+                                                         "val_trades_last_over_best")}}
+
+    row = ab.arm_row("a", [run(0, 2, [1.0, 9.0, 3.0]), run(1, 3, [3.0, 5.0, None]), run(2, 1, [2.0], done=False)])
+    assert row["val_curve_mean"] == [2.0, 7.0, 3.0] and row["best_epoch_all"] == [2, 3, 1]
+    assert "| 2, 3 | n/a |" not in ab.format_table([row]) and " | 2, 3 | " in ab.format_table([row])
+    assert ab.curve_note([row]) == "\nValidation Sharpe per epoch, mean over the finished seeds:\n- a: 2.0, 7.0, 3.0\n"
+    assert ab.curve_note([ab.arm_row("b", [run(0, None, [], done=False)])]) == ""
+    assert ab.curve_mean([[None, 1.0], [2.0]]) == [2.0, 1.0] and ab.curve_mean([]) == []
+
+
 def test_seed_placeholder_gives_each_seed_its_options():
     opts = ["--set", "data.synth_null=true", "--set", "data.synth_seed=10{seed}"]
     assert ab.seed_options(opts, 3) == ["--set", "data.synth_null=true", "--set", "data.synth_seed=103"]
@@ -83,7 +100,9 @@ def test_grid_writes_one_table_and_continues(tmp_path):
     hold = json.loads((out / "base-s0" / "summary.json").read_text())["folds"][0]["hold_test"]
     assert hold["n_trades"] >= 1 and hold["exposure"] > 0.5  # buy and hold: long over the test window
     table = (out / "ab.md").read_text()
-    assert table.count("\n") == 4 and "| base | 1 |" in table
+    assert table.split("\n\n")[0].count("\n") == 3 and "| base | 1 |" in table  # the header, its rule, two rows
+    assert "\nValidation Sharpe per epoch, mean over the finished seeds:\n- base: " in table  # two epochs each
+    assert all(len(row["val_curve_mean"]) == 2 for row in rows)
     for name in ("base-s0", "eps-s0"):
         assert (out / name / "summary.json").is_file()
     cfg = json.loads((out / "eps-s0" / "config.json").read_text()) if (out / "eps-s0" / "config.json").exists() else None
@@ -260,7 +279,7 @@ def test_arms_whose_seeds_share_one_test_path_are_named():
     assert note.count("\n") == 2 and "null (hold t +1.45)" in note and "own" not in note and "one (" not in note
     assert ab.shared_window_note(rows[1:]) == ""
     table = ab.format_table(rows).splitlines()
-    assert "| test t per seed | hold t |" in table[0] and table[1].count("---") == 16
-    assert all(line.count(" | ") == 15 for line in table[2:])  # 16 columns in every row
+    assert "| best epochs | test t per seed | hold t |" in table[0] and table[1].count("---") == 17
+    assert all(line.count(" | ") == 16 for line in table[2:])  # 17 columns in every row
     assert "| 0.50, -1.65 | +1.45 |" in table[2] and "| 0.10, -0.40 | +0.20, -1.10 |" in table[3]
     assert rows[1]["t_at_abs_max"] == -0.4  # ab.json keeps the largest |t| with its sign
