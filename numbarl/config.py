@@ -172,8 +172,8 @@ class AgentConfig:
     columns at 64), instead of a separate 51-wide one: the TF32 train step 1.34 -> 1.22 ms on the H200
     (docs/BENCHMARKS.md, twenty-first session). The same math, rounded by other kernels. An unpadded head (fp32's
     automatic padding, agent.head_pad = 1) has no padding columns to hold the value stream and keeps its own
-    GEMM: there the switch does nothing (AgentConfig.fuse_value is what runs). Before the twenty-first session
-    the default was false (config.LEGACY)."""
+    GEMM: there the default does nothing (AgentConfig.fuse_value is what runs), and `--set agent.head_fuse_value=true`
+    is an error. Before the twenty-first session the default was false (config.LEGACY)."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up of every optimizer group over this many train steps from the
     group's start (numbarl/rl/schedules.py; 0 = off)."""
@@ -1150,9 +1150,17 @@ def resolve(preset_name: str | None = None, config_file: str | None = None, sets
         cfg = apply(cfg, loaded)
     except ConfigError as e:  # name the file the bad value came from
         raise ConfigError(f"config file {config_file}: {e}") from None
-    cfg = apply(cfg, parse_sets(sets))
+    given = parse_sets(sets)
+    cfg = apply(cfg, given)
     cfg = apply(cfg, {k: v for k, v in direct.items() if v is not None})
-    return cfg.validate()
+    cfg = cfg.validate()
+    # a switch the user turns on that does nothing in this config: one clear error, not a silent no-op (the default
+    # and a config file's full dump may hold true on an unpadded head, where it means "fuse when padded")
+    if "agent.head_fuse_value" in given and cfg.agent.head_fuse_value and not cfg.agent.fuse_value:
+        raise ConfigError(f"--set agent.head_fuse_value={given['agent.head_fuse_value']}: the value stream fuses into "
+                          f"a padded head only, and agent.head_pad = {cfg.agent.head_pad} with agent.compute = "
+                          f"{cfg.agent.compute!r} is unpadded; set agent.head_pad above 1 (or agent.compute=tf32)")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -198,6 +198,12 @@ def test_a_padded_run_saved_before_head_fuse_value_resumes_unfused():
     assert config.saved_as_ran(now.to_dict())["agent"]["head_fuse_value"] is True
     fp32 = config.preset("default").to_dict()  # fp32: unpadded, so nothing to fuse, whatever the switch says
     assert fp32["agent"]["head_fuse_value"] is True and config.behaviour_fields(fp32)["agent"]["head_fuse_value"] is False
+    # a --set that turns it on where it does nothing is an error; the default, a full dump and false are not
+    with pytest.raises(config.ConfigError, match="head_fuse_value=true: the value stream fuses into a padded head"):
+        config.resolve(sets=["agent.head_fuse_value=true"])
+    assert config.resolve(sets=["agent.head_fuse_value=true", "agent.compute=tf32"]).agent.fuse_value
+    assert not config.resolve(sets=["agent.head_fuse_value=false"]).agent.fuse_value
+    assert not config.resolve().agent.fuse_value
 
 
 def test_renamed_env_fill_delay_still_loads():
