@@ -5,13 +5,16 @@
 # TF32 single-switch A/Bs. Since the twentieth session TF32 pads the advantage head by default (agent.head_pad=0 ->
 # 64): the same math in other GEMM kernels, other bits. The TF32 bases archived before it ran unpadded, and numbarl
 # ab compares a saved config without head_pad as head_pad = 1 (config.LEGACY), so the A/B sets keep the unpadded
-# head: the bases stay valid, at ~0.3 ms more per TF32 train step.
+# head: the bases stay valid, at ~0.4 ms more per TF32 train step (1.64 against the padded and fused default's 1.22
+# ms since the twenty-first session; on the unpadded head agent.head_fuse_value does nothing).
 T="--set agent.compute=tf32 --set agent.head_pad=1"
 RW="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.train_sessions=94 $T"
 RWK="--set data.synth_mode=regime_walk --set data.synth_sessions=1000 --set train.train_sessions=994 $T"
 TEMP16="--set agent.temporal=mamba --set agent.temporal_steps=16 --set agent.temporal_lr=5e-4"
 LAG10="--set agent.temporal_conv=4 --set data.features=default,trade_imb_prev"   # + scan: issue 15's agent
-FF="--set agent.future_targets=trade_imb_prev*ret_1"   # future-feature regression's term (+ agent.future_weight)
+# future-feature regression's term (+ agent.future_weight). Keep the arms quoted ("rwlff: $A $FF ..."): expanded
+# unquoted, the * is a file pattern
+FF="--set agent.future_targets=trade_imb_prev*ret_1"
 LAG="$LAG10 --epochs 5"                                                          # the ninth/tenth sessions' 5 epochs
 ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true --set agent.cql_alpha=0.1 \
 --set agent.confidence_weight=0.5 --set agent.confidence_floor=0.55 --set agent.spectral_norm=trunk.fc0,head.value \

@@ -1128,7 +1128,8 @@ def from_dict(d: dict) -> Config:
     saved: it takes its dataclass default (what the code that wrote the run did: new fields default to off),
     not the preset's current value. E.g. a default-preset run saved before env.pnl_reward_scale existed
     resumes with its own reward (trade + micro terms), not with the preset's mark-to-market term added. A field
-    whose default is not its old behaviour takes its LEGACY value instead (agent.head_pad: 1, unpadded)."""
+    whose default is not its old behaviour takes its LEGACY value instead (agent.head_pad: 1, unpadded;
+    agent.head_fuse_value: false)."""
     d = with_legacy_fields(d)
     name = d.get("preset", "default")
     base = preset(name)
@@ -1157,9 +1158,13 @@ def resolve(preset_name: str | None = None, config_file: str | None = None, sets
     # a switch the user turns on that does nothing in this config: one clear error, not a silent no-op (the default
     # and a config file's full dump may hold true on an unpadded head, where it means "fuse when padded")
     if "agent.head_fuse_value" in given and cfg.agent.head_fuse_value and not cfg.agent.fuse_value:
-        raise ConfigError(f"--set agent.head_fuse_value={given['agent.head_fuse_value']}: the value stream fuses into "
-                          f"a padded head only, and agent.head_pad = {cfg.agent.head_pad} with agent.compute = "
-                          f"{cfg.agent.compute!r} is unpadded; set agent.head_pad above 1 (or agent.compute=tf32)")
+        what = f"--set agent.head_fuse_value={given['agent.head_fuse_value']}"
+        if cfg.agent.kind != "c51":
+            raise ConfigError(f"{what}: agent.kind = {cfg.agent.kind!r} has no C51 head, so there is no value stream "
+                              "to fuse; drop the option")
+        fix = "set agent.head_pad above 1" + (" (or agent.compute=tf32)" if cfg.agent.compute != "tf32" else "")
+        raise ConfigError(f"{what}: the value stream fuses into a padded head only, and agent.head_pad = "
+                          f"{cfg.agent.head_pad} with agent.compute = {cfg.agent.compute!r} is unpadded; {fix}")
     return cfg
 
 

@@ -204,6 +204,10 @@ def test_a_padded_run_saved_before_head_fuse_value_resumes_unfused():
     assert config.resolve(sets=["agent.head_fuse_value=true", "agent.compute=tf32"]).agent.fuse_value
     assert not config.resolve(sets=["agent.head_fuse_value=false"]).agent.fuse_value
     assert not config.resolve().agent.fuse_value
+    with pytest.raises(config.ConfigError, match="is unpadded; set agent.head_pad above 1$"):  # TF32 already: no tf32 hint
+        config.resolve(sets=["agent.head_fuse_value=true", "agent.compute=tf32", "agent.head_pad=1"])
+    with pytest.raises(config.ConfigError, match="'ppo' has no C51 head"):
+        config.resolve(sets=["agent.head_fuse_value=true", "agent.kind=ppo"])
 
 
 def test_renamed_env_fill_delay_still_loads():

@@ -370,7 +370,8 @@ def jax_table_lines(results: dict) -> list:
 def head_pads(text) -> list[str]:
     """--head-pad's rows: agent.head_pad per row, with a "u" for agent.head_fuse_value = false (the value stream
     unfused; a padded head fuses it by default), the first the table's (e.g. "0,1,8,0u": the default, which is
-    automatic and fused under TF32, unpadded, padded to a multiple of 8, the default padding unfused)."""
+    automatic and fused under TF32, unpadded, padded to a multiple of 8 and fused, the default padding unfused).
+    Before the twenty-first session a plain padded row was unfused: its bench JSON's "tf32.pad8" is another layout."""
     pads = [x.strip() for x in str(text).split(",")]
     if not all(p.rstrip("u").isdigit() and p.count("u") <= 1 for p in pads) or len(set(pads)) != len(pads):
         raise SystemExit(f"error: --head-pad takes distinct integers >= 0, each optionally followed by u "

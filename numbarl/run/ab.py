@@ -61,7 +61,8 @@ the grid checks each such folder's config.json against the config the arm's opti
 aside): a folder run with other options, or under a preset that has changed since (e.g. the `default` preset's
 precision), stops the grid with an error naming the folder and the fields that differ. Fields the saved config
 does not have (added to numbarl after the run) are not compared, except those whose default is not the old
-behaviour (``config.LEGACY``: agent.head_pad, 1 for a run saved before it), which compare as that value. A finished folder without config.json (a light
+behaviour (``config.LEGACY``: agent.head_pad, 1 for a run saved before it; agent.head_fuse_value, false), which
+compare as that value, and the automatic ones compare as what they resolve to (``config.behaviour_fields``). A finished folder without config.json (a light
 copy, e.g. ``bin/gpu-ab``'s archives before the twelfth session) cannot be checked, so it stops the grid too, naming
 the folders, unless ``--accept-unchecked`` takes such folders as they are: a preset default changed since they ran
 (the `default` preset's epsilon_end in the fifteenth session) would otherwise pass unseen.
@@ -391,11 +392,23 @@ def curve_mean(curves: list) -> list:
     return out
 
 
+def curve_counts(curves: list) -> list[int]:
+    """How many of the curves have a number at each epoch (curve_mean's denominators)."""
+    curves = [c or [] for c in curves]
+    return [sum(1 for c in curves if e < len(c) and _f(c[e]) is not None)
+            for e in range(max((len(c) for c in curves), default=0))]
+
+
 def curve_note(rows: list[dict]) -> str:
     """The lines under the table with each arm's mean validation Sharpe per epoch over its finished seeds: where the
-    arm peaks and how it decays, which last/best val sums up in one number (empty without curves)."""
-    lines = [f"{r['arm']}: {', '.join(_c(x, '.1f') for x in r['val_curve_mean'])}"
-             for r in rows if r.get("val_curve_mean")]
+    arm peaks and how it decays, which last/best val sums up in one number (empty without curves). An epoch that
+    fewer seeds reached (early stopping) or scored names its count, e.g. "35.7 (n=3)"."""
+    def epochs(r):
+        counts = curve_counts(_done_values(r, "val_curve"))
+        full = max(counts, default=0)
+        return ", ".join(_c(x, ".1f") + (f" (n={n})" if n != full else "") for x, n in zip(r["val_curve_mean"], counts))
+
+    lines = [f"{r['arm']}: {epochs(r)}" for r in rows if r.get("val_curve_mean")]
     if not lines:
         return ""
     return "\nValidation Sharpe per epoch, mean over the finished seeds:\n" + "".join(f"- {x}\n" for x in lines)

@@ -119,7 +119,8 @@ COLUMN_FIELDS = (("agent.regime_gate_cols", True), ("agent.regime_dropout_col", 
 
 def effective_config(run: RunDir) -> dict:
     """The run's flat config with the fields saved in two spellings resolved: agent.head_pad as the multiple the run
-    used (absent: 1, config.LEGACY; 0: the automatic one), data.synth_regime_bars 0 (the
+    used (absent: 1, config.LEGACY; 0: the automatic one), agent.head_fuse_value as what ran (absent: false; false on
+    an unpadded head), data.synth_regime_bars 0 (the
     mode's own) as that mode's duration, and the options naming obs columns (feature names, or the indices
     runs saved before names were accepted) as the columns of the run's observation."""
     from numbarl.config import ConfigError, saved_as_ran

@@ -478,6 +478,9 @@ def test_agent_with_the_value_stream_fused_trains_as_unfused():
     assert not AgentConfig().fuse_value and not AgentConfig(compute="tf32", head_pad=1).fuse_value
     with pytest.raises(ConfigError, match="head_fuse_value = 'yes' must be true or false"):
         AgentConfig(head_fuse_value="yes").validate()
+    # the agent passes what runs: the default (true) leaves an unpadded fp32 head and its extra heads unfused
+    agent = tiny_agent(6, (3, 2), 4, batch_size=6, ensemble_heads=2)
+    assert [(h.padded_width, h.fused) for h in (agent.head, *agent.ens_heads)] == [(25, False), (25, False)]
     # the ensemble's extra heads are laid out as the agent's head
     agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=8, head_fuse_value=True, ensemble_heads=2)
     assert [(h.padded_width, h.fused) for h in (agent.head, *agent.ens_heads)] == [(32, True), (32, True)]

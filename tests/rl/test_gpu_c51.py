@@ -201,7 +201,7 @@ def _assert_bitwise(a, b):
 
 
 # 4: the advantage GEMMs at 716 columns (agent.head_pad); "64f": the value stream in them, 768 (agent.head_fuse_value);
-# "64t": the TF32 default's layout in TF32; "64ft": fused, in TF32
+# "64t": padded, unfused, in TF32 (the twentieth session's TF32 default); "64ft": the TF32 default since the twenty-first
 @pytest.mark.parametrize("pad", [1, 4, "64f", "64t", "64ft"])
 def test_graph_replay_equals_eager_bitwise(rng, pad):
     from numbarl.cuda import graph as graphs

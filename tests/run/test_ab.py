@@ -71,7 +71,8 @@ def test_best_epochs_and_the_mean_validation_curve():
     row = ab.arm_row("a", [run(0, 2, [1.0, 9.0, 3.0]), run(1, 3, [3.0, 5.0, None]), run(2, 1, [2.0], done=False)])
     assert row["val_curve_mean"] == [2.0, 7.0, 3.0] and row["best_epoch_all"] == [2, 3, 1]
     assert "| 2, 3 | n/a |" not in ab.format_table([row]) and " | 2, 3 | " in ab.format_table([row])
-    assert ab.curve_note([row]) == "\nValidation Sharpe per epoch, mean over the finished seeds:\n- a: 2.0, 7.0, 3.0\n"
+    note = "\nValidation Sharpe per epoch, mean over the finished seeds:\n- a: 2.0, 7.0, 3.0 (n=1)\n"
+    assert ab.curve_note([row]) == note  # epoch 3: one seed has a number
     assert ab.curve_note([ab.arm_row("b", [run(0, None, [], done=False)])]) == ""
     assert ab.curve_mean([[None, 1.0], [2.0]]) == [2.0, 1.0] and ab.curve_mean([]) == []
 
