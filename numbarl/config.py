@@ -106,6 +106,11 @@ def head_pad_multiple(head_pad: int, compute: str, kind: str = "c51") -> int:
     """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32, else 1 (fp32, where
     padding costs time; PPO and DT, which have no C51 head)."""
     return head_pad or (HEAD_PAD_TF32 if compute == "tf32" and kind == "c51" else 1)
+
+
+def value_fused(head_fuse_value, pad_multiple: int) -> bool:
+    """agent.head_fuse_value resolved: the value stream fuses into the advantage's GEMM on a padded head only."""
+    return bool(head_fuse_value) and pad_multiple > 1
 # ICM curiosity (agent.curiosity_weight) is off below this weight: nothing of it is built
 CURIOSITY_MIN_WEIGHT = 1e-3
 
@@ -490,8 +495,8 @@ class AgentConfig:
 
     @property
     def fuse_value(self) -> bool:
-        """agent.head_fuse_value resolved: the value stream fused into the advantage's GEMM, on a padded head only."""
-        return self.head_fuse_value and self.head_pad_multiple > 1
+        """agent.head_fuse_value resolved (:func:`value_fused`)."""
+        return value_fused(self.head_fuse_value, self.head_pad_multiple)
 
     @property
     def curiosity(self) -> bool:
@@ -1023,7 +1028,7 @@ def behaviour_fields(d: dict) -> dict:
     pad = head_pad_multiple(agent["head_pad"], agent.get("compute", "fp32"), agent.get("kind", "c51"))
     out = {**agent, "head_pad": pad}
     if "head_fuse_value" in agent:
-        out["head_fuse_value"] = bool(agent["head_fuse_value"]) and pad > 1
+        out["head_fuse_value"] = value_fused(agent["head_fuse_value"], pad)
     return {**d, "agent": out}
 
 

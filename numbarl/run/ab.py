@@ -19,7 +19,8 @@ row per arm with, over its seeds:
 * last/best val: the last epoch's validation Sharpe over the best epoch's (1 = no late decay; n/a when the
   last epoch made no trades): mean, min;
 * best epochs: the epoch each seed's selected checkpoint comes from (the test window scored it); under the table,
-  each arm's validation Sharpe per epoch, the mean over its finished seeds (``val_curve_mean`` in ``ab.json``);
+  each arm's validation Sharpe per epoch, the mean over its finished seeds (``val_curve_mean`` in ``ab.json``, with
+  ``val_curve_n``, the seeds behind each epoch's mean);
 * test t per seed: t = daily Sharpe x sqrt(test days / 252) of the test window (the null market's check: no
   seed above 2; a negative one is a losing seed, not a false edge); ``ab.json`` also has the largest |t| with
   its sign (``t_at_abs_max``);
@@ -376,27 +377,23 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     r["best_epoch_all"] = [x.get("best_epoch") for x in runs]  # the epoch the test window scored (finished runs)
     r["val_curve_all"] = [x.get("val_curve") for x in runs]
     r["val_curve_mean"] = curve_mean(_done_values(r, "val_curve"))
+    r["val_curve_n"] = [len(xs) for xs in curve_points(_done_values(r, "val_curve"))]  # seeds behind each mean
     r["fingerprint_all"] = [x.get("fingerprint") for x in runs]
     r["train_fingerprint_all"] = [x.get("train_fingerprint") for x in runs]
     return r
 
 
-def curve_mean(curves: list) -> list:
-    """The per-epoch mean of the curves (lists of floats, None where an epoch had no number), over the curves that
-    reach that epoch and have a number there; None for an epoch without any."""
+def curve_points(curves: list) -> list[list[float]]:
+    """Per epoch, the numbers the curves (lists of floats, None where an epoch had no number) have there: the
+    curves that reach that epoch and scored it."""
     curves = [c or [] for c in curves]
-    out = []
-    for e in range(max((len(c) for c in curves), default=0)):
-        xs = [_f(c[e]) for c in curves if e < len(c) and _f(c[e]) is not None]
-        out.append(sum(xs) / len(xs) if xs else None)
-    return out
-
-
-def curve_counts(curves: list) -> list[int]:
-    """How many of the curves have a number at each epoch (curve_mean's denominators)."""
-    curves = [c or [] for c in curves]
-    return [sum(1 for c in curves if e < len(c) and _f(c[e]) is not None)
+    return [[_f(c[e]) for c in curves if e < len(c) and _f(c[e]) is not None]
             for e in range(max((len(c) for c in curves), default=0))]
+
+
+def curve_mean(curves: list) -> list:
+    """The per-epoch mean of the curves over :func:`curve_points`; None for an epoch without any number."""
+    return [sum(xs) / len(xs) if xs else None for xs in curve_points(curves)]
 
 
 def curve_note(rows: list[dict]) -> str:
@@ -404,9 +401,9 @@ def curve_note(rows: list[dict]) -> str:
     arm peaks and how it decays, which last/best val sums up in one number (empty without curves). An epoch that
     fewer seeds reached (early stopping) or scored names its count, e.g. "35.7 (n=3)"."""
     def epochs(r):
-        counts = curve_counts(_done_values(r, "val_curve"))
-        full = max(counts, default=0)
-        return ", ".join(_c(x, ".1f") + (f" (n={n})" if n != full else "") for x, n in zip(r["val_curve_mean"], counts))
+        full = max(r["val_curve_n"], default=0)
+        return ", ".join(_c(x, ".1f") + (f" (n={n})" if n != full else "")
+                         for x, n in zip(r["val_curve_mean"], r["val_curve_n"]))
 
     lines = [f"{r['arm']}: {epochs(r)}" for r in rows if r.get("val_curve_mean")]
     if not lines:
