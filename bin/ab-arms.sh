@@ -15,6 +15,13 @@ LAG10="--set agent.temporal_conv=4 --set data.features=default,trade_imb_prev"  
 # future-feature regression's term (+ agent.future_weight). Keep the arms quoted ("rwlff: $A $FF ..."): expanded
 # unquoted, the * is a file pattern
 FF="--set agent.future_targets=trade_imb_prev*ret_1"
+# issue 15's temporal agent as the "temporal" preset holds it (twenty-second session: the scan at K = 12 without the
+# convolution, the flow feature, the regression and early stopping; `--preset temporal` = the default preset + $MEM,
+# tests/run/test_ab_arms.py checks it). On the regime walk: "rws12ffes: $RW $MEM"
+MEM="--set agent.temporal=mamba --set agent.temporal_steps=12 --set agent.temporal_lr=5e-4 \
+--set data.features=default,trade_imb_prev $FF --set agent.future_weight=0.1 --set train.early_stop_patience=2"
+# null twins on a null market per seed (numbarl ab replaces {seed}): independent test paths instead of one
+NM="--set data.synth_null=true --set data.synth_seed=10{seed}"
 LAG="$LAG10 --epochs 5"                                                          # the ninth/tenth sessions' 5 epochs
 ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true --set agent.cql_alpha=0.1 \
 --set agent.confidence_weight=0.5 --set agent.confidence_floor=0.55 --set agent.spectral_norm=trunk.fc0,head.value \
@@ -22,7 +29,9 @@ ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true -
 --set agent.epistemic_theta=0.0046 --set env.kelly_lambda=0.5 --set env.dsr_reward_scale=0.01"   # issue 14 all on
 # archived finished runs of the bases (SEED_RUNS of bin/gpu-ab): e10 / e10null (fp32 default), t32b ($T), rw ($RW),
 # rwl10 ($RW $TEMP16 $LAG10), all14x ($ALL); rwlp / rwl10null (twentieth session, agent.head_pad=1 in config.json);
-# rwlff / rwlff1 (twenty-first: rwl10 + $FF at agent.future_weight 0.1 / 1)
+# rwlff / rwlff1 (twenty-first: rwl10 + $FF at agent.future_weight 0.1 / 1); twenty-second: rws12ffes ($RW $MEM),
+# rwsffes / rwsffesnull (K = 16, no convolution, early stop 2), plsffes (the same on the planted market),
+# rwsffesnullm / rwesnullm (a null market per seed: data.synth_seed=10{seed})
 BASE_RUNS="docs/results/2026-12-03-session15/runs-call3.tgz docs/results/2026-12-03-session16/runs-call3.tgz \
 docs/results/2026-12-03-session19/runs.tgz docs/results/2026-12-03-session20/runs.tgz \
-docs/results/2026-12-03-session21/runs.tgz"
+docs/results/2026-12-03-session21/runs.tgz docs/results/2026-12-03-session22/runs.tgz"

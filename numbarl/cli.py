@@ -71,7 +71,7 @@ def _fail(e: Exception, code: int = EXIT_USAGE):
 @click.command(context_settings=CONTEXT)
 @_version("numbarl-train")
 @click.option("--data", "data", default=None, help="fxcache folder, DBN/CSV files (comma separated) or 'synthetic' (default).")
-@click.option("--preset", default=None, help="tiny | small | default | large (default: the config file's preset, else 'default' on a GPU, 'tiny' on the simulator).")
+@click.option("--preset", default=None, help="tiny | small | default | large | temporal (default: the config file's preset, else 'default' on a GPU, 'tiny' on the simulator).")
 @click.option("--config", "config_file", default=None, type=click.Path(), help="TOML or JSON config file (examples/config.toml; a run's config.json works too).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one field, e.g. --set agent.lr=3e-4 (repeatable; any field of numbarl/config.py or numbarl/env/params.py).")
 @click.option("--print-config", is_flag=True, help="Print the resolved config as TOML (loadable with --config) and exit without training.")
@@ -275,7 +275,7 @@ def data_main():
 # ---------------------------------------------------------------------------------------------
 @click.command(context_settings=CONTEXT)
 @_version("numbarl-sweep")
-@click.option("--preset", default=None, help="tiny | small | default | large (or a --config that names one).")
+@click.option("--preset", default=None, help="tiny | small | default | large | temporal (or a --config that names one).")
 @click.option("--config", "config_file", default=None, type=click.Path(), help="TOML or JSON config file every trial starts from (copied into the sweep folder).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override one field in every trial (repeatable).")
 @click.option("--grid", multiple=True, metavar="KEY=V1,V2", help="Sweep a field over these values (repeatable: the grids multiply).")

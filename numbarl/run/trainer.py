@@ -810,7 +810,7 @@ class Interrupted(Exception):
 
 # presets sized for a GPU: under the simulator (each GPU thread a Python thread) one of their epochs
 # takes hours on a CPU (measured: --preset default printed nothing for 10 minutes on 2 cores)
-GPU_PRESETS = ("small", "default", "large")
+GPU_PRESETS = tuple(name for name in config_mod.PRESETS if name != "tiny")
 
 
 def main(data=None, preset=None, config_file=None, sets=(), seed=None, folds=None, epochs=None,

@@ -3,6 +3,7 @@ the GPU grids are seeded with still match their arms under today's defaults. A d
 would stop a seeded grid on the GPU host (numbarl ab compares each finished run's config.json with what its arm
 resolves to now); this test says so on the CPU first."""
 
+import dataclasses
 import shlex
 import subprocess
 import tarfile
@@ -12,7 +13,7 @@ from numbarl import config
 from numbarl.run import ab
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "FF", "LAG", "ALL", "BASE_RUNS")
+NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "FF", "MEM", "NM", "LAG", "ALL", "BASE_RUNS")
 
 
 def arm_sets() -> dict:
@@ -30,12 +31,18 @@ def test_every_option_set_resolves():
     for combo in ("T", "RW", "RWK", "TEMP16", "RW TEMP16 LAG10", "RWK TEMP16 LAG", "ALL", "RW TEMP16 LAG10 FF"):
         opts = shlex.split(" ".join(v[n] for n in combo.split()) + (" --set agent.future_weight=0.1" * ("FF" in combo)))
         config.resolve(sets=ab.train_arg_sets(opts))  # raises on an unknown field or a bad value
+    nm = ab.seed_options(shlex.split(f"{v['RW']} {v['MEM']} {v['NM']}"), 3)
+    assert config.resolve(sets=ab.train_arg_sets(nm)).data.synth_seed == 103
     assert "--epochs 5" in v["LAG"] and v["LAG"].startswith(v["LAG10"])
+    # the "temporal" preset is the default preset with $MEM: what the twenty-second session measured as rws12ffes
+    mem = config.resolve("default", sets=ab.train_arg_sets(shlex.split(v["MEM"])))
+    assert mem == dataclasses.replace(config.preset("temporal"), preset="default")
+    assert config.preset("temporal").agent.temporal_conv == 0 and config.preset("temporal").agent.temporal_steps == 12
     assert set(v["RW"].split()) >= set(v["T"].split()) and "agent.iqn=true" in v["ALL"]
 
 
 def test_the_archived_bases_match_their_arms(tmp_path):
-    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x, rwlp, rwlff): finished, with config.json,
+    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x, rwlp, rwlff, rws12ffes): finished, with config.json,
     equal to what numbarl train resolves for its arm today."""
     v = arm_sets()
     archives = [ROOT / p for p in v["BASE_RUNS"].split()]
@@ -46,7 +53,8 @@ def test_the_archived_bases_match_their_arms(tmp_path):
     arms = [("e10", []), ("t32b", shlex.split(v["T"])), ("rw", shlex.split(v["RW"])),
             ("rwl10", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']}")), ("all14x", shlex.split(v["ALL"])),
             ("rwlp", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} --set agent.predictive_weight=0.1")),
-            ("rwlff", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} {v['FF']} --set agent.future_weight=0.1"))]
+            ("rwlff", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} {v['FF']} --set agent.future_weight=0.1")),
+            ("rws12ffes", shlex.split(f"{v['RW']} {v['MEM']}"))]
     for arm, _ in arms:
         assert ab._finished(tmp_path / f"{arm}-s0"), f"{arm}-s0 is not a finished run in {v['BASE_RUNS']}"
     errors, unchecked = ab.check_finished_runs(tmp_path, "default", [(a, o, [0]) for a, o in arms], [], parallel=2)
