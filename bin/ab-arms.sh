@@ -16,8 +16,9 @@ LAG10="--set agent.temporal_conv=4 --set data.features=default,trade_imb_prev"  
 # unquoted, the * is a file pattern
 FF="--set agent.future_targets=trade_imb_prev*ret_1"
 # issue 15's temporal agent as the "temporal" preset holds it (twenty-second session: the scan at K = 12 without the
-# convolution, the flow feature, the regression and early stopping; `--preset temporal` = the default preset + $MEM,
-# tests/run/test_ab_arms.py checks it). On the regime walk: "rws12ffes: $RW $MEM"
+# convolution, the flow feature, the regression and early stopping; `--preset temporal` = the default preset + $MEM
+# + train.deploy_min_trade_t=2, which trains the same bits: tests/run/test_ab_arms.py checks it). On the regime walk:
+# "rws12ffes: $RW $MEM"
 MEM="--set agent.temporal=mamba --set agent.temporal_steps=12 --set agent.temporal_lr=5e-4 \
 --set data.features=default,trade_imb_prev $FF --set agent.future_weight=0.1 --set train.early_stop_patience=2"
 # null twins on a null market per seed (numbarl ab replaces {seed}): independent test paths instead of one

@@ -81,7 +81,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from numbarl import config
-from numbarl.run.compare import checkpoint_epoch, spread
+from numbarl.run.compare import checkpoint_epoch, spread, trade_t
 
 
 def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
@@ -349,12 +349,15 @@ def run_numbers(folder: Path) -> dict | None:
     t, hold_t = t_of(test), t_of(f.get("hold_test"))
     # the same question asked of the trades: with three test days the daily t has two degrees of
     # freedom; a window of ~100 trades gives t = per-trade Sharpe x sqrt(trades) far more power
-    ts, n = _f(test.get("trade_sharpe")), _f(test.get("n_trades"))
-    trade_t = ts * math.sqrt(n) if ts is not None and n else None
+    test_trade_t = trade_t(test)
+    held_flat = f.get("deployed") is False  # train.deploy_min_trade_t held the test window flat: it earned exactly 0
+    policy_t = t_of(f.get("test_policy")) if held_flat else None  # what the policy itself would have scored
+    if held_flat:
+        ratio, t, test_trade_t = 0.0, 0.0, 0.0
     common["best_epoch"] = checkpoint_epoch(f.get("best_checkpoint"))  # the selected checkpoint's
     return {**common, "finished": True, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
             "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
-            "t": t, "hold_t": hold_t, "trade_t": trade_t}
+            "t": t, "hold_t": hold_t, "trade_t": test_trade_t, "held_flat": held_flat, "policy_t": policy_t}
 
 
 def arm_row(name: str, runs: list[dict]) -> dict:
@@ -372,6 +375,7 @@ def arm_row(name: str, runs: list[dict]) -> dict:
     r["t_at_abs_max"] = max(ts, key=abs) if ts else None  # with its sign: a losing seed is not a false edge
     r["t_all"], r["hold_t_all"] = [x["t"] for x in runs], [x.get("hold_t") for x in runs]
     r["trade_t_all"] = [x.get("trade_t") for x in runs]
+    r["held_flat_all"], r["policy_t_all"] = [x.get("held_flat", False) for x in runs], [x.get("policy_t") for x in runs]
     # every *_all list is over the same runs, in this order (an unfinished run: None where it has no number)
     r["run_all"], r["finished_all"] = [x["run"] for x in runs], [x.get("finished", True) for x in runs]
     r["best_epoch_all"] = [x.get("best_epoch") for x in runs]  # the epoch the test window scored (finished runs)
@@ -467,6 +471,22 @@ def shared_window_note(rows: list[dict]) -> str:
             "(--set data.synth_seed=...{seed}) gives independent ones.\n")
 
 
+def held_flat_note(rows: list[dict]) -> str:
+    """One line under the table naming the seeds whose test window train.deploy_min_trade_t held flat (their test
+    t and test/oracle are 0 in the table), each with the test t its policy would have scored (empty when none)."""
+    held = []
+    for r in rows:
+        seeds = [f"{run.rsplit('-s', 1)[-1]} ({_c(pt, '+.2f')})" for run, flat, pt, done in
+                 zip(r.get("run_all", []), r.get("held_flat_all", []), r.get("policy_t_all", []), r.get("finished_all", []))
+                 if flat and done]
+        if seeds:
+            held.append(f"{r['arm']} seed(s) {', '.join(seeds)}")
+    if not held:
+        return ""
+    return (f"\nHeld flat by train.deploy_min_trade_t (validation trade t below the bar; test t and test/oracle 0 in "
+            f"the table), with the test t each policy would have scored: {'; '.join(held)}.\n")
+
+
 def _c(x, spec=".2f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -553,7 +573,7 @@ def main(argv=None) -> int:
     for arm, _, arm_seeds in arms:
         runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in arm_seeds) if n is not None]
         rows.append(arm_row(arm, runs))
-    notes = identical_note(rows) + shared_window_note(rows) + curve_note(rows)  # each starts with a line break
+    notes = identical_note(rows) + shared_window_note(rows) + held_flat_note(rows) + curve_note(rows)  # each starts with a line break
     table = format_table(rows) + ("\n" + notes.rstrip("\n") if notes else "")  # a blank line ends the table
     (out / "ab.md").write_text(table + "\n")
     (out / "ab.json").write_text(json.dumps(rows, indent=2))

@@ -87,6 +87,15 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
     return rows
 
 
+def trade_t(m: dict) -> float | None:
+    """t of a window's trades: per-trade Sharpe × √trades from a metrics dict (None when either is undefined).
+    With a few test days the daily t has few degrees of freedom; ~100 trades give this one far more power."""
+    ts, n = m.get("trade_sharpe"), m.get("n_trades")
+    if ts is None or not n or not math.isfinite(ts):
+        return None
+    return float(ts) * math.sqrt(n)
+
+
 def spread(values) -> dict | None:
     """n, mean, std (sample; None for one value), min, median, max of the values that are not None
     (None when there is none)."""

@@ -70,8 +70,9 @@ TRAIN_PATH_COLUMNS = (  # (record key, table header) beside the two Sharpes
     ("train_path.avg_trade", "avg trade"),
     ("train_path.trade_sharpe", "trade Sharpe"),
 )
-SPLIT_ORDER = ("train", "val", "test", "oracle_test", "hold_test")
+SPLIT_ORDER = ("train", "val", "test", "test_policy", "oracle_test", "hold_test")
 SPLIT_LABELS = {"train": "train", "val": "validation", "test": "test (out-of-sample)",
+                "test_policy": "policy's own test (not deployed: train.deploy_min_trade_t)",
                 "oracle_test": "oracle (test windows)", "hold_test": "buy and hold (test windows)"}
 # headline metrics, in order, when the summary has them: (key, label)
 HEADLINE_METRICS = (

@@ -84,7 +84,7 @@ LATEST_FILE = "latest.json"
 BEST_FILE = "best.json"
 TEMP_MARKER = ".tmp-"  # temporary files are ".<final name>.tmp-<pid>-<random>"
 
-LOG_KINDS = ("train", "val", "test", "val_feedback", "feedback", "train_path")
+LOG_KINDS = ("train", "val", "test", "test_policy", "val_feedback", "feedback", "train_path")
 CSV_LEADING_COLUMNS = ("kind", "fold", "epoch", "step")  # first columns of metrics.csv, when present
 STATE_KEY = "__state__"  # reserved array name: the checkpoint's state dict as UTF-8 JSON bytes
 RESUME_SUFFIX = ".resume.npz"  # a checkpoint's resume-only arrays (replay buffer), latest checkpoint only

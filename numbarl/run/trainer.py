@@ -17,6 +17,8 @@ Read top to bottom it is the algorithm::
                      in a thread beside the training (run/fold_benchmarks.py)
             checkpoint(epoch); best ← val Sharpe (mean of the last select_window epochs)
         test   = backtest(fold.test, best checkpoint)       scored once (then the benchmarks joined)
+                 held flat instead when the best epoch's validation trade t < train.deploy_min_trade_t
+                 (the policy's own test kept beside it as test_policy)
     pooled = metrics(concatenated test windows of the folds) the headline (run/pooled.py)
     summary.json, trades_<split>.csv, equity/, train.log, report.html/png
 
@@ -46,7 +48,7 @@ from numbarl.config import Config, ConfigError, parse_horizons
 from numbarl.data.errors import DataError
 from numbarl.rl.feedback.split import feedback_on, split_validation
 from numbarl.rl.obs_columns import check_agent_columns
-from numbarl.run.compare import checkpoint_epoch
+from numbarl.run.compare import checkpoint_epoch, trade_t
 from numbarl.run.fold_benchmarks import FoldBenchmarkError, FoldBenchmarks, background_ok
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
@@ -449,6 +451,17 @@ class FoldTrainer:
         return backtest(self.market, window, params, q_fn=self.agent.scores, n_policies=1, stream=self.stream,
                         record_q=record_q)
 
+    def flat_backtest(self, window):
+        """The window held flat (direction flat at every bar): what a fold deploys when train.deploy_min_trade_t
+        keeps its policy out of the test window. The env's own backtest, so its metrics, trade list and
+        equity are those of any other window."""
+        from numbarl.env.backtest import backtest
+        from numbarl.env.params import DIR_FLAT, N_BRANCHES
+
+        actions = np.zeros((window[1] - window[0], N_BRANCHES), np.int32)
+        actions[:, 0] = DIR_FLAT
+        return backtest(self.market, window, self.cfg.env, actions=actions, stream=self.stream)
+
     def backtest_timed(self, window, what: str, record_q: bool = False):
         """A backtest of `window` with a status line before it and its time counted for the ETA."""
         bars = window[1] - window[0]
@@ -506,6 +519,17 @@ def fold_seed(seed: int, fold: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 2  # 62 bits: a non-negative int64 wherever a seed goes
+
+
+def deployment(val_m: dict, min_trade_t: float) -> dict | None:
+    """train.deploy_min_trade_t's decision for one fold from its selected checkpoint's validation metrics:
+    {"deployed", "val_trade_t", "deploy_rule"}, or None when the rule is off (0). A window without a trade t
+    (fewer than 2 trades) is not deployed."""
+    if min_trade_t <= 0:
+        return None
+    t = trade_t(val_m)
+    return {"deployed": t is not None and t >= min_trade_t, "val_trade_t": t,
+            "deploy_rule": f"validation trade t >= {min_trade_t:g}"}
 
 
 def selection_score(history, window: int) -> float:
@@ -667,7 +691,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             if resume is not None and resume[1]["fold"] == fold.index:
                 ft.restore(*resume)
                 # records after the checkpoint, and a test record of this fold (logged at its step), go
-                run.truncate_log(ft.collect_steps, fold=fold.index, closing_kinds=("test",))
+                run.truncate_log(ft.collect_steps, fold=fold.index, closing_kinds=("test", "test_policy"))
                 if ft.best_tag is not None:  # a kill between save and mark_best left best.json behind
                     run.mark_best(ft.best_tag, ft.best_sharpe if math.isfinite(ft.best_sharpe) else -1e300)
                 progress.log(f"resumed fold {fold.index} after epoch {ft.epoch} (step {ft.collect_steps})")
@@ -725,13 +749,27 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                           else ft.backtest_timed(ft.val_window, "validation (best epoch)"))
             test_result = ft.backtest_timed(fold.test, "test (out-of-sample)")
             val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
+            # DEPLOY (train.deploy_min_trade_t): a fold whose validation trades fall short holds its test window flat
+            deploy, policy_m = deployment(val_m, cfg.train.deploy_min_trade_t), test_m
+            if deploy and not deploy["deployed"]:
+                run.log(progress.stamp({"kind": "test_policy", "fold": fold.index, "epoch": ft.epoch,
+                                        "step": ft.collect_steps, **policy_m}))
+                test_result = ft.flat_backtest(fold.test)
+                test_m = metrics_dict(test_result.metrics())
+                bar, vt = cfg.train.deploy_min_trade_t, deploy["val_trade_t"]
+                why = (f"validation trade t {vt:.2f} < {bar:g}" if vt is not None
+                       else f"no validation trade t (fewer than 2 trades), bar {bar:g}")
+                progress.log(f"fold {fold.index}: not deployed: {why} (train.deploy_min_trade_t); the test window is "
+                             f"held flat. The policy's own test (test_policy, a diagnostic): {_headline_text(policy_m)}")
             run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps,
-                                    **test_m}))
+                                    **test_m, **({"deployed": deploy["deployed"]} if deploy else {})}))
             results = [("val", val_result), ("test", test_result)]
             entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
                      **({"validation_split": {"feedback": list(ft.feedback_window), "selection": list(ft.val_window)}}
                         if ft.loop is not None else {}),
-                     "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, test_m),
+                     **(deploy or {}), **({"test_policy": policy_m} if deploy and not deploy["deployed"] else {}),
+                     # the gap is the policy's (how its validation score carried out of sample), deployed or not
+                     "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, policy_m),
                      "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history,
                      **({"early_stop_after_epoch": stopped_after} if stopped_after is not None else {})}
             # the oracle and buy-and-hold results (computed beside the training, or now): the wait

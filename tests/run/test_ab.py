@@ -284,3 +284,29 @@ def test_arms_whose_seeds_share_one_test_path_are_named():
     assert all(line.count(" | ") == 16 for line in table[2:])  # 17 columns in every row
     assert "| 0.50, -1.65 | +1.45 |" in table[2] and "| 0.10, -0.40 | +0.20, -1.10 |" in table[3]
     assert rows[1]["t_at_abs_max"] == -0.4  # ab.json keeps the largest |t| with its sign
+
+
+def test_seeds_held_flat_by_the_deployment_rule_are_named_with_their_policys_test_t(tmp_path):
+    """A finished run whose fold the deployment rule held flat (summary: deployed false, test_policy beside the flat
+    test) scores 0 in the table (it earned nothing) and a line under it names the seed with the test t its policy
+    would have scored (daily Sharpe x sqrt(days / 252): 2 test days of 100 bars, daily Sharpe -31.5 -> t -2.81)."""
+    def finished(name, fold):
+        folder = tmp_path / name
+        _write_metrics(folder, [{"kind": "val", "fold": 0, "epoch": 1, "sharpe": 1.0, "n_trades": 3}])
+        (folder / "summary.json").write_text(json.dumps({"bars_per_day": 100.0, "folds": [
+            {"window": {"test": [0, 200]}, "best_checkpoint": "fold0-epoch0001", **fold}]}))
+        return ab.run_numbers(folder)
+
+    flat = {"sharpe": None, "daily_sharpe": None, "n_trades": 0, "trade_sharpe": None}
+    held = finished("n-s3", {"deployed": False, "val_trade_t": 0.4, "test": flat, "oracle_test": {"sharpe": 50.0},
+                             "test_policy": {"sharpe": -9.0, "daily_sharpe": -31.5, "n_trades": 5, "trade_sharpe": -1.6}})
+    assert held["held_flat"] is True and held["t"] == 0.0 and held["trade_t"] == 0.0 and held["test_over_oracle"] == 0.0
+    assert abs(held["policy_t"] - (-31.5 * (2 / 252) ** 0.5)) < 1e-12
+    kept = finished("n-s1", {"deployed": True, "val_trade_t": 3.0, "oracle_test": {"sharpe": 50.0},
+                             "test": {"sharpe": 10.0, "daily_sharpe": 20.0, "n_trades": 9, "trade_sharpe": 1.0}})
+    assert kept["held_flat"] is False and kept["policy_t"] is None and kept["test_over_oracle"] == 0.2
+    row = ab.arm_row("n", [kept, held])
+    note = ab.held_flat_note([row])
+    assert "n seed(s) 3 (-2.81)" in note and "1 (" not in note
+    assert ab.held_flat_note([ab.arm_row("n", [kept])]) == ""  # nothing held flat: no line
+    assert "| 0.20, 0.00 |" in ab.format_table([row])

@@ -34,8 +34,9 @@ def test_every_option_set_resolves():
     nm = ab.seed_options(shlex.split(f"{v['RW']} {v['MEM']} {v['NM']}"), 3)
     assert config.resolve(sets=ab.train_arg_sets(nm)).data.synth_seed == 103
     assert "--epochs 5" in v["LAG"] and v["LAG"].startswith(v["LAG10"])
-    # the "temporal" preset is the default preset with $MEM: what the twenty-second session measured as rws12ffes
-    mem = config.resolve("default", sets=ab.train_arg_sets(shlex.split(v["MEM"])))
+    # the "temporal" preset is the default preset with $MEM (what the twenty-second session trained as rws12ffes)
+    # and the deployment rule (which changes no training bit: it decides whether the test window is traded)
+    mem = config.resolve("default", sets=ab.train_arg_sets(shlex.split(v["MEM"])) + ["train.deploy_min_trade_t=2"])
     assert mem == dataclasses.replace(config.preset("temporal"), preset="default")
     assert config.preset("temporal").agent.temporal_conv == 0 and config.preset("temporal").agent.temporal_steps == 12
     assert set(v["RW"].split()) >= set(v["T"].split()) and "agent.iqn=true" in v["ALL"]

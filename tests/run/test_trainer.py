@@ -315,6 +315,43 @@ def test_the_backtest_agent_holds_the_temporal_and_multi_horizon_windows():
                 DQNAgent(replace(cfg, replay_capacity=cap - 1), 6, (3, 3, 4, 4), 1, seed=0, eval_batch=1)
 
 
+def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(run_cli, full_run, tmp_path):
+    """train.deploy_min_trade_t above the validation window's trade t: the run trains as without the rule (the
+    same validation), the fold's test is the window held flat (no trades, zero P&L, in the summary, the trade list
+    and the pooled headline), the policy's own test is the uninterrupted run's, kept as test_policy, and the
+    summary, the log and numbarl ab say why. A bar of 0 (the default) is off: no deployment keys at all."""
+    from numbarl.run import ab
+    from numbarl.run.compare import trade_t
+
+    base = json.loads((full_run / "summary.json").read_text())["folds"][0]
+    assert "deployed" not in base and "test_policy" not in base and base["test"]["n_trades"] > 0
+    out = tmp_path / "deploy"
+    r = run_cli(*FAST, "--set", "train.deploy_min_trade_t=1000", "--out", str(out))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    summary = json.loads((out / "summary.json").read_text())
+    fold = summary["folds"][0]
+    assert fold["deployed"] is False and fold["deploy_rule"] == "validation trade t >= 1000"
+    assert fold["val"] == base["val"] and fold["val_trade_t"] == trade_t(base["val"])
+    assert fold["test_policy"] == base["test"] and fold["val_test_gap"] == base["val_test_gap"]
+    assert fold["test"]["n_trades"] == 0 and fold["test"]["total_return"] == 0.0
+    assert summary["headline"]["total_return"] == 0.0
+    trades = out / "trades_test.csv"
+    assert not trades.exists() or len(trades.read_text().strip().splitlines()) <= 1  # a header at most
+    assert "not deployed: validation trade t" in (out / "train.log").read_text()
+    kinds = [json.loads(line)["kind"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("test_policy") == 1 and kinds.count("test") == 1
+    run = ab.run_numbers(out)
+    assert run["t"] == 0.0 and run["trade_t"] == 0.0 and run["test_over_oracle"] == 0.0 and run["held_flat"] is True
+    # a bar the validation trades clear deploys as usual: the test is the policy's, and the summary says so
+    t = trade_t(base["val"])
+    assert t is not None and t > 0, base["val"]  # the tiny run's validation trades earn: a bar below them
+    low = tmp_path / "low"
+    r = run_cli(*FAST, "--set", f"train.deploy_min_trade_t={t / 2}", "--out", str(low))
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    fold = json.loads((low / "summary.json").read_text())["folds"][0]
+    assert fold["deployed"] is True and fold["test"] == base["test"] and "test_policy" not in fold
+
+
 def _preset_sets(name: str, base: str = "default") -> list[str]:
     """--set arguments for every field where preset `name` differs from preset `base` (the preset's switches)."""
     from numbarl import config as config_mod
