@@ -54,6 +54,9 @@ planted market (best epoch 1–3); the decay columns then end at the stopped epo
 A run whose summary.json does not list every fold (killed before its end) that logged a validation epoch
 is counted as unfinished: it has no test numbers, and its decay columns run to its last logged epoch (the runs column
 then reads ``3 (+2 unfinished)``). ``--table-only`` rebuilds the table from the run folders without training.
+``--deploy-min-trade-t BAR`` scores the runs as if ``train.deploy_min_trade_t`` had been BAR: a seed whose
+validation trade t is below it scores 0, and the line under the table names it with its policy's test t. The rule
+changes no training bit, so this is exact for runs trained without it (those trained with it keep their own decision).
 ``--component NAME`` adds an arm named NAME with that registry component's switch (numbarl/rl/components.py),
 e.g. ``--arm base --component iqn --component cql``.
 
@@ -317,9 +320,11 @@ def _finished(folder: Path) -> bool:
     return len(summary.get("folds") or []) >= folds
 
 
-def run_numbers(folder: Path) -> dict | None:
+def run_numbers(folder: Path, deploy_min_trade_t: float | None = None) -> dict | None:
     """The A/B numbers of one run: a finished one (fold 0 of its summary.json), or an unfinished one with at least one
-    validation epoch logged (decay columns only, ``finished`` False); None otherwise."""
+    validation epoch logged (decay columns only, ``finished`` False); None otherwise. `deploy_min_trade_t`: score a
+    finished run trained without train.deploy_min_trade_t as if it had been on at that bar (the rule changes no
+    training bit, so this is exact); a run that recorded its own decision keeps it."""
     traj = metrics_trajectory(folder)
     common = {"run": folder.name, "atom_utilization": traj["atom_utilization"], "epochs": traj["epochs"],
               "val_curve": traj["val_sharpe"],  # the validation Sharpe per epoch, as logged
@@ -335,6 +340,10 @@ def run_numbers(folder: Path) -> dict | None:
                 "trade_t": None}
     s = json.loads(path.read_text())
     f = s["folds"][0]
+    if deploy_min_trade_t and "deployed" not in f:  # the rule applied afterwards, as the trainer applies it
+        vt = trade_t(f.get("val") or {})
+        if vt is None or vt < deploy_min_trade_t:
+            f = {**f, "deployed": False, "val_trade_t": vt, "test_policy": f.get("test")}
     test, oracle = f.get("test") or {}, f.get("oracle_test") or {}
     ratio = None
     if _f(test.get("sharpe")) is not None and _f(oracle.get("sharpe")):
@@ -483,7 +492,7 @@ def held_flat_note(rows: list[dict]) -> str:
             held.append(f"{r['arm']} seed(s) {', '.join(seeds)}")
     if not held:
         return ""
-    return (f"\nHeld flat by train.deploy_min_trade_t (validation trade t below the bar; test t and test/oracle 0 in "
+    return (f"\nHeld flat by train.deploy_min_trade_t or --deploy-min-trade-t (validation trade t below the bar; test t and test/oracle 0 in "
             f"the table), with the test t each policy would have scored: {'; '.join(held)}.\n")
 
 
@@ -526,6 +535,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=4, help="runs at once")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from the run folders")
     ap.add_argument("--train-arg", action="append", default=[], help="an option added to every run (repeat)")
+    ap.add_argument("--deploy-min-trade-t", type=float, default=None, metavar="BAR",
+                    help="score runs trained without train.deploy_min_trade_t as if it had been BAR (exact: the rule "
+                         "changes no training bit); runs that recorded their own decision keep it")
     ap.add_argument("--accept-unchecked", action="store_true",
                     help="take finished run folders without config.json as they are (their settings cannot be "
                          "checked; without this option they stop the grid)")
@@ -571,7 +583,8 @@ def main(argv=None) -> int:
                 print(f"{folder}: rc {rc}, {secs:.0f} s", flush=True)
     rows = []
     for arm, _, arm_seeds in arms:
-        runs = [n for n in (run_numbers(run_folder(out, arm, s)) for s in arm_seeds) if n is not None]
+        runs = [n for n in (run_numbers(run_folder(out, arm, s), a.deploy_min_trade_t) for s in arm_seeds)
+                if n is not None]
         rows.append(arm_row(arm, runs))
     notes = identical_note(rows) + shared_window_note(rows) + held_flat_note(rows) + curve_note(rows)  # each starts with a line break
     table = format_table(rows) + ("\n" + notes.rstrip("\n") if notes else "")  # a blank line ends the table

@@ -310,3 +310,12 @@ def test_seeds_held_flat_by_the_deployment_rule_are_named_with_their_policys_tes
     assert "n seed(s) 3 (-2.81)" in note and "1 (" not in note
     assert ab.held_flat_note([ab.arm_row("n", [kept])]) == ""  # nothing held flat: no line
     assert "| 0.20, 0.00 |" in ab.format_table([row])
+    # --deploy-min-trade-t scores a run trained without the rule as if it had been on: validation trade t 1 x sqrt(4)
+    # = 2 is held flat below a bar of 2.5 and deploys at 2; a run with its own decision keeps it
+    before = finished("m-s0", {"val": {"trade_sharpe": 1.0, "n_trades": 4}, "oracle_test": {"sharpe": 50.0},
+                               "test": {"sharpe": 10.0, "daily_sharpe": 20.0, "n_trades": 9, "trade_sharpe": 1.0}})
+    rescored = ab.run_numbers(tmp_path / "m-s0", deploy_min_trade_t=2.5)
+    assert before["held_flat"] is False and rescored["held_flat"] is True and rescored["t"] == 0.0
+    assert rescored["policy_t"] == before["t"] and rescored["test_over_oracle"] == 0.0
+    assert ab.run_numbers(tmp_path / "m-s0", deploy_min_trade_t=2.0) == before
+    assert ab.run_numbers(tmp_path / "n-s1", deploy_min_trade_t=100.0) == kept  # its own decision: deployed
