@@ -84,7 +84,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from numbarl import config
-from numbarl.run.compare import checkpoint_epoch, spread, trade_t
+from numbarl.run.compare import checkpoint_epoch, deployment, held_flat, spread, trade_t
 
 
 def parse_arm_spec(text: str) -> tuple[str, list[str], list[int] | None]:
@@ -340,10 +340,9 @@ def run_numbers(folder: Path, deploy_min_trade_t: float | None = None) -> dict |
                 "trade_t": None}
     s = json.loads(path.read_text())
     f = s["folds"][0]
-    if deploy_min_trade_t and "deployed" not in f:  # the rule applied afterwards, as the trainer applies it
-        vt = trade_t(f.get("val") or {})
-        if vt is None or vt < deploy_min_trade_t:
-            f = {**f, "deployed": False, "val_trade_t": vt, "test_policy": f.get("test")}
+    decision = deployment(f.get("val") or {}, deploy_min_trade_t) if "deployed" not in f else None
+    if decision and not decision["deployed"]:  # the rule applied afterwards, as the trainer applies it
+        f = {**f, **decision, "test_policy": f.get("test")}
     test, oracle = f.get("test") or {}, f.get("oracle_test") or {}
     ratio = None
     if _f(test.get("sharpe")) is not None and _f(oracle.get("sharpe")):
@@ -359,14 +358,15 @@ def run_numbers(folder: Path, deploy_min_trade_t: float | None = None) -> dict |
     # the same question asked of the trades: with three test days the daily t has two degrees of
     # freedom; a window of ~100 trades gives t = per-trade Sharpe x sqrt(trades) far more power
     test_trade_t = trade_t(test)
-    held_flat = f.get("deployed") is False  # train.deploy_min_trade_t held the test window flat: it earned exactly 0
-    policy_t = t_of(f.get("test_policy")) if held_flat else None  # what the policy itself would have scored
-    if held_flat:
-        ratio, t, test_trade_t = 0.0, 0.0, 0.0
+    flat = held_flat(f)  # train.deploy_min_trade_t held the test window flat: it earned exactly 0
+    policy_t = t_of(f.get("test_policy")) if flat else None  # what the policy itself would have scored
+    test_sharpe = 0.0 if flat else _f(test.get("sharpe"))
+    if flat:  # a ratio only where there is an oracle (synthetic markets)
+        ratio, t, test_trade_t = (0.0 if _f(oracle.get("sharpe")) else None), 0.0, 0.0
     common["best_epoch"] = checkpoint_epoch(f.get("best_checkpoint"))  # the selected checkpoint's
-    return {**common, "finished": True, "test_over_oracle": ratio, "test_sharpe": _f(test.get("sharpe")),
+    return {**common, "finished": True, "test_over_oracle": ratio, "test_sharpe": test_sharpe,
             "val_test_gap": _f((f.get("val_test_gap") or {}).get("sharpe")), "last_over_best_val": decay,
-            "t": t, "hold_t": hold_t, "trade_t": test_trade_t, "held_flat": held_flat, "policy_t": policy_t}
+            "t": t, "hold_t": hold_t, "trade_t": test_trade_t, "held_flat": flat, "policy_t": policy_t}
 
 
 def arm_row(name: str, runs: list[dict]) -> dict:
@@ -549,6 +549,10 @@ def main(argv=None) -> int:
         arms = [(n, o, s if s is not None else seeds) for n, o, s in specs]
     except ValueError as e:  # a ConfigError (an unknown preset) too
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar = a.deploy_min_trade_t
+    if bar is not None and not (math.isfinite(bar) and bar >= 0):
+        print(f"error: --deploy-min-trade-t {bar} must be a number >= 0 (0: off)", file=sys.stderr)
         return 2
     if not arms or not seeds or len({n for n, _, _ in arms}) != len(arms):
         print("error: give at least one --arm (distinct names) and one seed", file=sys.stderr)

@@ -74,17 +74,35 @@ def compare_rows(runs: list[RunDir]) -> list[dict]:
         for f, fold, seed in records:
             val, test, oracle_test = (f.get(k) if isinstance(f.get(k), dict) else {} for k in ("val", "test", "oracle_test"))
             oracle = _num(oracle_test.get("sharpe"))
-            t_sharpe = _num(test.get("sharpe"))
+            flat = held_flat(f)  # earned exactly 0: counted as 0, not left out of the means
+            t_sharpe = 0.0 if flat else _num(test.get("sharpe"))
             rows.append({
                 "run": run.path.name or str(run.path), "path": str(run.path), "seed": seed,
                 "fold": fold, "best_epoch": checkpoint_epoch(f.get("best_checkpoint")), "pooled": fold == "pooled",
                 "val_sharpe": _num(val.get("sharpe")), "test_sharpe": t_sharpe,
-                "test_daily_sharpe": _num(test.get("daily_sharpe")), "oracle_sharpe": oracle,
+                "test_daily_sharpe": 0.0 if flat else _num(test.get("daily_sharpe")), "oracle_sharpe": oracle,
                 "test_over_oracle": t_sharpe / oracle if t_sharpe is not None and oracle else None,
                 "test_return": _num(test.get("total_return")), "test_trades": _num(test.get("n_trades")),
                 "test_max_drawdown": _num(test.get("max_drawdown")),
             })
     return rows
+
+
+def deployment(val: dict, min_trade_t: float) -> dict | None:
+    """train.deploy_min_trade_t's decision for one fold from its selected checkpoint's validation metrics:
+    {"deployed", "val_trade_t", "deploy_rule"}, or None when the rule is off (0). A window without a trade t
+    (fewer than 2 trades, or trades whose P&L has no variance) is not deployed."""
+    if not min_trade_t or min_trade_t <= 0:
+        return None
+    t = trade_t(val)
+    return {"deployed": t is not None and t >= min_trade_t, "val_trade_t": t,
+            "deploy_rule": f"validation trade t >= {min_trade_t:g}"}
+
+
+def held_flat(fold: dict) -> bool:
+    """Whether the deployment rule held this fold's test window flat: its test earned exactly 0 (Sharpe 0 where
+    a flat window's own Sharpe is undefined, zero variance)."""
+    return fold.get("deployed") is False
 
 
 def trade_t(m: dict) -> float | None:

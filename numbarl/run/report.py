@@ -180,16 +180,24 @@ def metric_rows(summary: dict | None) -> tuple[list[tuple[int, str, dict]], list
 
 def nan_notes(summary: dict | None) -> list[str]:
     """"fold 0 validation: daily_sharpe n/a (fewer than 2 sessions)" for every undefined metric
-    whose reason the summary records."""
+    whose reason the summary records; for a test window the deployment rule held flat, one line saying so instead
+    of its metrics' (a flat window's Sharpe is undefined: zero variance)."""
     notes = []
     folds = (summary or {}).get("folds") or []
     for index, fold_record in enumerate(folds if isinstance(folds, list) else []):
         if not isinstance(fold_record, dict):
             continue
+        fold = fold_record.get("fold", index)
+        if fold_record.get("deployed") is False:  # the deployment rule held the test window flat: say that instead
+            notes.append(f"fold {fold} {SPLIT_LABELS['test']}: held flat, no trades ({fold_record.get('deploy_rule')} "
+                         f"not met: train.deploy_min_trade_t); the policy's own test is the "
+                         f"'{SPLIT_LABELS['test_policy'].split(' (')[0]}' row")
         for split, value in fold_record.items():
             reasons = value.get(NAN_REASONS) if isinstance(value, dict) else None
+            if split == "test" and fold_record.get("deployed") is False:
+                continue
             if isinstance(reasons, dict):
-                notes += [f"fold {fold_record.get('fold', index)} {SPLIT_LABELS.get(split, split)}: {metric} n/a ({why})"
+                notes += [f"fold {fold} {SPLIT_LABELS.get(split, split)}: {metric} n/a ({why})"
                           for metric, why in reasons.items()]
     return notes
 

@@ -6,8 +6,9 @@ One `numbarl-train` run owns one folder (SPEC §6)::
       run.json                  run marker: format version, numbarl version, creation time, meta
       config.json               the resolved config (every value the run used)
       train.log                 the run's progress lines, timestamped (written by the trainer)
-      metrics.jsonl             one JSON record per log step ("train"), validation ("val"), test ("test"),
-                                each with its wall clock (time, elapsed_s)
+      metrics.jsonl             one JSON record per log step ("train"), validation ("val"), test ("test"; and
+                                "test_policy", the policy's own, where train.deploy_min_trade_t held the test window
+                                flat), each with its wall clock (time, elapsed_s)
       metrics.csv               the same records as a table (union of columns), rebuilt by write_csv()
       checkpoints/
         <tag>.npz               arrays (flat params, Adam moments, RNG counters, env cursors, ...)
@@ -481,7 +482,8 @@ class RunDir:
     def log(self, record: dict) -> dict:
         """Append one record to metrics.jsonl and flush; returns the record as written.
 
-        `record["kind"]` is "train" (a log step), "val" (a validation backtest) or "test"; it
+        `record["kind"]` is one of LOG_KINDS: "train" (a log step), "val" (a validation backtest), "test",
+        "test_policy" (the policy's own test where the deployment rule held the window flat), ...; it
         should carry `step` (the trainer's global step counter; `truncate_log` cuts on it), and
         usually `fold` and `epoch`. Non-finite floats are written as null.
         """

@@ -55,7 +55,7 @@ EVENT_PREFIX = "events.out.tfevents."
 EVENT_SUFFIX = ".numbarl"
 EVENT_NAME = re.compile(r"^events\.out\.tfevents\.(\d+)\.numbarl$")
 INDEX_KEYS = ("kind", "fold", "epoch", "step", "wall_time")  # record keys that place a point, not plotted
-EPOCH_KINDS = ("val", "test")  # records whose x axis is the epoch
+EPOCH_KINDS = ("val", "test", "test_policy")  # records whose x axis is the epoch
 
 _CRC_POLY = 0x82F63B78  # Castagnoli, reflected
 _MASK_DELTA = 0xA282EAD8

@@ -48,7 +48,7 @@ from numbarl.config import Config, ConfigError, parse_horizons
 from numbarl.data.errors import DataError
 from numbarl.rl.feedback.split import feedback_on, split_validation
 from numbarl.rl.obs_columns import check_agent_columns
-from numbarl.run.compare import checkpoint_epoch, trade_t
+from numbarl.run.compare import checkpoint_epoch, deployment
 from numbarl.run.fold_benchmarks import FoldBenchmarkError, FoldBenchmarks, background_ok
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
@@ -460,7 +460,10 @@ class FoldTrainer:
 
         actions = np.zeros((window[1] - window[0], N_BRANCHES), np.int32)
         actions[:, 0] = DIR_FLAT
-        return backtest(self.market, window, self.cfg.env, actions=actions, stream=self.stream)
+        t0 = time.perf_counter()
+        result = backtest(self.market, window, self.cfg.env, actions=actions, stream=self.stream)
+        self.progress.charge("test", time.perf_counter() - t0)
+        return result
 
     def backtest_timed(self, window, what: str, record_q: bool = False):
         """A backtest of `window` with a status line before it and its time counted for the ETA."""
@@ -519,17 +522,6 @@ def fold_seed(seed: int, fold: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 2  # 62 bits: a non-negative int64 wherever a seed goes
-
-
-def deployment(val_m: dict, min_trade_t: float) -> dict | None:
-    """train.deploy_min_trade_t's decision for one fold from its selected checkpoint's validation metrics:
-    {"deployed", "val_trade_t", "deploy_rule"}, or None when the rule is off (0). A window without a trade t
-    (fewer than 2 trades) is not deployed."""
-    if min_trade_t <= 0:
-        return None
-    t = trade_t(val_m)
-    return {"deployed": t is not None and t >= min_trade_t, "val_trade_t": t,
-            "deploy_rule": f"validation trade t >= {min_trade_t:g}"}
 
 
 def selection_score(history, window: int) -> float:
@@ -757,8 +749,9 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
                 test_result = ft.flat_backtest(fold.test)
                 test_m = metrics_dict(test_result.metrics())
                 bar, vt = cfg.train.deploy_min_trade_t, deploy["val_trade_t"]
+                no_t = (val_m.get("nan_reasons") or {}).get("trade_sharpe", "undefined")
                 why = (f"validation trade t {vt:.2f} < {bar:g}" if vt is not None
-                       else f"no validation trade t (fewer than 2 trades), bar {bar:g}")
+                       else f"no validation trade t ({no_t}), bar {bar:g}")
                 progress.log(f"fold {fold.index}: not deployed: {why} (train.deploy_min_trade_t); the test window is "
                              f"held flat. The policy's own test (test_policy, a diagnostic): {_headline_text(policy_m)}")
             run.log(progress.stamp({"kind": "test", "fold": fold.index, "epoch": ft.epoch, "step": ft.collect_steps,
@@ -1077,3 +1070,8 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
                for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
     if reasons:
         print("n/a:\n" + "\n".join(reasons))
+    summary = run.read_summary() if (run.path / "summary.json").exists() else {"folds": []}
+    for f in summary.get("folds") or []:  # the rows above are the policy's; the run may have deployed nothing there
+        if f.get("deployed") is False and any(r["fold"] == f.get("fold") and r["split"] == "test" for r in rows):
+            print(f"fold {f['fold']}: the run held this test window flat ({f.get('deploy_rule')} not met: "
+                  "train.deploy_min_trade_t); the test rows above score its policy (the summary's test_policy)")

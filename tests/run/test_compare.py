@@ -118,3 +118,23 @@ def test_a_multi_fold_run_gets_a_pooled_row_outside_the_spread(tmp_path):
     spread = compare.summarize(rows)
     assert spread["test_sharpe"]["n"] == 3 and spread["test_sharpe"]["mean"] == pytest.approx(20.0)
     assert "pooled" in compare.main([str(run.path)])
+
+
+def test_a_fold_held_flat_by_the_deployment_rule_counts_as_zero(tmp_path):
+    """train.deploy_min_trade_t held fold 1's test window flat: its own Sharpe is undefined (zero variance), but it
+    earned exactly 0, so the table counts it as 0 in the means and the positive count instead of leaving it out."""
+    run = _run(tmp_path, "r", 0, [50.0, 30.0])
+    summary = run.read_summary()
+    summary["folds"][1].update({"deployed": False, "val_trade_t": 0.4, "deploy_rule": "validation trade t >= 2",
+                                "test": {"sharpe": None, "daily_sharpe": None, "total_return": 0.0, "n_trades": 0},
+                                "test_policy": {"sharpe": -12.0}})
+    run.write_summary(summary)
+    rows = compare.compare_rows([run])
+    assert rows[1]["test_sharpe"] == 0.0 and rows[1]["test_daily_sharpe"] == 0.0 and rows[1]["test_over_oracle"] == 0.0
+    spread = compare.summarize(rows)
+    assert spread["test_sharpe"]["mean"] == pytest.approx(25.0) and spread["positive_test_sharpe"] == {"count": 1, "of": 2}
+    assert compare.deployment({"trade_sharpe": 0.5, "n_trades": 9}, 2.0) == {
+        "deployed": False, "val_trade_t": 1.5, "deploy_rule": "validation trade t >= 2"}
+    assert compare.deployment({"trade_sharpe": 0.5, "n_trades": 16}, 2.0)["deployed"] is True  # t = 2: the bar itself
+    assert compare.deployment({"trade_sharpe": None, "n_trades": 1}, 2.0)["deployed"] is False  # no trade t
+    assert compare.deployment({"trade_sharpe": 0.5, "n_trades": 9}, 0.0) is None  # off

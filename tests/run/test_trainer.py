@@ -315,7 +315,8 @@ def test_the_backtest_agent_holds_the_temporal_and_multi_horizon_windows():
                 DQNAgent(replace(cfg, replay_capacity=cap - 1), 6, (3, 3, 4, 4), 1, seed=0, eval_batch=1)
 
 
-def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(run_cli, full_run, tmp_path):
+def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(run_cli, full_run, tmp_path,
+                                                                               monkeypatch):
     """train.deploy_min_trade_t above the validation window's trade t: the run trains as without the rule (the
     same validation), the fold's test is the window held flat (no trades, zero P&L, in the summary, the trade list
     and the pooled headline), the policy's own test is the uninterrupted run's, kept as test_policy, and the
@@ -333,6 +334,7 @@ def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(r
     assert fold["deployed"] is False and fold["deploy_rule"] == "validation trade t >= 1000"
     assert fold["val"] == base["val"] and fold["val_trade_t"] == trade_t(base["val"])
     assert fold["test_policy"] == base["test"] and fold["val_test_gap"] == base["val_test_gap"]
+    fold_policy = fold["test_policy"]
     assert fold["test"]["n_trades"] == 0 and fold["test"]["total_return"] == 0.0
     assert summary["headline"]["total_return"] == 0.0
     trades = out / "trades_test.csv"
@@ -342,6 +344,15 @@ def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(r
     assert kinds.count("test_policy") == 1 and kinds.count("test") == 1
     run = ab.run_numbers(out)
     assert run["t"] == 0.0 and run["trade_t"] == 0.0 and run["test_over_oracle"] == 0.0 and run["held_flat"] is True
+    # numbarl-backtest re-scores the policy, and says that the run itself held that test window flat
+    r = CliRunner().invoke(backtest_cmd, [str(out), "--split", "test"], catch_exceptions=True)
+    assert r.exit_code == 0 and "the run held this test window flat" in r.output, r.output
+    # the report's notes say the test window was held flat instead of listing its flat metrics as n/a
+    from numbarl.run.report import nan_notes
+
+    notes = nan_notes(summary)
+    assert any("held flat, no trades (validation trade t >= 1000 not met" in n for n in notes), notes
+    assert not any("test (out-of-sample): sharpe n/a" in n for n in notes), notes
     # a bar the validation trades clear deploys as usual: the test is the policy's, and the summary says so
     t = trade_t(base["val"])
     assert t is not None and t > 0, base["val"]  # the tiny run's validation trades earn: a bar below them
@@ -350,6 +361,26 @@ def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(r
     assert r.exit_code == 0, r.output + repr(r.exception)
     fold = json.loads((low / "summary.json").read_text())["folds"][0]
     assert fold["deployed"] is True and fold["test"] == base["test"] and "test_policy" not in fold
+    # killed after the fold logged its test_policy and test records, before its summary: the resume drops both
+    # records and decides again, and ends as the uninterrupted run (log and summary)
+    killed, fired, write = tmp_path / "killed", [], RunDir.write_summary
+
+    def kill_once(run, summary):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt("summary")
+        return write(run, summary)
+
+    monkeypatch.setattr(RunDir, "write_summary", kill_once)
+    r = run_cli(*FAST, "--set", "train.deploy_min_trade_t=1000", "--out", str(killed))
+    assert r.exit_code != 0 and fired, r.output
+    assert "test_policy" in (killed / "metrics.jsonl").read_text()
+    r = run_cli("--resume", str(killed), "--quiet")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    strip = lambda recs: [{k: v for k, v in rec.items() if k not in TIMING} for rec in recs]  # noqa: E731
+    assert strip(RunDir.open(killed).read_metrics()) == strip(RunDir.open(out).read_metrics())
+    assert _metrics(killed) == _metrics(out)
+    assert json.loads((killed / "summary.json").read_text())["folds"][0]["test_policy"] == fold_policy
 
 
 def _preset_sets(name: str, base: str = "default") -> list[str]:
@@ -369,17 +400,21 @@ def _preset_sets(name: str, base: str = "default") -> list[str]:
 
 def test_the_temporal_preset_trains_end_to_end_on_the_simulator(run_cli, tmp_path):
     """The "temporal" preset's switches (every field where it differs from "default": the scan, the flow feature,
-    the future-feature regression, early stopping) on the tiny preset's sizes, on the regime-walk market: the run
-    finishes, its config holds them, and the scan's and the regression's liveness keys are non-zero in training."""
+    the future-feature regression, early stopping, the deployment rule) on the tiny preset's sizes, on the
+    regime-walk market: the run finishes, its config holds every one of them, and the scan's and the regression's
+    liveness keys are non-zero in training. (Two tiny epochs cannot reach early stopping's patience of 2; its
+    stopping is tests/run/test_trainer.py's early-stop test.)"""
     sets = _preset_sets("temporal")
-    assert {"agent.temporal=mamba", "agent.future_targets=trade_imb_prev*ret_1",
-            "train.early_stop_patience=2"} <= set(sets[1::2]), sets
+    assert {"agent.temporal=mamba", "agent.future_targets=trade_imb_prev*ret_1", "train.early_stop_patience=2",
+            "train.deploy_min_trade_t=2.0"} <= set(sets[1::2]), sets
     out = tmp_path / "temporal"
     r = run_cli(*FAST, *sets, "--set", "data.synth_mode=regime_walk", "--out", str(out))
     assert r.exit_code == 0, r.output + repr(r.exception)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["agent"]["temporal"] == "mamba" and cfg["agent"]["temporal_steps"] == 12
-    assert cfg["data"]["features"] == "default,trade_imb_prev" and cfg["agent"]["future_weight"] == 0.1
+    for kv in sets[1::2]:
+        (section, field), value = kv.split("=", 1)[0].split("."), kv.split("=", 1)[1]
+        assert str(cfg[section][field]) == value, (kv, cfg[section][field])
+    assert "deployed" in json.loads((out / "summary.json").read_text())["folds"][0]  # the rule decided
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [rec for rec in records if rec.get("kind") == "train"]
     assert max(rec["future_loss"] for rec in train) > 0
