@@ -1062,6 +1062,8 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         for f in summary["folds"]:
             print(f"fold {f['fold']}: best by validation {f['best_checkpoint']} (the run's choice; picking by "
                   "the test rows above would be selection on the test window)")
+        for line in held_flat_lines(run, rows):
+            print(line)
         return
     frame = pd.DataFrame(rows).drop(columns=["nan_reasons", "checkpoint", "epoch"], errors="ignore")
     frame = frame.set_index(["fold", "split"]).T
@@ -1070,8 +1072,22 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
                for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
     if reasons:
         print("n/a:\n" + "\n".join(reasons))
-    summary = run.read_summary() if (run.path / "summary.json").exists() else {"folds": []}
-    for f in summary.get("folds") or []:  # the rows above are the policy's; the run may have deployed nothing there
-        if f.get("deployed") is False and any(r["fold"] == f.get("fold") and r["split"] == "test" for r in rows):
-            print(f"fold {f['fold']}: the run held this test window flat ({f.get('deploy_rule')} not met: "
-                  "train.deploy_min_trade_t); the test rows above score its policy (the summary's test_policy)")
+    for line in held_flat_lines(run, rows):
+        print(line)
+
+
+def held_flat_lines(run: RunDir, rows: list[dict]) -> list[str]:
+    """numbarl-backtest's rows score the policy; where the run held a fold's test window flat (the deployment rule)
+    one line says so for each such fold it scored on its test window."""
+    summary = run.read_summary() if (run.path / "summary.json").exists() else {}
+    lines = []
+    for f in (summary.get("folds") if isinstance(summary, dict) else None) or []:
+        if not isinstance(f, dict) or f.get("deployed") is not False:
+            continue
+        scored = [r for r in rows if r["fold"] == f.get("fold") and r["split"] == "test"]
+        if scored:
+            same = any(r["checkpoint"] == f.get("best_checkpoint") for r in scored)
+            lines.append(f"fold {f['fold']}: the run held this test window flat ({f.get('deploy_rule')} not met: "
+                         "train.deploy_min_trade_t); the test rows above score its policy"
+                         + (" (the best checkpoint's are the summary's test_policy)" if same else ""))
+    return lines

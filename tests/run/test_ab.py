@@ -319,3 +319,10 @@ def test_seeds_held_flat_by_the_deployment_rule_are_named_with_their_policys_tes
     assert rescored["policy_t"] == before["t"] and rescored["test_over_oracle"] == 0.0
     assert ab.run_numbers(tmp_path / "m-s0", deploy_min_trade_t=2.0) == before
     assert ab.run_numbers(tmp_path / "n-s1", deploy_min_trade_t=100.0) == kept  # its own decision: deployed
+    assert held["test_sharpe"] == 0.0 and rescored["test_sharpe"] == 0.0  # both kinds of held-flat run alike
+    # real data has no oracle: a held-flat seed has no test/oracle either (not 0 beside the deployed seeds' n/a)
+    no_oracle = finished("r-s0", {"deployed": False, "val_trade_t": 0.4, "test": flat, "test_policy": flat})
+    assert no_oracle["test_over_oracle"] is None and no_oracle["t"] == 0.0
+    # a bar that is not a number >= 0 is refused (a NaN bar would hold every run flat)
+    for bar in ("nan", "-1"):
+        assert ab.main(["--out", str(tmp_path), "--table-only", "--arm", "n", f"--deploy-min-trade-t={bar}"]) == 2

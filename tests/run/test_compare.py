@@ -128,9 +128,11 @@ def test_a_fold_held_flat_by_the_deployment_rule_counts_as_zero(tmp_path):
     summary["folds"][1].update({"deployed": False, "val_trade_t": 0.4, "deploy_rule": "validation trade t >= 2",
                                 "test": {"sharpe": None, "daily_sharpe": None, "total_return": 0.0, "n_trades": 0},
                                 "test_policy": {"sharpe": -12.0}})
+    summary["pooled"] = {"test": {"sharpe": 20.0, "total_return": 0.05}}  # the folds' windows, the flat one's zeros in
     run.write_summary(summary)
     rows = compare.compare_rows([run])
     assert rows[1]["test_sharpe"] == 0.0 and rows[1]["test_daily_sharpe"] == 0.0 and rows[1]["test_over_oracle"] == 0.0
+    assert rows[2]["pooled"] and rows[2]["test_sharpe"] == 20.0  # the pooled row keeps its own (it has no decision)
     spread = compare.summarize(rows)
     assert spread["test_sharpe"]["mean"] == pytest.approx(25.0) and spread["positive_test_sharpe"] == {"count": 1, "of": 2}
     assert compare.deployment({"trade_sharpe": 0.5, "n_trades": 9}, 2.0) == {

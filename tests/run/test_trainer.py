@@ -347,6 +347,9 @@ def test_the_deployment_rule_holds_a_weak_fold_flat_and_keeps_the_policys_test(r
     # numbarl-backtest re-scores the policy, and says that the run itself held that test window flat
     r = CliRunner().invoke(backtest_cmd, [str(out), "--split", "test"], catch_exceptions=True)
     assert r.exit_code == 0 and "the run held this test window flat" in r.output, r.output
+    assert "the best checkpoint's are the summary's test_policy" in r.output, r.output
+    r = CliRunner().invoke(backtest_cmd, [str(out), "--split", "test", "--checkpoint", "all"], catch_exceptions=True)
+    assert r.exit_code == 0 and "the run held this test window flat" in r.output, r.output
     # the report's notes say the test window was held flat instead of listing its flat metrics as n/a
     from numbarl.run.report import nan_notes
 
