@@ -948,9 +948,9 @@ PRESETS: dict[str, Config] = {
 # the Mamba2 scan over the last 12 bars (no convolution, its own learning rate 5e-4), the previous bar's trade
 # imbalance as a feature, the future-feature regression of trade_imb_prev*ret_1 at weight 0.1, and early stopping
 # after 2 epochs without a better validation score. On the 100-session regime walk (TF32, 5 seeds, twenty-second
-# session, docs/RESULTS.md): 0.76 of the oracle's test Sharpe (min 0.73) against the memoryless agent's 0.00, every
+# session, docs/RESULTS.md): 0.76 of the oracle's test Sharpe (min 0.727) against the memoryless agent's 0.00, every
 # seed's best epoch the second; its train step 1.76x the memoryless one (fp32, docs/BENCHMARKS.md). The same stack at
-# K = 16 lost 1% against the memoryless agent on the planted market (0.86 against 0.87). On null markets the K = 16
+# K = 16 lost 2.0% against the memoryless agent on the planted market (0.855 against 0.873). On null markets the K = 16
 # stack's test windows lost with t below -2 in 3 of 10 seeds, so the preset also deploys a fold only when its
 # validation trade t reaches 2 (train.deploy_min_trade_t). Over the 120 archived runs in bin/ab-arms.sh's BASE_RUNS
 # that rule holds all 25 null seeds flat, and deploys 54 of the 55 planted-market seeds and all 25 seeds of the
