@@ -45,6 +45,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from numbarl.run.compare import held_flat
 from numbarl.run.runio import RunDir, atomic_write_bytes, flatten_record
 
 REPORT_HTML = "report.html"
@@ -187,14 +188,14 @@ def nan_notes(summary: dict | None) -> list[str]:
     for index, fold_record in enumerate(folds if isinstance(folds, list) else []):
         if not isinstance(fold_record, dict):
             continue
-        fold = fold_record.get("fold", index)
-        if fold_record.get("deployed") is False:  # the deployment rule held the test window flat: say that instead
+        fold, flat = fold_record.get("fold", index), held_flat(fold_record)
+        if flat:  # the deployment rule held the test window flat: say that instead
             notes.append(f"fold {fold} {SPLIT_LABELS['test']}: held flat, no trades ({fold_record.get('deploy_rule')} "
                          f"not met: train.deploy_min_trade_t); the policy's own test is the "
                          f"'{SPLIT_LABELS['test_policy'].split(' (')[0]}' row")
         for split, value in fold_record.items():
             reasons = value.get(NAN_REASONS) if isinstance(value, dict) else None
-            if split == "test" and fold_record.get("deployed") is False:
+            if split == "test" and flat:
                 continue
             if isinstance(reasons, dict):
                 notes += [f"fold {fold} {SPLIT_LABELS.get(split, split)}: {metric} n/a ({why})"

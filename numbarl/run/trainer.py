@@ -48,7 +48,7 @@ from numbarl.config import Config, ConfigError, parse_horizons
 from numbarl.data.errors import DataError
 from numbarl.rl.feedback.split import feedback_on, split_validation
 from numbarl.rl.obs_columns import check_agent_columns
-from numbarl.run.compare import checkpoint_epoch, deployment
+from numbarl.run.compare import checkpoint_epoch, deployment, held_flat
 from numbarl.run.fold_benchmarks import FoldBenchmarkError, FoldBenchmarks, background_ok
 from numbarl.run.progress import LOG_FILE, Progress
 from numbarl.run.runio import RunDir, RunError
@@ -743,7 +743,8 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             val_m, test_m = metrics_dict(val_result.metrics()), metrics_dict(test_result.metrics())
             # DEPLOY (train.deploy_min_trade_t): a fold whose validation trades fall short holds its test window flat
             deploy, policy_m = deployment(val_m, cfg.train.deploy_min_trade_t), test_m
-            if deploy and not deploy["deployed"]:
+            flat = held_flat(deploy or {})
+            if flat:
                 run.log(progress.stamp({"kind": "test_policy", "fold": fold.index, "epoch": ft.epoch,
                                         "step": ft.collect_steps, **policy_m}))
                 test_result = ft.flat_backtest(fold.test)
@@ -760,7 +761,7 @@ def run_training(cfg: Config, cache, run: RunDir, graph: bool, progress: Progres
             entry = {"fold": fold.index, "window": fold.to_dict(), "best_checkpoint": ft.best_tag,
                      **({"validation_split": {"feedback": list(ft.feedback_window), "selection": list(ft.val_window)}}
                         if ft.loop is not None else {}),
-                     **(deploy or {}), **({"test_policy": policy_m} if deploy and not deploy["deployed"] else {}),
+                     **(deploy or {}), **({"test_policy": policy_m} if flat else {}),
                      # the gap is the policy's (how its validation score carried out of sample), deployed or not
                      "val": val_m, "test": test_m, "val_test_gap": val_test_gap(val_m, policy_m),
                      "bars_per_day": cache.bars_per_day, "seed": ft.seed, "val_sharpe_per_epoch": ft.val_history,
@@ -1062,7 +1063,7 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
         for f in summary["folds"]:
             print(f"fold {f['fold']}: best by validation {f['best_checkpoint']} (the run's choice; picking by "
                   "the test rows above would be selection on the test window)")
-        for line in held_flat_lines(run, rows):
+        for line in held_flat_lines(summary, rows):
             print(line)
         return
     frame = pd.DataFrame(rows).drop(columns=["nan_reasons", "checkpoint", "epoch"], errors="ignore")
@@ -1072,17 +1073,16 @@ def backtest_main(run_dir, checkpoint="best", data=None, split="test", fold=None
                for r in rows for metric, why in (r.get("nan_reasons") or {}).items()]
     if reasons:
         print("n/a:\n" + "\n".join(reasons))
-    for line in held_flat_lines(run, rows):
+    for line in held_flat_lines(run.read_summary() if (run.path / "summary.json").exists() else {}, rows):
         print(line)
 
 
-def held_flat_lines(run: RunDir, rows: list[dict]) -> list[str]:
-    """numbarl-backtest's rows score the policy; where the run held a fold's test window flat (the deployment rule)
-    one line says so for each such fold it scored on its test window."""
-    summary = run.read_summary() if (run.path / "summary.json").exists() else {}
+def held_flat_lines(summary: dict, rows: list[dict]) -> list[str]:
+    """numbarl-backtest's rows score the policy; where the run (its summary) held a fold's test window flat (the
+    deployment rule) one line says so for each such fold it scored on its test window."""
     lines = []
     for f in (summary.get("folds") if isinstance(summary, dict) else None) or []:
-        if not isinstance(f, dict) or f.get("deployed") is not False:
+        if not isinstance(f, dict) or not held_flat(f):
             continue
         scored = [r for r in rows if r["fold"] == f.get("fold") and r["split"] == "test"]
         if scored:
