@@ -21,6 +21,11 @@ FF="--set agent.future_targets=trade_imb_prev*ret_1"
 # "rws12ffes: $RW $MEM"
 MEM="--set agent.temporal=mamba --set agent.temporal_steps=12 --set agent.temporal_lr=5e-4 \
 --set data.features=default,trade_imb_prev $FF --set agent.future_weight=0.1 --set train.early_stop_patience=2"
+# the regime walk in the presets' own precision (fp32): $RW without $T. "--preset temporal" in an arm's options
+# replaces numbarl ab's --preset default (the last --preset wins), so "pt32: $PT $RW32" trains what
+# `numbarl-train --preset temporal` trains, the deployment rule included (twenty-third session)
+RW32="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.train_sessions=94"
+PT="--preset temporal"
 # null twins on a null market per seed (numbarl ab replaces {seed}): independent test paths instead of one
 NM="--set data.synth_null=true --set data.synth_seed=10{seed}"
 LAG="$LAG10 --epochs 5"                                                          # the ninth/tenth sessions' 5 epochs
@@ -32,7 +37,13 @@ ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true -
 # rwl10 ($RW $TEMP16 $LAG10), all14x ($ALL); rwlp / rwl10null (twentieth session, agent.head_pad=1 in config.json);
 # rwlff / rwlff1 (twenty-first: rwl10 + $FF at agent.future_weight 0.1 / 1); twenty-second: rws12ffes ($RW $MEM),
 # rwsffes / rwsffesnull (K = 16, no convolution, early stop 2), plsffes (the same on the planted market),
-# rwsffesnullm / rwesnullm (a null market per seed: data.synth_seed=10{seed})
+# rwsffesnullm / rwesnullm (a null market per seed: data.synth_seed=10{seed}); twenty-third: rws12null /
+# rws12nullm ($RW $MEM on the one null path / a null market per seed), pls12 ($T $MEM, planted), t32f (the padded
+# and fused TF32 default: --set agent.compute=tf32)
+# twenty-fourth (fp32): pt32 / pt32nullm / pt32pl ("$PT $RW32", "$PT $RW32 $NM", "$PT": the temporal preset as
+# users run it), rw32 ($RW32: the memoryless default on the regime walk), f32f / f32fnull (--set agent.head_pad=64,
+# without / with --set data.synth_null=true: fp32 with the value stream fused into the padded head)
 BASE_RUNS="docs/results/2026-12-03-session15/runs-call3.tgz docs/results/2026-12-03-session16/runs-call3.tgz \
 docs/results/2026-12-03-session19/runs.tgz docs/results/2026-12-03-session20/runs.tgz \
-docs/results/2026-12-03-session21/runs.tgz docs/results/2026-12-03-session22/runs.tgz"
+docs/results/2026-12-03-session21/runs.tgz docs/results/2026-12-03-session22/runs.tgz \
+docs/results/2026-12-03-session23/runs.tgz docs/results/2026-12-04-session24/runs.tgz"

@@ -103,8 +103,8 @@ HEAD_PAD_TF32 = 64  # agent.head_pad=0 under TF32: 714 -> 768 columns (docs/BENC
 
 
 def head_pad_multiple(head_pad: int, compute: str, kind: str = "c51") -> int:
-    """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32, else 1 (fp32, where
-    padding costs time; PPO and DT, which have no C51 head)."""
+    """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32, else 1 (fp32: see
+    AgentConfig.head_pad; PPO and DT, which have no C51 head)."""
     return head_pad or (HEAD_PAD_TF32 if compute == "tf32" and kind == "c51" else 1)
 
 
@@ -168,8 +168,11 @@ class AgentConfig:
     head_pad: int = 0
     """Run the advantage head's GEMMs at its width ΣA·Z rounded up to a multiple of this (1 = as it is; 714 → 768
     at 64). 0 = automatic: 64 under TF32, where cuBLASLt picks one-float-aligned kernels for the width 714 and the
-    padded train step is ~0.25 ms faster on the H200, and 1 in fp32, where padding costs time (docs/BENCHMARKS.md,
-    issue 17). The parameters keep their shape: each pass copies them into a zero-padded scratch, so the values
+    padded train step is ~0.25 ms faster on the H200, and 1 in fp32. In fp32, padding alone costs ~0.03 ms, but 64
+    with the value stream fused (agent.head_fuse_value) makes the train step 3.20 -> 3.06 ms and the collect step
+    0.617 -> 0.602 ms on the H200; it is not the automatic value yet (docs/BENCHMARKS.md and docs/RESULTS.md,
+    twenty-fourth session: a null seed at t = 3.25 in its five-seed A/B, and saved fp32 configs read 0 as 1).
+    The parameters keep their shape: each pass copies them into a zero-padded scratch, so the values
     are the same math, rounded by other GEMM kernels (numbarl/rl/nets/c51_head.py)."""
     head_fuse_value: bool = True
     """With a padded head (agent.head_pad resolving above 1, TF32's automatic padding included): the value stream
@@ -954,8 +957,10 @@ PRESETS: dict[str, Config] = {
 # stack's test windows lost with t below -2 in 3 of 10 seeds, so the preset also deploys a fold only when its
 # validation trade t reaches 2 (train.deploy_min_trade_t). Over the 120 archived runs in bin/ab-arms.sh's BASE_RUNS
 # that rule holds all 25 null seeds flat, and deploys 54 of the 55 planted-market seeds and all 25 seeds of the
-# memory-market arms that learned the regime (docs/RESULTS.md, twenty-second session). Its null twin at K = 12 is not
-# run.
+# memory-market arms that learned the regime (docs/RESULTS.md, twenty-second session). The preset itself in fp32 with
+# the rule live (twenty-fourth session, five seeds each): 0.72 of the oracle on the regime walk (min 0.66) against the
+# memoryless default's -0.12; on a null market per seed every fold held flat (one policy would have scored t -5.61);
+# on the planted market 0.81 against the default's 0.85 (-3.7%).
 PRESETS["temporal"] = replace(
     PRESETS["default"], preset="temporal",
     data=replace(PRESETS["default"].data, features="default,trade_imb_prev"),

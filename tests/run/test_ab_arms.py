@@ -13,7 +13,7 @@ from numbarl import config
 from numbarl.run import ab
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "FF", "MEM", "NM", "LAG", "ALL", "BASE_RUNS")
+NAMES = ("T", "RW", "RWK", "TEMP16", "LAG10", "FF", "MEM", "NM", "LAG", "ALL", "RW32", "PT", "BASE_RUNS")
 
 
 def arm_sets() -> dict:
@@ -40,10 +40,15 @@ def test_every_option_set_resolves():
     assert mem == dataclasses.replace(config.preset("temporal"), preset="default")
     assert config.preset("temporal").agent.temporal_conv == 0 and config.preset("temporal").agent.temporal_steps == 12
     assert set(v["RW"].split()) >= set(v["T"].split()) and "agent.iqn=true" in v["ALL"]
+    # "--preset temporal" in an arm replaces numbarl ab's --preset default: the preset as users run it, in fp32
+    pt = ab.resolved_config("default", shlex.split(f"{v['PT']} {v['RW32']}"), 0, [])
+    assert pt["preset"] == "temporal" and pt["train"]["deploy_min_trade_t"] == 2.0 and pt["agent"]["compute"] == "fp32"
+    assert pt["data"]["synth_mode"] == "regime_walk" and v["RW"] == f"{v['RW32']} {v['T']}"
 
 
 def test_the_archived_bases_match_their_arms(tmp_path):
-    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x, rwlp, rwlff, rws12ffes): finished, with config.json,
+    """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x, rwlp, rwlff, rws12ffes, t32f; pt32, the `temporal` preset as
+    numbarl ab runs it with --preset temporal in the arm; f32f, fp32 padded and fused): finished, with config.json,
     equal to what numbarl train resolves for its arm today."""
     v = arm_sets()
     archives = [ROOT / p for p in v["BASE_RUNS"].split()]
@@ -55,7 +60,8 @@ def test_the_archived_bases_match_their_arms(tmp_path):
             ("rwl10", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']}")), ("all14x", shlex.split(v["ALL"])),
             ("rwlp", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} --set agent.predictive_weight=0.1")),
             ("rwlff", shlex.split(f"{v['RW']} {v['TEMP16']} {v['LAG10']} {v['FF']} --set agent.future_weight=0.1")),
-            ("rws12ffes", shlex.split(f"{v['RW']} {v['MEM']}"))]
+            ("rws12ffes", shlex.split(f"{v['RW']} {v['MEM']}")), ("t32f", ["--set", "agent.compute=tf32"]),
+            ("pt32", shlex.split(f"{v['PT']} {v['RW32']}")), ("f32f", ["--set", "agent.head_pad=64"])]
     for arm, _ in arms:
         assert ab._finished(tmp_path / f"{arm}-s0"), f"{arm}-s0 is not a finished run in {v['BASE_RUNS']}"
     errors, unchecked = ab.check_finished_runs(tmp_path, "default", [(a, o, [0]) for a, o in arms], [], parallel=2)
