@@ -8,7 +8,9 @@
 # head: the bases stay valid, at ~0.4 ms more per TF32 train step (1.64 against the padded and fused default's 1.22
 # ms since the twenty-first session; on the unpadded head agent.head_fuse_value does nothing).
 T="--set agent.compute=tf32 --set agent.head_pad=1"
-RW="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.train_sessions=94 $T"
+# the 100-session regime walk in the presets' own precision (fp32); $RW is it in TF32 (the single-switch A/Bs)
+RW32="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.train_sessions=94"
+RW="$RW32 $T"
 RWK="--set data.synth_mode=regime_walk --set data.synth_sessions=1000 --set train.train_sessions=994 $T"
 TEMP16="--set agent.temporal=mamba --set agent.temporal_steps=16 --set agent.temporal_lr=5e-4"
 LAG10="--set agent.temporal_conv=4 --set data.features=default,trade_imb_prev"   # + scan: issue 15's agent
@@ -21,10 +23,9 @@ FF="--set agent.future_targets=trade_imb_prev*ret_1"
 # "rws12ffes: $RW $MEM"
 MEM="--set agent.temporal=mamba --set agent.temporal_steps=12 --set agent.temporal_lr=5e-4 \
 --set data.features=default,trade_imb_prev $FF --set agent.future_weight=0.1 --set train.early_stop_patience=2"
-# the regime walk in the presets' own precision (fp32): $RW without $T. "--preset temporal" in an arm's options
-# replaces numbarl ab's --preset default (the last --preset wins), so "pt32: $PT $RW32" trains what
-# `numbarl-train --preset temporal` trains, the deployment rule included (twenty-third session)
-RW32="--set data.synth_mode=regime_walk --set data.synth_sessions=100 --set train.train_sessions=94"
+# "--preset temporal" in an arm's options replaces numbarl ab's --preset default (the last --preset wins), so
+# "pt32: $PT $RW32" trains what `numbarl-train --preset temporal` trains, the deployment rule included (twenty-fourth
+# session)
 PT="--preset temporal"
 # null twins on a null market per seed (numbarl ab replaces {seed}): independent test paths instead of one
 NM="--set data.synth_null=true --set data.synth_seed=10{seed}"
