@@ -102,10 +102,15 @@ def parse_horizons(text: str) -> tuple[int, ...]:
 HEAD_PAD_TF32 = 64  # agent.head_pad=0 under TF32: 714 -> 768 columns (docs/BENCHMARKS.md, twentieth session)
 
 
-def head_pad_multiple(head_pad: int, compute: str, kind: str = "c51") -> int:
-    """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32, else 1 (fp32: see
-    AgentConfig.head_pad; PPO and DT, which have no C51 head)."""
-    return head_pad or (HEAD_PAD_TF32 if compute == "tf32" and kind == "c51" else 1)
+def head_pad_multiple(head_pad: int, compute: str, kind: str = "c51", fp32_auto: int = 1) -> int:
+    """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32 and `fp32_auto`
+    (agent.head_pad_fp32: 64 since the twenty-fifth session, 1 for a run saved before it) under fp32; 1 for PPO and
+    the DT, which have no C51 head."""
+    if head_pad:
+        return head_pad
+    if kind != "c51":
+        return 1
+    return HEAD_PAD_TF32 if compute == "tf32" else fp32_auto
 
 
 def value_fused(head_fuse_value, pad_multiple: int) -> bool:
@@ -168,12 +173,16 @@ class AgentConfig:
     head_pad: int = 0
     """Run the advantage head's GEMMs at its width ΣA·Z rounded up to a multiple of this (1 = as it is; 714 → 768
     at 64). 0 = automatic: 64 under TF32, where cuBLASLt picks one-float-aligned kernels for the width 714 and the
-    padded train step is ~0.25 ms faster on the H200, and 1 in fp32. In fp32, padding alone costs ~0.03 ms, but 64
-    with the value stream fused (agent.head_fuse_value) makes the train step 3.20 -> 3.06 ms and the collect step
-    0.617 -> 0.602 ms on the H200; it is not the automatic value yet (docs/BENCHMARKS.md and docs/RESULTS.md,
-    twenty-fourth session: a null seed at t = 3.25 in its five-seed A/B, and saved fp32 configs read 0 as 1).
-    The parameters keep their shape: each pass copies them into a zero-padded scratch, so the values
-    are the same math, rounded by other GEMM kernels (numbarl/rl/nets/c51_head.py)."""
+    padded train step is ~0.25 ms faster on the H200, and agent.head_pad_fp32 (64) in fp32. The parameters keep
+    their shape: each pass copies them into a zero-padded scratch, so the values are the same math, rounded by
+    other GEMM kernels (numbarl/rl/nets/c51_head.py)."""
+    head_pad_fp32: int = 64
+    """What the automatic agent.head_pad (0) means in fp32. In fp32, padding alone costs ~0.03 ms, but 64 with the
+    value stream fused into the pad columns (agent.head_fuse_value) makes the train step 3.20 -> 3.06 ms and the
+    collect step 0.617 -> 0.602 ms on the H200 (docs/BENCHMARKS.md, twenty-fourth session; 0.83 of the oracle on the
+    planted market against the unpadded head's 0.85, inside the spread). 64 since the twenty-fifth session, with the
+    default preset's deployment rule; a run saved before it (without the field) read fp32's 0 as 1, unpadded
+    (config.LEGACY)."""
     head_fuse_value: bool = True
     """With a padded head (agent.head_pad resolving above 1, TF32's automatic padding included): the value stream
     joins the advantage's GEMM as its columns ΣA·Z .. ΣA·Z + Z, one GEMM per pass for both (714 + 51 -> 768
@@ -494,7 +503,7 @@ class AgentConfig:
     @property
     def head_pad_multiple(self) -> int:
         """agent.head_pad resolved (:func:`head_pad_multiple`)."""
-        return head_pad_multiple(self.head_pad, self.compute, self.kind)
+        return head_pad_multiple(self.head_pad, self.compute, self.kind, self.head_pad_fp32)
 
     @property
     def fuse_value(self) -> bool:
@@ -600,6 +609,7 @@ class AgentConfig:
         _check("agent", "tau", self.tau, lo=0.0, hi=1.0, lo_open=True)
         _check("agent", "compute", self.compute, choices=("fp32", "tf32"))
         _check("agent", "head_pad", self.head_pad, lo=0, hi=1024)
+        _check("agent", "head_pad_fp32", self.head_pad_fp32, lo=1, hi=1024)
         if not isinstance(self.head_fuse_value, bool):
             raise ConfigError(f"agent.head_fuse_value = {self.head_fuse_value!r} must be true or false")
         _check("agent", "support", self.support, choices=("fixed", "fit"))
@@ -938,13 +948,20 @@ PRESETS: dict[str, Config] = {
     # (min 0.98), test 0.85 of the oracle (min 0.81, as before), atom utilization 0.55 (0.51), null market largest
     # |t| 1.69 (1.55). epsilon_end = 0.2 lifted the plateau more (test 0.90, min 0.81) but put one null seed at
     # t = 2.20; a 4x replay and a 10,000-step decay did not help (docs/RESULTS.md, fifteenth session)
+    # deploy_min_trade_t = 2 (since the twenty-fifth session): a fold trades its test window only when the selected
+    # checkpoint's validation trade t reaches 2, else it holds the window flat and says so. Over the 120 archived
+    # runs it was fitted on it held all 25 null seeds flat and deployed 54 of 55 planted seeds; out of sample (the
+    # twenty-third and twenty-fourth sessions' 50 runs) 20 of 20 null seeds flat, 25 of 25 planted and memory-market
+    # seeds deployed, and one memoryless regime-walk seed let through (test t -2.09) (docs/RESULTS.md). It changes
+    # no training bit.
     "default": Config(preset="default", agent=AgentConfig(target_update="polyak", support="fit", gamma=0.95),
                       env=EnvParams(trade_reward_scale=0.0, micro_reward_scale=0.0, pnl_reward_scale=0.01),
-                      train=TrainConfig(epsilon_end=0.1)),
+                      train=TrainConfig(epsilon_end=0.1, deploy_min_trade_t=2.0)),
     "large": Config(
         preset="large",
         agent=AgentConfig(trunk=(1024, 1024, 512), batch_size=32768, replay_capacity=1 << 22, compute="tf32"),
-        train=TrainConfig(n_envs=65536, epochs=20, collect_steps_per_epoch=2000, epsilon_decay_steps=5000),
+        train=TrainConfig(n_envs=65536, epochs=20, collect_steps_per_epoch=2000, epsilon_decay_steps=5000,
+                          deploy_min_trade_t=2.0),
     ),
 }
 # "temporal": the default preset with issue 15's temporal agent, for markets whose edge shows only through history:
@@ -1034,7 +1051,11 @@ RENAMED = {("env", "fill_delay"): "latency_bars"}
 # fields added with a default that is not what the code before them did: a saved section that lacks one was
 # written by that code, so it takes this value (a run resumes, and numbarl ab compares it, as it ran)
 LEGACY = {("agent", "head_pad"): 1,  # before the twentieth session no head was padded, TF32 included
-          ("agent", "head_fuse_value"): False}  # before the twenty-first, no value stream was fused
+          ("agent", "head_fuse_value"): False,  # before the twenty-first, no value stream was fused
+          ("agent", "head_pad_fp32"): 1,  # before the twenty-fifth, fp32's automatic head_pad was none
+          # before the twenty-second session no fold was held flat; the field's default is 0 (off) and the default
+          # preset's 2 since the twenty-fifth: the entry makes numbarl ab compare a base saved without it as off
+          ("train", "deploy_min_trade_t"): 0.0}
 
 
 def with_legacy_fields(d: dict) -> dict:
@@ -1050,13 +1071,16 @@ def with_legacy_fields(d: dict) -> dict:
 
 def behaviour_fields(d: dict) -> dict:
     """A config dict with its automatic values resolved, for comparing what two configs do (numbarl ab):
-    agent.head_pad 0 becomes the multiple it means (AgentConfig.head_pad_multiple), so fp32's 0 equals 1, and
-    agent.head_fuse_value what runs (AgentConfig.fuse_value: false on an unpadded head)."""
+    agent.head_pad 0 becomes the multiple it means (AgentConfig.head_pad_multiple: fp32's 0 is agent.head_pad_fp32,
+    1 in a run saved before that field; agent.head_pad_fp32 itself then leaves the dict, since it acts only through
+    head_pad), and agent.head_fuse_value what runs (AgentConfig.fuse_value: false on an unpadded head)."""
     agent = d.get("agent")
     if not isinstance(agent, dict) or "head_pad" not in agent:
         return d
-    pad = head_pad_multiple(agent["head_pad"], agent.get("compute", "fp32"), agent.get("kind", "c51"))
-    out = {**agent, "head_pad": pad}
+    pad = head_pad_multiple(agent["head_pad"], agent.get("compute", "fp32"), agent.get("kind", "c51"),
+                            agent.get("head_pad_fp32", LEGACY[("agent", "head_pad_fp32")]))
+    out = {k: v for k, v in agent.items() if k != "head_pad_fp32"}  # it means something only through head_pad
+    out["head_pad"] = pad
     if "head_fuse_value" in agent:
         out["head_fuse_value"] = value_fused(agent["head_fuse_value"], pad)
     return {**d, "agent": out}
@@ -1164,7 +1188,7 @@ def from_dict(d: dict) -> Config:
     not the preset's current value. E.g. a default-preset run saved before env.pnl_reward_scale existed
     resumes with its own reward (trade + micro terms), not with the preset's mark-to-market term added. A field
     whose default is not its old behaviour takes its LEGACY value instead (agent.head_pad: 1, unpadded;
-    agent.head_fuse_value: false)."""
+    agent.head_fuse_value: false; agent.head_pad_fp32: 1; train.deploy_min_trade_t: 0, every fold deployed)."""
     d = with_legacy_fields(d)
     name = d.get("preset", "default")
     base = preset(name)
@@ -1197,7 +1221,8 @@ def resolve(preset_name: str | None = None, config_file: str | None = None, sets
         if cfg.agent.kind != "c51":
             raise ConfigError(f"{what}: agent.kind = {cfg.agent.kind!r} has no C51 head, so there is no value stream "
                               "to fuse; drop the option")
-        fix = "set agent.head_pad above 1" + (" (or agent.compute=tf32)" if cfg.agent.compute != "tf32" else "")
+        auto = cfg.agent.head_pad == 0  # fp32's automatic padding set to none (agent.head_pad_fp32 = 1)
+        fix = "set agent.head_pad above 1" + (" (or agent.head_pad_fp32 above 1)" if auto else "")
         raise ConfigError(f"{what}: the value stream fuses into a padded head only, and agent.head_pad = "
                           f"{cfg.agent.head_pad} with agent.compute = {cfg.agent.compute!r} is unpadded; {fix}")
     return cfg

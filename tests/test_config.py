@@ -178,8 +178,45 @@ def test_a_tf32_run_saved_before_head_pad_resumes_unpadded():
     now = config.apply(config.preset("default"), {"agent.compute": "tf32"})
     assert now.agent.head_pad_multiple == 64 and config.from_dict(now.to_dict()) == now
     fp32 = config.preset("default").to_dict()
-    assert config.behaviour_fields(fp32)["agent"]["head_pad"] == 1  # fp32's automatic 0 is unpadded
+    assert config.behaviour_fields(fp32)["agent"]["head_pad"] == 64  # fp32's automatic 0: agent.head_pad_fp32
+    assert "head_pad_fp32" not in config.behaviour_fields(fp32)["agent"]  # it acts through head_pad alone
     assert config.behaviour_fields(now.to_dict())["agent"]["head_pad"] == 64
+
+
+def test_an_fp32_run_saved_before_head_pad_fp32_resumes_unpadded():
+    """agent.head_pad_fp32 (64: what fp32's automatic head_pad means since the twenty-fifth session) is not what the
+    code before it did: an fp32 run saved without the field, head_pad = 0, reloads unpadded (config.LEGACY), and
+    numbarl ab compares it by what ran (1) against today's default (64)."""
+    from numbarl import config
+
+    now = config.preset("default")
+    assert now.agent.compute == "fp32" and now.agent.head_pad == 0 and now.agent.head_pad_multiple == 64
+    assert now.agent.fuse_value
+    old = now.to_dict()
+    old["agent"].pop("head_pad_fp32")
+    cfg = config.from_dict(json.loads(json.dumps(old)))
+    assert cfg.agent.head_pad_fp32 == 1 and cfg.agent.head_pad_multiple == 1 and not cfg.agent.fuse_value
+    assert config.saved_as_ran(old)["agent"]["head_pad"] == 1
+    assert config.saved_as_ran(now.to_dict())["agent"]["head_pad"] == 64
+    assert config.from_dict(json.loads(json.dumps(now.to_dict()))) == now
+
+
+def test_the_default_preset_deploys_only_what_validation_supports():
+    """train.deploy_min_trade_t: 2 in the default preset (and the presets built on it) since the twenty-fifth
+    session, 0 (off) as the field's default and in the smoke presets; a run saved without the field reloads with
+    the rule off (config.LEGACY), and numbarl ab compares it so."""
+    from numbarl import config
+
+    assert config.preset("default").train.deploy_min_trade_t == 2.0
+    assert config.preset("temporal").train.deploy_min_trade_t == 2.0 and config.preset("large").train.deploy_min_trade_t == 2.0
+    assert config.preset("tiny").train.deploy_min_trade_t == 0.0 and config.preset("small").train.deploy_min_trade_t == 0.0
+    assert config.TrainConfig().deploy_min_trade_t == 0.0
+    old = config.preset("default").to_dict()
+    old["train"].pop("deploy_min_trade_t")
+    assert config.from_dict(json.loads(json.dumps(old))).train.deploy_min_trade_t == 0.0
+    assert config.saved_as_ran(old)["train"]["deploy_min_trade_t"] == 0.0
+    # the rule is not a C51 switch: PPO on the default preset keeps it (it decides deployment, not training)
+    assert config.resolve(sets=["agent.kind=ppo"]).train.deploy_min_trade_t == 2.0
 
 
 def test_a_padded_run_saved_before_head_fuse_value_resumes_unfused():
@@ -196,14 +233,15 @@ def test_a_padded_run_saved_before_head_fuse_value_resumes_unfused():
     assert cfg.agent.head_pad_multiple == 64 and not cfg.agent.fuse_value
     assert config.saved_as_ran(old)["agent"]["head_fuse_value"] is False
     assert config.saved_as_ran(now.to_dict())["agent"]["head_fuse_value"] is True
-    fp32 = config.preset("default").to_dict()  # fp32: unpadded, so nothing to fuse, whatever the switch says
+    fp32 = config.apply(config.preset("default"), {"agent.head_pad": 1}).to_dict()  # unpadded: nothing to fuse
     assert fp32["agent"]["head_fuse_value"] is True and config.behaviour_fields(fp32)["agent"]["head_fuse_value"] is False
     # a --set that turns it on where it does nothing is an error; the default, a full dump and false are not
     with pytest.raises(config.ConfigError, match="head_fuse_value=true: the value stream fuses into a padded head"):
-        config.resolve(sets=["agent.head_fuse_value=true"])
+        config.resolve(sets=["agent.head_fuse_value=true", "agent.head_pad=1"])
     assert config.resolve(sets=["agent.head_fuse_value=true", "agent.compute=tf32"]).agent.fuse_value
+    assert config.resolve(sets=["agent.head_fuse_value=true"]).agent.fuse_value  # fp32's automatic 64 since session 25
     assert not config.resolve(sets=["agent.head_fuse_value=false"]).agent.fuse_value
-    assert not config.resolve().agent.fuse_value
+    assert config.resolve().agent.fuse_value and not config.resolve(sets=["agent.head_pad=1"]).agent.fuse_value
     with pytest.raises(config.ConfigError, match="is unpadded; set agent.head_pad above 1$"):  # TF32 already: no tf32 hint
         config.resolve(sets=["agent.head_fuse_value=true", "agent.compute=tf32", "agent.head_pad=1"])
     with pytest.raises(config.ConfigError, match="'ppo' has no C51 head"):

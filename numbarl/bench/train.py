@@ -147,7 +147,7 @@ def run(args) -> dict:
         key = compute if pad == pads[0] else f"{compute}.pad{pad}"  # the first padding is the table's row
         q, fuse = int(pad.rstrip("u")), not pad.endswith("u")
         if not fuse and AgentConfig(compute=compute, head_pad=q).head_pad_multiple == 1:
-            continue  # an unpadded head fuses nothing (fp32's automatic padding is none): the row would repeat Q's
+            continue  # an unpadded head fuses nothing (e.g. head_pad=1): the row would repeat Q's
         cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute,
                           head_pad=q, head_fuse_value=fuse)
         env = DeviceEnv(market, params, args.n_envs, seed=args.seed)

@@ -442,17 +442,22 @@ def test_agent_with_a_padded_head_trains_to_the_same_bits():
     assert any(np.any(v != 0) for k, v in snaps[0].items() if k.startswith("grads:head.adv"))
 
 
-def test_head_pad_default_pads_under_tf32_only():
-    """agent.head_pad=0 (the default) resolves to config.HEAD_PAD_TF32 under TF32 and to no padding in fp32; an
-    explicit value is kept; a negative one is refused naming the field."""
+def test_head_pad_default_pads_a_c51_head_in_both_precisions():
+    """agent.head_pad=0 (the default) resolves to config.HEAD_PAD_TF32 under TF32 and to agent.head_pad_fp32 (64
+    since the twenty-fifth session) in fp32, and to 1 for the agents without a C51 head; an explicit value is kept;
+    a bad one is refused naming the field."""
     from numbarl.config import HEAD_PAD_TF32, AgentConfig
 
-    assert AgentConfig().head_pad == 0 and AgentConfig().head_pad_multiple == 1
-    assert AgentConfig(compute="tf32").head_pad_multiple == HEAD_PAD_TF32 == 64
+    assert AgentConfig().head_pad == 0 and AgentConfig().head_pad_multiple == AgentConfig().head_pad_fp32 == 64
+    assert AgentConfig(head_pad_fp32=1).head_pad_multiple == 1 and not AgentConfig(head_pad_fp32=1).fuse_value
+    assert AgentConfig(compute="tf32", head_pad_fp32=1).head_pad_multiple == HEAD_PAD_TF32 == 64
     assert AgentConfig(compute="tf32", head_pad=1).head_pad_multiple == 1
     assert AgentConfig(head_pad=8).head_pad_multiple == 8
+    assert AgentConfig(kind="ppo").head_pad_multiple == 1 and AgentConfig(kind="dt", compute="tf32").head_pad_multiple == 1
     with pytest.raises(ValueError, match="head_pad"):
         AgentConfig(head_pad=-1).validate()
+    with pytest.raises(ValueError, match="head_pad_fp32"):
+        AgentConfig(head_pad_fp32=0).validate()
 
 
 def test_agent_with_the_value_stream_fused_trains_as_unfused():
@@ -475,11 +480,12 @@ def test_agent_with_the_value_stream_fused_trains_as_unfused():
     assert np.any(snaps[1]["grads:head.value.w"] != 0) and np.any(snaps[1]["grads:head.adv.w"] != 0)
     # the default fuses where the head is padded (TF32's automatic 64), and an unpadded head keeps its value GEMM
     assert AgentConfig(compute="tf32").fuse_value and not AgentConfig(compute="tf32", head_fuse_value=False).fuse_value
-    assert not AgentConfig().fuse_value and not AgentConfig(compute="tf32", head_pad=1).fuse_value
+    assert AgentConfig().fuse_value and not AgentConfig(head_pad=1).fuse_value
+    assert not AgentConfig(compute="tf32", head_pad=1).fuse_value
     with pytest.raises(ConfigError, match="head_fuse_value = 'yes' must be true or false"):
         AgentConfig(head_fuse_value="yes").validate()
     # the agent passes what runs: the default (true) leaves an unpadded fp32 head and its extra heads unfused
-    agent = tiny_agent(6, (3, 2), 4, batch_size=6, ensemble_heads=2)
+    agent = tiny_agent(6, (3, 2), 4, batch_size=6, ensemble_heads=2, head_pad=1)
     assert [(h.padded_width, h.fused) for h in (agent.head, *agent.ens_heads)] == [(25, False), (25, False)]
     # the ensemble's extra heads are laid out as the agent's head
     agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=8, head_fuse_value=True, ensemble_heads=2)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from numbarl import config
 from numbarl.cli import backtest_cmd, train_cmd
 from numbarl.run import trainer
 from numbarl.run.runio import RunDir
@@ -403,13 +404,15 @@ def _preset_sets(name: str, base: str = "default") -> list[str]:
 
 def test_the_temporal_preset_trains_end_to_end_on_the_simulator(run_cli, tmp_path):
     """The "temporal" preset's switches (every field where it differs from "default": the scan, the flow feature,
-    the future-feature regression, early stopping, the deployment rule) on the tiny preset's sizes, on the
-    regime-walk market: the run finishes, its config holds every one of them, and the scan's and the regression's
-    liveness keys are non-zero in training. (Two tiny epochs cannot reach early stopping's patience of 2; its
-    stopping is tests/run/test_trainer.py's early-stop test.)"""
+    the future-feature regression, early stopping) and the deployment rule it shares with "default" (since the
+    twenty-fifth session) on the tiny preset's sizes, on the regime-walk market: the run finishes, its config holds
+    every one of them, and the scan's and the regression's liveness keys are non-zero in training. (Two tiny epochs
+    cannot reach early stopping's patience of 2; its stopping is tests/run/test_trainer.py's early-stop test.)"""
     sets = _preset_sets("temporal")
-    assert {"agent.temporal=mamba", "agent.future_targets=trade_imb_prev*ret_1", "train.early_stop_patience=2",
-            "train.deploy_min_trade_t=2.0"} <= set(sets[1::2]), sets
+    assert {"agent.temporal=mamba", "agent.future_targets=trade_imb_prev*ret_1", "train.early_stop_patience=2"} <= set(
+        sets[1::2]), sets
+    assert config.preset("temporal").train.deploy_min_trade_t == config.preset("default").train.deploy_min_trade_t == 2
+    sets += ["--set", "train.deploy_min_trade_t=2.0"]
     out = tmp_path / "temporal"
     r = run_cli(*FAST, *sets, "--set", "data.synth_mode=regime_walk", "--out", str(out))
     assert r.exit_code == 0, r.output + repr(r.exception)

@@ -65,7 +65,8 @@ the head kernels read V from the loaded A rows (`fused`, `value_col`), the backw
 of d_adv (a strided view), one weight-gradient GEMM at the padded width serves both streams (copied back into
 both gradients) and one input-gradient GEMM gives dh = [dA | dV | 0]·[W_a | W_v | 0]ᵀ (one rounding where the
 unfused head has two). The TF32 default since the twenty-first session: train step 1.34 -> 1.22 ms, collect
-0.232 -> 0.212 ms on the H200 (docs/BENCHMARKS.md). (The PTX instruction and register counts above were taken before
+0.232 -> 0.212 ms on the H200 (docs/BENCHMARKS.md); fp32's since the twenty-fifth (agent.head_pad_fp32 = 64): 3.20 -> 3.03 ms,
+collect 0.619 -> 0.596 ms. (The PTX instruction and register counts above were taken before
 the kernels gained the fused layout's `v_base` / `v_stride` select: recount with `numbarl.bench.head`.)
 Backward: `dueling_backward_kernel`, one thread per (b, z) (block (EW_ATOMS, EW_ROWS)): adjacent
 threads touch adjacent atoms (coalesced), each loops over the branches and their actions (uint64
