@@ -46,10 +46,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, njit
+from numba import njit
 
 from numbarl.cuda import launch
-from numbarl.cuda.reduce import LANES, ROWS, as_rows, col_finish, col_plan, col_tiles
+from numbarl.cuda.reduce import as_rows
 from numbarl.cuda.runtime import cuda  # the backend (GPU or simulator), selected once
 
 _cuda = cuda()
@@ -386,56 +386,6 @@ def activation_backward_kernel(x, dy, dx, act):
     while i < dx.size:
         dx[i] = dy[i] * activation_grad_dev(act, x[i])
         i += stride
-
-
-@_cuda.jit(cache=True)
-def activation_backward_col_kernel(x, dy, dx, act, chunk_rows, partials):
-    """dx[r, c] = dy[r, c] * f'(x[r, c]) over [R, C], and partials[chunk, c] = the chunk's column sum of dx: phase 1 of
-    `reduce.col_sum(dx, ...)` fused into the elementwise pass (its block shape (LANES, ROWS) over grid (column tiles,
-    chunks), its row order and its fold, so `reduce.col_finish` then gives col_sum's bits)."""
-    shared = _cuda.shared.array((ROWS, LANES), float32)
-    lane = _cuda.threadIdx.x
-    ty = _cuda.threadIdx.y
-    c = _cuda.blockIdx.x * LANES + lane
-    chunk = _cuda.blockIdx.y
-    n_rows, n_cols = dx.shape
-    r = chunk * chunk_rows + ty
-    r_end = min(chunk * chunk_rows + chunk_rows, n_rows)
-    acc = _ZERO
-    if c < n_cols:
-        while r + 3 * ROWS < r_end:
-            a0 = dy[r, c] * activation_grad_dev(act, x[r, c])
-            a1 = dy[r + ROWS, c] * activation_grad_dev(act, x[r + ROWS, c])
-            a2 = dy[r + 2 * ROWS, c] * activation_grad_dev(act, x[r + 2 * ROWS, c])
-            a3 = dy[r + 3 * ROWS, c] * activation_grad_dev(act, x[r + 3 * ROWS, c])
-            dx[r, c] = a0
-            dx[r + ROWS, c] = a1
-            dx[r + 2 * ROWS, c] = a2
-            dx[r + 3 * ROWS, c] = a3
-            acc += (a0 + a1) + (a2 + a3)
-            r += 4 * ROWS
-        while r < r_end:
-            a = dy[r, c] * activation_grad_dev(act, x[r, c])
-            dx[r, c] = a
-            acc += a
-            r += ROWS
-    shared[ty, lane] = acc
-    _cuda.syncthreads()
-    if ty == 0 and c < n_cols:
-        total = shared[0, lane]
-        for k in range(1, ROWS):
-            total += shared[k, lane]
-        partials[chunk, c] = total
-
-
-def activation_backward_col_sum(x, dy, dx, act, out, partials, stream, accumulate: bool = False):
-    """dx = dy * f'(x) and out[c] (+)= Σ_r dx[r, c], bit for bit activation_backward then reduce.col_sum."""
-    code = activation_code(act)
-    n_rows, n_cols = dx.shape
-    n_chunks, chunk_rows = col_plan(n_rows)
-    activation_backward_col_kernel[(col_tiles(n_cols), n_chunks), (LANES, ROWS), stream](
-        x, dy, dx, code, np.int64(chunk_rows), partials)
-    col_finish(partials, out, stream, accumulate)
 
 
 @_cuda.jit(cache=True)

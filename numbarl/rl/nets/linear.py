@@ -141,15 +141,8 @@ class Linear(Module):
         else:  # ReLU: relu'(pre) = [y > 0], so the output serves as the saved tensor
             dpre = c.buf("dpre")
             saved = c.buf("pre") if self.activation == "silu" else c.buf("y")
-            beta_w, beta_b = c.beta("w"), c.beta("b")
-            elementwise.activation_backward_col_sum(saved, dy, dpre, self.activation, c.g("b"), c.buf("partials"),
-                                                    c.stream, accumulate=beta_b == 1.0)
-            blas.gemm(c.x(), dpre, c.g("w"), trans_a=True, beta=beta_w, compute=self.compute, stream=c.stream)
-            return self._dx(c, dpre, dx)
+            elementwise.activation_backward(saved, dy, dpre, self.activation, c.stream)
         linear_param_grads(c, c.x(), dpre, "w", "b", c.buf("partials"), self.compute)
-        return self._dx(c, dpre, dx)
-
-    def _dx(self, c, dpre, dx):
         if dx is None:
             return None
         blas.gemm(dpre, c.p("w"), dx, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
