@@ -102,7 +102,7 @@ def parse_horizons(text: str) -> tuple[int, ...]:
 HEAD_PAD_TF32 = 64  # agent.head_pad=0 under TF32: 714 -> 768 columns (docs/BENCHMARKS.md, twentieth session)
 
 
-def head_pad_multiple(head_pad: int, compute: str, kind: str = "c51", fp32_auto: int = 1) -> int:
+def head_pad_multiple(head_pad: int, compute: str, kind: str, fp32_auto: int) -> int:
     """agent.head_pad resolved: the automatic 0 is HEAD_PAD_TF32 for a C51 agent under TF32 and `fp32_auto`
     (agent.head_pad_fp32: 64 since the twenty-fifth session, 1 for a run saved before it) under fp32; 1 for PPO and
     the DT, which have no C51 head."""
