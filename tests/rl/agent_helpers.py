@@ -220,7 +220,7 @@ def check_trunk_gradient_adds_the_aux_head_then_plain_step_zeroes_it(agent, s, b
     p64 = {k: np.asarray(v, np.float64) for k, v in before.items()}
     h_on = agent.trunk.output("online").copy_to_host()
     _, cache = agent.head.forward_ref(h_on, p64)
-    dh_c51, _ = agent.head.backward_ref(agent.loss.d_logits.copy_to_host(), cache, p64)
+    dh_c51, _ = agent.head.backward_ref(agent.logits_grad_host(), cache, p64)
     _, trunk_cache = agent.trunk.forward_ref(agent.replay.batch.obs.copy_to_host(), p64)
     _, g_ref = agent.trunk.backward_ref(dh_c51 + d_out @ before[prefix + "w"].T, trunk_cache, p64)
     grads = agent.store.to_host("grads")

@@ -490,3 +490,67 @@ def test_agent_with_the_value_stream_fused_trains_as_unfused():
     # the ensemble's extra heads are laid out as the agent's head
     agent = tiny_agent(6, (3, 2), 4, batch_size=6, head_pad=8, head_fuse_value=True, ensemble_heads=2)
     assert [(h.padded_width, h.fused) for h in (agent.head, *agent.ens_heads)] == [(32, True), (32, True)]
+
+
+@pytest.mark.parametrize("pad_to, fuse_value", [(1, False), (8, False), (8, True)])
+def test_taken_rows_backward_gives_the_dense_bits(rng, pad_to, fuse_value):
+    """A TakenGrad (the gradient's rows at the taken actions, zero elsewhere) gives the dense d_logits' dV, dA, dh and
+    parameter gradients bit for bit, plain, padded and fused, on the first write of a step and on an accumulating
+    one; an action outside its branch is a zero row; bad shapes are refused naming the rows."""
+    seed = int(rng.integers(2**31))
+    actions = np.stack([rng.integers(0, n, BATCH) for n in SIZES], 1).astype(np.int32)
+    actions[1, 1] = SIZES[1]  # outside branch 1: a zero row
+    rows = rng.standard_normal((BATCH, len(SIZES), N_ATOMS)).astype(np.float32)
+    rows[2, 0] = -0.0  # a signed zero as the whole taken row
+    rows[1, 1] = 0.0
+    dense = np.zeros((BATCH, len(SIZES), max(SIZES), N_ATOMS), np.float32)
+    for k, n in enumerate(SIZES):
+        ok = actions[:, k] < n
+        dense[np.arange(BATCH)[ok], k, actions[ok, k]] = rows[ok, k]
+    out = []
+    for grad in (lambda: _dev(dense), lambda: c51_head.TakenGrad(_dev(rows), _dev(actions))):
+        r = np.random.default_rng(seed)
+        head = BranchedDuelingC51Head("head", HIDDEN, SIZES, N_ATOMS, V_MIN, V_MAX, pad_to=pad_to,
+                                      fuse_value=fuse_value)
+        store = ParamStore()
+        head.declare_params(store)
+        store.allocate()
+        store.init(r)
+        acts = Arena("acts")
+        head.declare_acts(acts, BATCH, "online", backward=True, outputs=("logits",))
+        acts.allocate()
+        head.forward(_dev(r.standard_normal((BATCH, HIDDEN)).astype(np.float32)), stream(), tag="online")
+        store.begin_step()
+        dh1 = _host(head.backward(grad(), stream(), tag="online"))
+        dh2 = _host(head.backward(grad(), stream(), tag="online"))  # the second write adds
+        d_value, d_adv = head.pass_views("online", grads=True)
+        out.append({"dh1": dh1, "dh2": dh2, "d_value": _host(d_value), "d_adv": _host(d_adv),
+                    **store.to_host("grads")})
+    for k in out[0]:
+        assert out[0][k].tobytes() == out[1][k].tobytes(), k
+    with pytest.raises(ValueError, match="taken rows have shape"):
+        head.backward(c51_head.TakenGrad(_dev(rows[:, :2]), _dev(actions)), stream(), tag="online")
+    with pytest.raises(ValueError, match="taken actions"):
+        head.backward(c51_head.TakenGrad(_dev(rows), _dev(actions[:, :2])), stream(), tag="online")
+
+
+def test_agent_writes_the_taken_rows_when_the_c51_loss_is_alone():
+    """Through the agent: with the C51 loss alone at the logits the step runs the taken rows (TakenGrad), and three
+    train steps give the dense path's parameters, targets and gradients bit for bit; a CQL term (which adds at
+    every action) keeps the dense gradient."""
+    from agent_helpers import aux_steps, fill_replay, tiny_agent
+
+    snaps = []
+    for taken in (True, False):
+        agent = tiny_agent(6, (3, 2), 4, batch_size=6)
+        assert agent._taken_grad()
+        if not taken:
+            agent._taken_grad = lambda: False
+        fill_replay(agent, np.random.default_rng(3))
+        aux_steps(agent, stream())
+        snaps.append({f"{role}:{k}": v for role in ("params", "target", "grads")
+                      for k, v in agent.store.to_host(role).items()})
+    for k, v in snaps[0].items():
+        assert v.tobytes() == snaps[1][k].tobytes(), k
+    assert any(np.any(v != 0) for k, v in snaps[0].items() if k.startswith("grads:head.adv"))
+    assert not tiny_agent(6, (3, 2), 4, batch_size=6, cql_alpha=0.1)._taken_grad()

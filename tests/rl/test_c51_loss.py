@@ -399,3 +399,34 @@ def test_loss_reduce_kernel_order_and_tails(rng, n_branches):
         assert np.array_equal(_host(per_sample), expected), use_weights
         w = weights.astype(np.float64) if use_weights else 1.0
         _close(_host(loss)[0], np.mean(w * ce.astype(np.float64).mean(axis=1)), what=f"loss (weights {use_weights})")
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_taken_rows_are_the_dense_gradient_rows(rng, entropy):
+    """taken_grad=True writes d_taken = d_logits at the taken actions bit for bit (zeros for an action outside its
+    branch) and the same loss, per-sample values and taken probabilities, without touching d_logits; the loss
+    contract's "logits_taken" asks for it, and asking for both forms is refused."""
+    batch = 6
+    inputs, weights = _loss_inputs(rng, batch)
+    inputs["actions"][3, 2] = SIZES[2]  # outside branch 2
+    dev = {k: _dev(v) for k, v in inputs.items()}
+    losses = [c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX, entropy_reg=entropy) for _ in range(2)]
+    for loss, taken in zip(losses, (False, True)):
+        if entropy:
+            loss.set_entropy_beta(0.4)
+        loss(stream=stream(), weights=_dev(weights), taken_grad=taken, **dev)
+    dense, rows = _host(losses[0].d_logits), _host(losses[1].d_taken)
+    a = inputs["actions"]
+    for k, n in enumerate(SIZES):
+        for b in range(batch):
+            want = dense[b, k, a[b, k]] if a[b, k] < n else np.zeros(N_ATOMS, np.float32)
+            assert rows[b, k].tobytes() == want.tobytes(), (b, k)
+    assert np.all(_host(losses[1].d_logits) == 0.0)  # the dense buffer: untouched (the arena's zeros)
+    for name in ("loss", "per_sample", "ce", "lse", "target_dist") + (("taken_probs", "entropy") if entropy else ()):
+        assert _host(losses[0].arena[name]).tobytes() == _host(losses[1].arena[name]).tobytes(), name
+    d = _cuda.device_array((batch, len(SIZES), N_ATOMS), np.float32)
+    x = {"logits" if k == "online_logits" else k: v for k, v in dev.items()}
+    losses[0].apply({**x, "weights": _dev(weights)}, {"logits_taken": d}, stream())
+    assert _host(d).tobytes() == rows.tobytes()
+    with pytest.raises(KeyError, match="not both"):
+        losses[0].apply(x, {"logits_taken": d, "logits": losses[0].d_logits}, stream())

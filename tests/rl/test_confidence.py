@@ -240,7 +240,7 @@ def test_agent_confidence_adds_to_the_trunk_gradient(rng):
     obs = agent.replay.batch.obs.copy_to_host()
     h, trunk_cache = agent.trunk.forward_ref(obs, params)
     _, c51_cache = agent.head.forward_ref(h, params)
-    dh_c51, _ = agent.head.backward_ref(agent.loss.d_logits.copy_to_host(), c51_cache, params)
+    dh_c51, _ = agent.head.backward_ref(agent.logits_grad_host(), c51_cache, params)
     _, conf_cache = agent.conf_head.forward_ref(h, params)
     dh_conf, _ = agent.conf_head.backward_ref(agent.conf_loss.grad("logits").copy_to_host(), conf_cache, params)
     _, g_sum = agent.trunk.backward_ref(dh_c51 + dh_conf, trunk_cache, params)

@@ -213,7 +213,7 @@ def test_train_step_matches_reference_finite_differences_and_torch(rng):
     # the trunk's dh = the C51 head's (its own d_logits) + the extra heads', in that order (the gradient ledger)
     main = agent.head.param_names
     dh_main = head_backward_ref(h, params[main["w_value"]], params[main["w_adv"]],
-                                agent.loss.d_logits.copy_to_host(), SIZES)["dh"]
+                                agent.logits_grad_host(), SIZES)["dh"]
     dh = agent.aux_state["dh"].copy_to_host()
     np.testing.assert_allclose(dh, dh_main + dh_extra, rtol=1e-4, atol=1e-6)
     # ensemble_std: the batch mean of the heads' std of Q at the taken direction

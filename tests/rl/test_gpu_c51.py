@@ -83,7 +83,9 @@ class Learner:
     # what each pass needs in a train step (all outputs everywhere when full_outputs)
     OUTPUTS = {"online": ("logits",), "next": ("q",), "target": ("probs",)}
 
-    def __init__(self, rng, batch=BATCH, trunk=True, full_outputs=False, pad_to=1, fuse_value=False, compute="fp32"):
+    def __init__(self, rng, batch=BATCH, trunk=True, full_outputs=False, pad_to=1, fuse_value=False, compute="fp32",
+                 taken=False):
+        self.taken = taken  # the loss's gradient as its taken rows (TakenGrad), as the agent runs it alone
         self.store = ParamStore()
         self.trunk = Mlp("trunk", STATE_DIM, WIDTHS, "relu", compute=compute) if trunk else None
         hidden = WIDTHS[-1] if trunk else STATE_DIM
@@ -120,8 +122,9 @@ class Learner:
         nxt = net(b["next_obs"], "next")
         target = net(b["next_obs"], "target", role="target")
         self.loss(online.logits, b["actions"], nxt.q, target.probs, b["rewards"], b["dones"], b["discounts"], s,
-                  weights=b["weights"])
-        dh = self.head.backward(self.loss.d_logits, s, tag="online")
+                  weights=b["weights"], taken_grad=self.taken)
+        grad = c51_head.TakenGrad(self.loss.d_taken, b["actions"]) if self.taken else self.loss.d_logits
+        dh = self.head.backward(grad, s, tag="online")
         if self.trunk is not None:
             self.trunk.backward(dh, s, tag="online")
 
@@ -230,6 +233,23 @@ def test_two_runs_bitwise_identical(rng, pad):
         learner.upload(_batch(r))
         learner.step(stream())
         snaps.append(_snapshot(learner))
+    _assert_bitwise(*snaps)
+
+
+@pytest.mark.parametrize("pad", [1, "64f", "64ft"])
+def test_taken_rows_give_the_dense_gradient_bits(rng, pad):
+    """The loss's taken rows and the head's TakenGrad backward (the agent's path when the C51 loss is alone at the
+    logits) against the dense d_logits: every parameter gradient and the loss bit for bit at the real size."""
+    seed = int(rng.integers(2**31))
+    snaps = []
+    for taken in (False, True):
+        r = np.random.default_rng(seed)
+        learner = Learner(r, taken=taken, **_layout(pad))
+        learner.upload(_batch(r))
+        learner.step(stream())
+        snap = _snapshot(learner)
+        snap.pop("d_logits")
+        snaps.append(snap)
     _assert_bitwise(*snaps)
 
 

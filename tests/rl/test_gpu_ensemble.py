@@ -89,7 +89,7 @@ def test_losses_gradients_and_dh_match_reference_at_real_size(rng):
             _close(grads[head.param_names[key]], g[gkey])
         dh_extra += g["dh"]
     main = agent.head.param_names
-    dh_main = head_backward_ref(h, params[main["w_value"]], params[main["w_adv"]], agent.loss.d_logits.copy_to_host(),
+    dh_main = head_backward_ref(h, params[main["w_value"]], params[main["w_adv"]], agent.logits_grad_host(),
                                 SIZES)["dh"]
     _close(agent.aux_state["dh"].copy_to_host(), dh_main + dh_extra)
     q0 = head_forward_ref(h, *[params[main[k]] for k in KEYS], SIZES, support)[2]

@@ -76,7 +76,7 @@ def test_agent_heads_read_the_dropped_features_and_the_trunk_gradient_is_masked(
     # the C51 head read h' (its online logits are the reference's on h'), the trunk's gradient is dh ⊙ s
     out, cache = agent.head.forward_ref(h_drop, before)
     assert_close(agent.head.outputs("online").logits.copy_to_host(), out.logits, 1e-5, 1e-4)
-    dh, _ = agent.head.backward_ref(agent.loss.d_logits.copy_to_host(), cache, before)
+    dh, _ = agent.head.backward_ref(agent.logits_grad_host(), cache, before)
     _, trunk_cache = agent.trunk.forward_ref(agent.replay.batch.obs.copy_to_host(), before)
     _, g_ref = agent.trunk.backward_ref(dh * scale, trunk_cache, before)
     grads = agent.store.to_host("grads")

@@ -204,7 +204,7 @@ from numbarl.rl.losses.quantile_huber import (  # IQN (agent.iqn)
 )
 from numbarl.rl.nets.base import ParamStore
 from numbarl.rl.nets.bottleneck import parse_bottleneck  # agent.input_bottleneck
-from numbarl.rl.nets.c51_head import BranchedDuelingC51Head
+from numbarl.rl.nets.c51_head import BranchedDuelingC51Head, TakenGrad, taken_rows_dense_ref
 from numbarl.rl.nets.confidence import ConfidenceHead  # agent.confidence_weight
 from numbarl.rl.nets.icm import Icm  # ICM (agent.curiosity_weight)
 from numbarl.rl.nets.iql_value import IqlValueHead  # IQL (agent.iql)
@@ -1633,8 +1633,9 @@ class DQNAgent(Agent):
                   "rewards": self._rewards(), "dones": batch.done, "discounts": batch.discount,
                   "next_mask": batch.next_mask if cfg.lock_aware_target else None,  # the env's mask of next_obs
                   "weights": batch.weight if self.replay.normalize_weights else None}  # E6/E8 loss weights
-        if self.mh is None:
-            self.loss.apply(inputs, {"logits": self.loss.d_logits}, stream, ledger=self.store)
+        if self.mh is None:  # alone at the logits: the taken rows of its gradient (the head's TakenGrad)
+            grads = {"logits_taken": self.loss.d_taken} if self._taken_grad() else {"logits": self.loss.d_logits}
+            self.loss.apply(inputs, grads, stream, ledger=self.store)
         else:  # multi-horizon C51: the n_step loss writes d_logits, the other horizons add (regime-blended)
             self.mh.apply({"logits": inputs["logits"], "actions": batch.action, "obs": batch.obs,
                            "horizons": self._mh_inputs(inputs), "weights": inputs["weights"]},
@@ -1667,6 +1668,27 @@ class DQNAgent(Agent):
                                ledger=self.store)
 
     # BACKWARD (d logits → head → trunk)
+    def _taken_grad(self) -> bool:
+        """Whether the C51 loss is the only writer of the logits' gradient this step (no multi-horizon blend, no
+        CQL term, no E7 margin loss): its gradient is then zero off the taken actions, and the loss writes the
+        taken rows alone (`TakenGrad`, the same bits in the head's backward without the dense array)."""
+        margin = self.feedback is not None and getattr(self.feedback, "margin", None) is not None
+        return self.mh is None and self.cql is None and not margin
+
+    def _head_grad(self):
+        """The C51 head's output gradient as the loss wrote it: a TakenGrad, or the dense d_logits."""
+        if self._taken_grad():
+            return TakenGrad(self.loss.d_taken, self.replay.batch.action)
+        return self.loss.d_logits
+
+    def logits_grad_host(self) -> np.ndarray:
+        """The C51 head's last ∂L/∂logits as a dense host array [B, n_branches, max_actions, Z] (its taken rows
+        expanded when the loss wrote those): references and tests."""
+        grad = self._head_grad()
+        if isinstance(grad, TakenGrad):
+            return taken_rows_dense_ref(grad.rows.copy_to_host(), grad.actions.copy_to_host(), self.branch_sizes)
+        return grad.copy_to_host()
+
     def _aux_heads(self) -> list:
         """[(head, its output gradient, its parameter gradients)] of the auxiliary heads on the
         trunk (IQN, IQL, confidence, the ensemble's extra heads, the predictive-coding predictor), in the order
@@ -1696,7 +1718,7 @@ class DQNAgent(Agent):
         stale gradient reaches Adam) and the backward is the plain one."""
         heads = self._aux_heads()
         if heads and self._aux:
-            dh = self.head.backward(self.loss.d_logits, stream, tag="online", dx_out=self.aux_state["dh"])
+            dh = self.head.backward(self._head_grad(), stream, tag="online", dx_out=self.aux_state["dh"])
             for head, grad, _ in heads:
                 head.backward(grad, stream, tag="online", dx_out=dh)
             self._trunk_backward(dh, stream)
@@ -1704,7 +1726,7 @@ class DQNAgent(Agent):
         for _, _, grads in heads:
             for g in grads:
                 elementwise.fill(g, 0.0, stream)
-        dh = self.head.backward(self.loss.d_logits, stream, tag="online")
+        dh = self.head.backward(self._head_grad(), stream, tag="online")
         self._trunk_backward(dh, stream)
 
     def _trunk_backward(self, dh, stream):

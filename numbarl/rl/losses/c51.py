@@ -79,7 +79,8 @@ divides an index, 64-bit integer division being slow on the GPU):
     its non-zero terms: O(Z) instead of Z², same sums), the log-sum-exp of the taken action's
     logits and CE[b, k];
   * `c51_grad_kernel`, elementwise over d_logits: coalesced stores of the gradient row and of the
-    zeros (other actions, padding);
+    zeros (other actions, padding); or `c51_taken_grad_kernel`, the taken rows alone (d_taken, for a
+    caller whose only logits loss is this one: the head's TakenGrad backward gives the same bits);
   * `c51_loss_reduce_kernel`, ONE block: per-sample means over branches and the scalar loss, by a
     fixed strided order then a fixed shared-memory tree: the same inputs give the same bits on
     every run (no atomics).
@@ -580,6 +581,38 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
         entropy[b, k] = h
 
 
+@_cuda.jit(device=True)
+def _grad_row_dev(online_logits, b, k, taken, log_norm, target_dist, scale, use_entropy, ent_scale, h, taken_probs,
+                  out_row, lane):
+    """The taken action's gradient row of (b, k), lanes along z from `lane`: out_row[z] = scale · (softmax_z - m_z)
+    (+ the entropy term, taken_probs[b, k, z] = p_z with use_entropy)."""
+    n_atoms = np.uint64(target_dist.shape[2])
+    z = lane
+    if use_entropy != 0:
+        while z < n_atoms:
+            logp = online_logits[b, k, taken, z] - log_norm
+            p = math.exp(logp)
+            taken_probs[b, k, z] = p
+            out_row[z] = scale * (p - target_dist[b, k, z]) + ent_scale * p * (logp + h)
+            z += _EW_ATOMS
+    else:
+        while z < n_atoms:
+            out_row[z] = scale * (math.exp(online_logits[b, k, taken, z] - log_norm) - target_dist[b, k, z])
+            z += _EW_ATOMS
+
+
+@_cuda.jit(device=True)
+def _grad_scales_dev(b, weights, use_weights, grad_scale, use_entropy, entropy_beta):
+    """(grad_scale · w_b, grad_scale · β) of sample b (w_b = 1 without weights, β = 0 without the entropy term)."""
+    scale = grad_scale
+    if use_weights != 0:
+        scale = grad_scale * weights[b]
+    ent_scale = _ZERO
+    if use_entropy != 0:
+        ent_scale = grad_scale * entropy_beta[0]
+    return scale, ent_scale
+
+
 @_cuda.jit(cache=True)
 def c51_grad_kernel(online_logits, actions, branch_sizes, target_dist, lse, weights, use_weights, grad_scale,
                     d_logits, use_entropy, entropy_beta, entropy, taken_probs):
@@ -598,46 +631,61 @@ def c51_grad_kernel(online_logits, actions, branch_sizes, target_dist, lse, weig
     max_actions = np.uint64(d_logits.shape[2])
     n_atoms = np.uint64(d_logits.shape[3])
     lane = np.uint64(_cuda.threadIdx.x)
-    scale = grad_scale
-    if use_weights != 0:
-        scale = grad_scale * weights[b]
-    ent_scale = _ZERO
-    if use_entropy != 0:
-        ent_scale = grad_scale * entropy_beta[0]
+    scale, ent_scale = _grad_scales_dev(b, weights, use_weights, grad_scale, use_entropy, entropy_beta)
     k = _U0
     while k < n_branches:
         taken_signed = actions[b, k]
         valid = taken_signed >= 0 and taken_signed < branch_sizes[k]
         taken = np.uint64(taken_signed) if valid else max_actions
-        log_norm = lse[b, k]
         h = _ZERO
         if use_entropy != 0:
             h = entropy[b, k]
             if not valid:
-                z = lane
-                while z < n_atoms:
-                    taken_probs[b, k, z] = _ZERO
-                    z += _EW_ATOMS
+                _zero_row_dev(taken_probs[b, k], n_atoms, lane)
         a = _U0
         while a < max_actions:
-            z = lane
             if a == taken:
-                if use_entropy != 0:
-                    while z < n_atoms:
-                        logp = online_logits[b, k, a, z] - log_norm
-                        p = math.exp(logp)
-                        taken_probs[b, k, z] = p
-                        d_logits[b, k, a, z] = scale * (p - target_dist[b, k, z]) + ent_scale * p * (logp + h)
-                        z += _EW_ATOMS
-                else:
-                    while z < n_atoms:
-                        d_logits[b, k, a, z] = scale * (math.exp(online_logits[b, k, a, z] - log_norm) - target_dist[b, k, z])
-                        z += _EW_ATOMS
+                _grad_row_dev(online_logits, b, k, a, lse[b, k], target_dist, scale, use_entropy, ent_scale, h,
+                              taken_probs, d_logits[b, k, a], lane)
             else:
-                while z < n_atoms:
-                    d_logits[b, k, a, z] = _ZERO
-                    z += _EW_ATOMS
+                _zero_row_dev(d_logits[b, k, a], n_atoms, lane)
             a += _U1
+        k += _U1
+
+
+@_cuda.jit(device=True)
+def _zero_row_dev(row, n_atoms, lane):
+    """row[z] = 0 for z = lane, lane + EW_ATOMS, ... < n_atoms."""
+    z = lane
+    while z < n_atoms:
+        row[z] = _ZERO
+        z += _EW_ATOMS
+
+
+@_cuda.jit(cache=True)
+def c51_taken_grad_kernel(online_logits, actions, branch_sizes, target_dist, lse, weights, use_weights, grad_scale,
+                          d_taken, use_entropy, entropy_beta, entropy, taken_probs):
+    """`c51_grad_kernel`'s taken rows alone: d_taken[b, k, :] = its d_logits[b, k, actions[b, k], :] bit for bit
+    (zeros for an invalid action), taken_probs likewise; the head's `TakenGrad` backward reads them instead of
+    the dense d_logits, whose other rows are zeros. Same launch shape and lanes."""
+    b = np.uint64(_cuda.blockIdx.x) * _EW_ROWS + np.uint64(_cuda.threadIdx.y)
+    if b >= np.uint64(d_taken.shape[0]):
+        return
+    n_branches = np.uint64(d_taken.shape[1])
+    n_atoms = np.uint64(d_taken.shape[2])
+    lane = np.uint64(_cuda.threadIdx.x)
+    scale, ent_scale = _grad_scales_dev(b, weights, use_weights, grad_scale, use_entropy, entropy_beta)
+    k = _U0
+    while k < n_branches:
+        taken_signed = actions[b, k]
+        if taken_signed >= 0 and taken_signed < branch_sizes[k]:
+            h = entropy[b, k] if use_entropy != 0 else _ZERO
+            _grad_row_dev(online_logits, b, k, np.uint64(taken_signed), lse[b, k], target_dist, scale, use_entropy,
+                          ent_scale, h, taken_probs, d_taken[b, k], lane)
+        else:
+            _zero_row_dev(d_taken[b, k], n_atoms, lane)
+            if use_entropy != 0:
+                _zero_row_dev(taken_probs[b, k], n_atoms, lane)
         k += _U1
 
 
@@ -762,6 +810,9 @@ class C51Loss(Loss):
                 weights=None)
         head.backward(loss_fn.d_logits, stream, tag="online")
         loss_fn.loss          # device float32 [1]
+        # or, when no other loss adds into the logits' gradient: its taken rows alone (the same bits downstream)
+        loss_fn(..., stream, taken_grad=True)
+        head.backward(TakenGrad(loss_fn.d_taken, actions), stream, tag="online")
         loss_fn.per_sample    # device float32 [B] (unweighted, for priorities)
 
     `support` and `branch_sizes` must match the head's (`C51Loss.for_head(head, batch)`).
@@ -788,6 +839,7 @@ class C51Loss(Loss):
 
         arena = Arena("c51_loss")
         arena.add("d_logits", (self.batch, self.n_branches, self.max_actions, self.n_atoms), np.float32)
+        arena.add("d_taken", (self.batch, self.n_branches, self.n_atoms), np.float32)  # its taken rows alone
         arena.add("ce", (self.batch, self.n_branches), np.float32)
         arena.add("target_dist", (self.batch, self.n_branches, self.n_atoms), np.float32)
         arena.add("lse", (self.batch, self.n_branches), np.float32)
@@ -848,14 +900,27 @@ class C51Loss(Loss):
 
     name = "c51"
     inputs = ("logits", "actions", "next_q", "target_probs", "rewards", "dones", "discounts")
-    grad_inputs = ("logits",)
+    # "logits": the dense ∂L/∂logits; "logits_taken": its rows at the taken actions (`d_taken`, every other row
+    # being zero), for a caller whose head takes a TakenGrad and whose other losses add nothing at the logits
+    grad_inputs = ("logits", "logits_taken")
+    _taken_grad = False  # the form the next compute() writes (apply sets it from the gradients asked for)
+
+    def apply(self, x: dict, grads: dict, stream, weight: float = 1.0, ledger=None) -> None:
+        if "logits" in grads and "logits_taken" in grads:
+            raise KeyError(f"{self.name}: ask for the logits' gradient dense ('logits') or as its taken rows "
+                           "('logits_taken'), not both")
+        self._taken_grad = "logits_taken" in grads
+        try:
+            super().apply(x, grads, stream, weight=weight, ledger=ledger)
+        finally:
+            self._taken_grad = False
 
     def compute(self, x: dict, stream) -> None:
         self(x["logits"], x["actions"], x["next_q"], x["target_probs"], x["rewards"], x["dones"], x["discounts"],
-             stream, weights=x.get("weights"), next_mask=x.get("next_mask"))
+             stream, weights=x.get("weights"), next_mask=x.get("next_mask"), taken_grad=self._taken_grad)
 
     def grad(self, name: str):
-        return self.d_logits
+        return self.d_taken if name == "logits_taken" else self.d_logits
 
     @classmethod
     def for_head(cls, head, batch: int, entropy_reg: bool = False, adaptive_support: bool = False) -> "C51Loss":
@@ -867,6 +932,12 @@ class C51Loss(Loss):
     def d_logits(self):
         """∂loss/∂online_logits, float32 [B, n_branches, max_actions, Z] (the head's backward input)."""
         return self.arena["d_logits"]
+
+    @property
+    def d_taken(self):
+        """The rows of ∂loss/∂online_logits at the taken actions, float32 [B, n_branches, Z] (zeros for an action
+        outside its branch); written instead of d_logits by a call with taken_grad=True."""
+        return self.arena["d_taken"]
 
     @property
     def ce(self):
@@ -904,10 +975,12 @@ class C51Loss(Loss):
         return self.arena["entropy_beta"]
 
     def __call__(self, online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
-                 weights=None, next_mask=None) -> None:
+                 weights=None, next_mask=None, taken_grad: bool = False) -> None:
         """Enqueue loss + d_logits (three launches; no allocation, copy or sync: capturable).
         `next_mask`: uint8 [B, n_branches, max_actions], the env's action mask of each next_obs (e.g.
-        ReplayBatch.next_mask): the double-DQN argmax is then over the actions it allows."""
+        ReplayBatch.next_mask): the double-DQN argmax is then over the actions it allows.
+        taken_grad: write the gradient's taken rows into d_taken instead of the dense d_logits (which is then
+        left as it was): a [B, n_branches, Z] write instead of [B, n_branches, max_actions, Z]."""
         b, nb, na, nz = self.batch, self.n_branches, self.max_actions, self.n_atoms
         _check("online_logits", online_logits, (b, nb, na, nz), _F32)
         _check("target_probs", target_probs, (b, nb, na, nz), _F32)
@@ -930,9 +1003,10 @@ class C51Loss(Loss):
             np.int32(next_mask is not None), self.arena["support_scalars"], target_dist, lse, self.ce,
             np.int32(self.entropy_reg), self.entropy, np.int32(self.adaptive_support), self._support_mode,
             self.arena["best_action"])
-        c51_grad_kernel[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
+        grad = c51_taken_grad_kernel if taken_grad else c51_grad_kernel
+        grad[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
-            self.grad_scale, self.d_logits, np.int32(self.entropy_reg), self.entropy_beta, self.entropy,
-            self.taken_probs)
+            self.grad_scale, self.d_taken if taken_grad else self.d_logits, np.int32(self.entropy_reg),
+            self.entropy_beta, self.entropy, self.taken_probs)
         c51_loss_reduce_kernel[1, REDUCE_BLOCK, stream](
             self.ce, weights, use_weights, self.inv_branches, self.inv_batch, self.per_sample, self.loss)

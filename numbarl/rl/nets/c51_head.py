@@ -654,6 +654,43 @@ def dueling_backward_kernel(d_logits, branch_sizes, branch_offsets, branch_inv_s
 
 
 @_cuda.jit(cache=True)
+def dueling_backward_taken_kernel(rows, actions, branch_sizes, branch_offsets, branch_inv_sizes, d_value, d_adv):
+    """`dueling_backward_kernel`'s dV and dA, bit for bit, from the taken rows alone (`TakenGrad`: d_logits zero at
+    every other action): per branch, Σ_a d_logits[b, k, a, z] is 0 + g (the zeros add exactly), every action's dA
+    is its entry less that sum's mean, and the taken action's entry is g. Reads [B, n_branches, Z] instead of
+    [B, n_branches, max_actions, Z]. An action outside its branch (a zero row) matches no column. Thread (z, b),
+    grid ceil(B / EW_ROWS), block (EW_ATOMS, EW_ROWS); uint64 indices."""
+    b = np.uint64(_cuda.blockIdx.x) * _EW_ROWS + np.uint64(_cuda.threadIdx.y)
+    if b >= np.uint64(rows.shape[0]):
+        return
+    n_branches = np.uint64(rows.shape[1])
+    n_atoms = np.uint64(rows.shape[2])
+    z = np.uint64(_cuda.threadIdx.x)
+    while z < n_atoms:
+        dv = _ZERO
+        k = _U0
+        while k < n_branches:
+            n_actions = np.uint64(branch_sizes[k])
+            taken_signed = actions[b, k]
+            taken = n_actions  # matches no action
+            if taken_signed >= 0 and taken_signed < branch_sizes[k]:
+                taken = np.uint64(taken_signed)
+            g = rows[b, k, z]
+            s = _ZERO + g  # the dense sum: 0, then the zeros and g in action order
+            dv += s
+            mean = s * branch_inv_sizes[k]
+            col = np.uint64(branch_offsets[k]) * n_atoms + z
+            a = _U0
+            while a < n_actions:
+                d_adv[b, col] = (g if a == taken else _ZERO) - mean
+                col += n_atoms
+                a += _U1
+            k += _U1
+        d_value[b, z] = dv
+        z += _EW_ATOMS
+
+
+@_cuda.jit(cache=True)
 def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col):
     """w_dst[r, dst_col + j] = w_src[r, src_col + j] and b_dst[dst_col + j] = b_src[src_col + j] for j < cols
     (uint64): a padded layer's weight and bias into its zero-padded copy, or a padded gradient back; the other
@@ -677,6 +714,16 @@ def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col):
 # launchers and the layer
 # ---------------------------------------------------------------------------------------------
 OUTPUTS = ("logits", "probs", "q")
+
+
+class TakenGrad(NamedTuple):
+    """The head's logits gradient when it is zero at every action but the taken one (the C51 loss alone, without
+    a loss that adds at other actions): rows [B, n_branches, Z] = ∂L/∂logits[b, k, actions[b, k], :], actions
+    [B, n_branches] int32/int64 (one outside its branch: a zero row, the dense gradient's all-zero block).
+    `BranchedDuelingC51Head.backward` takes it in place of d_logits and gives the same bits without the dense
+    [B, n_branches, max_actions, Z] array (`C51Loss`'s "logits_taken" gradient)."""
+    rows: object
+    actions: object
 
 
 class C51Outputs(NamedTuple):
@@ -860,14 +907,21 @@ class BranchedDuelingC51Head(Module):
         return w_pad, b_pad
 
     def backward_impl(self, c: Ctx, d_logits, dh):
-        """dV, dA from d_logits [B, n_branches, max_actions, Z]; the four gradients by the gradient
-        rule; dh = dV·W_vᵀ + dA·W_aᵀ into `dh` (the second GEMM accumulates; fused, one GEMM)."""
-        expected = (c.batch, self.n_branches, self.max_actions, self.n_atoms)
-        if tuple(d_logits.shape) != expected:
-            raise ValueError(f"{self.name}.backward: d_logits has shape {tuple(d_logits.shape)}, expected {expected}")
+        """dV, dA from d_logits [B, n_branches, max_actions, Z] or a `TakenGrad` (its taken rows, the same bits);
+        the four gradients by the gradient rule; dh = dV·W_vᵀ + dA·W_aᵀ into `dh` (the second GEMM
+        accumulates; fused, one GEMM)."""
+        taken = isinstance(d_logits, TakenGrad)
+        expected = (c.batch, self.n_branches) + ((self.n_atoms,) if taken else (self.max_actions, self.n_atoms))
+        got = tuple((d_logits.rows if taken else d_logits).shape)
+        if got != expected:
+            what = "the taken rows" if taken else "d_logits"
+            raise ValueError(f"{self.name}.backward: {what} have shape {got}, expected {expected}")
         h = c.x()
         d_value, d_adv = self.pass_views(c.tag, grads=True)
-        dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)  # d_adv's pad columns stay zero
+        if taken:  # d_adv's pad columns stay zero
+            dueling_backward_taken(d_logits, self.layout, d_value, d_adv, c.stream)
+        else:
+            dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)
         if not self.fused:
             linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
         betas = {key: c.beta(key) for key in ("w_adv", "b_adv") + (("w_value", "b_value") if self.fused else ())}
@@ -1053,6 +1107,33 @@ def copy_cols(w_src, b_src, w_dst, b_dst, stream, src_col: int = 0, dst_col: int
     blocks, threads = elementwise.stride_launch((rows + 1) * cols)
     copy_cols_kernel[blocks, threads, stream](w_src, b_src, w_dst, b_dst, np.uint64(cols), np.uint64(src_col),
                                               np.uint64(dst_col))
+
+
+def taken_rows_dense_ref(rows, actions, branch_sizes) -> np.ndarray:
+    """The dense d_logits [B, n_branches, max_actions, Z] a TakenGrad stands for (host arrays): its rows at the taken
+    actions, zeros elsewhere (an action outside its branch: none)."""
+    rows, actions = np.asarray(rows), np.asarray(actions)
+    dense = np.zeros(rows.shape[:2] + (max(branch_sizes),) + rows.shape[2:], rows.dtype)
+    for k, n in enumerate(branch_sizes):
+        ok = (actions[:, k] >= 0) & (actions[:, k] < n)
+        dense[np.flatnonzero(ok), k, actions[ok, k]] = rows[ok, k]
+    return dense
+
+
+def dueling_backward_taken(grad: TakenGrad, layout: Arena, d_value, d_adv, stream) -> None:
+    """dV [B, Z] and dA [B, ΣA·Z] from the taken rows (`TakenGrad`): `dueling_backward`'s bits."""
+    rows, actions = grad
+    batch, n_branches, n_atoms = rows.shape
+    _check("taken rows", rows, rows.shape)
+    _check("d_value", d_value, (batch, n_atoms))
+    _check("d_adv", d_adv, (batch, d_adv.shape[1]))
+    if tuple(actions.shape) != (batch, n_branches) or np.dtype(actions.dtype) not in (np.int32, np.int64):
+        raise ValueError(f"c51 head: taken actions {tuple(actions.shape)} {actions.dtype}, expected "
+                         f"({batch}, {n_branches}) int32/int64")
+    if layout["branch_sizes"].shape[0] != n_branches:
+        raise ValueError(f"c51 head: layout has {layout['branch_sizes'].shape[0]} branches, the rows have {n_branches}")
+    dueling_backward_taken_kernel[max(1, -(-batch // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
+        rows, actions, layout["branch_sizes"], layout["branch_offsets"], layout["branch_inv_sizes"], d_value, d_adv)
 
 
 def dueling_backward(d_logits, layout: Arena, d_value, d_adv, stream) -> None:
