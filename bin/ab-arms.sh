@@ -54,8 +54,10 @@ ALL="$T --set agent.iqn=true --set agent.risk_budget=true --set agent.iql=true -
 # default preset's training since the twenty-fifth session: its base runs, the rule applied by rescoring)
 # twenty-fifth: d25nm ("$NM": today's default, padded fp32 head and the rule, on a null market per seed) and e10nm
 # ("$OLD32 $NM"), seeds 0-9 (SEEDS=0,1,2,3,4,5,6,7,8,9)
+# twenty-sixth: d25 ("d25: ", today's default on the planted market) and pt25 ("$PT $RW32": the temporal preset as
+# users run it, its fp32 head padded), seeds 0-4
 BASE_RUNS="docs/results/2026-12-03-session15/runs-call3.tgz docs/results/2026-12-03-session16/runs-call3.tgz \
 docs/results/2026-12-03-session19/runs.tgz docs/results/2026-12-03-session20/runs.tgz \
 docs/results/2026-12-03-session21/runs.tgz docs/results/2026-12-03-session22/runs.tgz \
 docs/results/2026-12-03-session23/runs.tgz docs/results/2026-12-04-session24/runs.tgz \
-docs/results/2026-12-04-session25/runs.tgz"
+docs/results/2026-12-04-session25/runs.tgz docs/results/2026-12-04-session26/runs.tgz"

@@ -49,7 +49,8 @@ def test_every_option_set_resolves():
 def test_the_archived_bases_match_their_arms(tmp_path):
     """Seed 0 of each base the docs seed into grids (e10, t32b, rw, rwl10, all14x, rwlp, rwlff, rws12ffes, t32f; pt32, the `temporal` preset as
     numbarl ab runs it with --preset temporal in the arm; f32f, fp32 padded and fused; d25nm, today's default on a
-    null market per seed, and e10nm, the old default there): finished, with config.json,
+    null market per seed, and e10nm, the old default there; d25 and pt25, today's default and `temporal` as users run
+    them): finished, with config.json,
     equal to what numbarl train resolves for its arm today."""
     v = arm_sets()
     archives = [ROOT / p for p in v["BASE_RUNS"].split()]
@@ -65,7 +66,8 @@ def test_the_archived_bases_match_their_arms(tmp_path):
             ("t32f", shlex.split("--set agent.compute=tf32 --set train.deploy_min_trade_t=0")),
             ("pt32", shlex.split(f"{v['PT']} {v['RW32']} --set agent.head_pad=1")),
             ("rw32", shlex.split(f"{v['RW32']} {v['OLD32']}")), ("f32f", shlex.split("--set train.deploy_min_trade_t=0")),
-            ("d25nm", shlex.split(v["NM"])), ("e10nm", shlex.split(f"{v['OLD32']} {v['NM']}"))]
+            ("d25nm", shlex.split(v["NM"])), ("e10nm", shlex.split(f"{v['OLD32']} {v['NM']}")),
+            ("d25", []), ("pt25", shlex.split(f"{v['PT']} {v['RW32']}"))]
     for arm, _ in arms:
         assert ab._finished(tmp_path / f"{arm}-s0"), f"{arm}-s0 is not a finished run in {v['BASE_RUNS']}"
     errors, unchecked = ab.check_finished_runs(tmp_path, "default", [(a, o, [0]) for a, o in arms], [], parallel=2)

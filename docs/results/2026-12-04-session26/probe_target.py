@@ -1,7 +1,8 @@
 """Probe: where c51_target_kernel's time goes at B = 16,384, 4 branches, 51 atoms (H200). Variants of the kernel,
 each timed over 50 launches (CUDA events, median of 5): the real one; its projection alone; its log-sum-exp and
 cross-entropy alone (m read from the target row); the projection with the support in shared memory; the real one at
-32 and 64 threads per block. Writes JSON to argv[1]."""
+32, 64 and 256 threads per block; the argmax alone; the rows' loads and one store alone (no arithmetic). Writes
+JSON to argv[1]."""
 import json
 import math
 import sys
@@ -132,6 +133,34 @@ def proj_shared_support(online_logits, actions, next_q, target_probs, rewards, d
         i += _U1
 
 
+@cuda.jit
+def argmax_only(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support, branch_sizes,
+                next_mask, use_mask, ss, target_dist, lse, ce, ue, ent, ad, sm, ba):
+    b = np.uint64(cuda.blockIdx.x) * np.uint64(cuda.blockDim.x) + np.uint64(cuda.threadIdx.x)
+    k = np.uint64(cuda.blockIdx.y)
+    if b >= np.uint64(online_logits.shape[0]):
+        return
+    lse[b, k] = float32(best_dev(next_q, b, k, np.uint64(branch_sizes[k]))) + rewards[b]
+
+
+@cuda.jit
+def rows_only(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support, branch_sizes,
+              next_mask, use_mask, ss, target_dist, lse, ce, ue, ent, ad, sm, ba):
+    """Each thread reads its two rows (taken logits, a* probabilities) and writes one: the memory pattern alone."""
+    b = np.uint64(cuda.blockIdx.x) * np.uint64(cuda.blockDim.x) + np.uint64(cuda.threadIdx.x)
+    k = np.uint64(cuda.blockIdx.y)
+    if b >= np.uint64(online_logits.shape[0]):
+        return
+    best = best_dev(next_q, b, k, np.uint64(branch_sizes[k]))
+    row = online_logits[b, k, np.uint64(actions[b, k])]
+    p = target_probs[b, k, best]
+    out = target_dist[b, k]
+    i = _U0
+    while i < np.uint64(row.shape[0]):
+        out[i] = row[i] + p[i]
+        i += _U1
+
+
 def timed(kernel, block):
     grid = (-(-B // block), NB)
     for _ in range(3):
@@ -158,6 +187,8 @@ out["proj_only_128"] = timed(proj_only, 128)
 out["proj_shared_support_128"] = timed(proj_shared_support, 128)
 out["proj_shared_support_same_bits"] = bool(np.array_equal(loss.target_dist.copy_to_host(), ref_m))
 out["ce_only_128"] = timed(ce_only, 128)
+out["argmax_only_128"] = timed(argmax_only, 128)
+out["rows_only_128"] = timed(rows_only, 128)
 print(json.dumps(out, indent=1))
 with open(sys.argv[1], "w") as f:
     json.dump(out, f, indent=1)
