@@ -507,6 +507,7 @@ def test_taken_rows_backward_gives_the_dense_bits(rng, pad_to, fuse_value):
     for k, n in enumerate(SIZES):
         ok = actions[:, k] < n
         dense[np.arange(BATCH)[ok], k, actions[ok, k]] = rows[ok, k]
+    assert c51_head.taken_rows_dense_ref(rows, actions, SIZES).tobytes() == dense.tobytes()  # the agent's host view
     out = []
     for grad in (lambda: _dev(dense), lambda: c51_head.TakenGrad(_dev(rows), _dev(actions))):
         r = np.random.default_rng(seed)

@@ -1672,7 +1672,7 @@ class DQNAgent(Agent):
         """Whether the C51 loss is the only writer of the logits' gradient this step (no multi-horizon blend, no
         CQL term, no E7 margin loss): its gradient is then zero off the taken actions, and the loss writes the
         taken rows alone (`TakenGrad`, the same bits in the head's backward without the dense array)."""
-        margin = self.feedback is not None and getattr(self.feedback, "margin", None) is not None
+        margin = self.feedback is not None and self.feedback.margin is not None  # E7 adds at the logits
         return self.mh is None and self.cql is None and not margin
 
     def _head_grad(self):
