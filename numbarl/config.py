@@ -191,6 +191,12 @@ class AgentConfig:
     automatic padding, agent.head_pad = 1) has no padding columns to hold the value stream and keeps its own
     GEMM: there the default does nothing (AgentConfig.fuse_value is what runs), and `--set agent.head_fuse_value=true`
     is an error. Before the twenty-first session the default was false (config.LEGACY)."""
+    overlap: bool = True
+    """Run the train step's independent work on forked CUDA streams (one graph still): the next-obs and target
+    passes beside the online pass, and each layer's weight gradient beside the input-gradient chain of the
+    backward. Each kernel computes what it computes on one stream, so the bits are the same either way
+    (tests/rl/test_gpu_overlap.py); it applies to the plain network (MLP trunk + C51 head; a component that adds a
+    pass, a head or a second backward keeps the one-stream step: DQNAgent._plain_network)."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up of every optimizer group over this many train steps from the
     group's start (numbarl/rl/schedules.py; 0 = off)."""
@@ -612,6 +618,8 @@ class AgentConfig:
         _check("agent", "head_pad_fp32", self.head_pad_fp32, lo=1, hi=1024)
         if not isinstance(self.head_fuse_value, bool):
             raise ConfigError(f"agent.head_fuse_value = {self.head_fuse_value!r} must be true or false")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"agent.overlap = {self.overlap!r} must be true or false")
         _check("agent", "support", self.support, choices=("fixed", "fit"))
         _check("agent", "atom_entropy_source", self.atom_entropy_source, choices=("taken", "target"))
         _check("agent", "support_horizon_factor", self.support_horizon_factor, lo=0.0, hi=1e6)
@@ -1073,13 +1081,14 @@ def behaviour_fields(d: dict) -> dict:
     """A config dict with its automatic values resolved, for comparing what two configs do (numbarl ab):
     agent.head_pad 0 becomes the multiple it means (AgentConfig.head_pad_multiple: fp32's 0 is agent.head_pad_fp32,
     1 in a run saved before that field; agent.head_pad_fp32 itself then leaves the dict, since it acts only through
-    head_pad), and agent.head_fuse_value what runs (AgentConfig.fuse_value: false on an unpadded head)."""
+    head_pad), and agent.head_fuse_value what runs (AgentConfig.fuse_value: false on an unpadded head). agent.overlap
+    leaves it too: it changes which streams run the train step's kernels, not one bit of what they compute."""
     agent = d.get("agent")
     if not isinstance(agent, dict) or "head_pad" not in agent:
         return d
     pad = head_pad_multiple(agent["head_pad"], agent.get("compute", "fp32"), agent.get("kind", "c51"),
                             agent.get("head_pad_fp32", LEGACY[("agent", "head_pad_fp32")]))
-    out = {k: v for k, v in agent.items() if k != "head_pad_fp32"}  # it means something only through head_pad
+    out = {k: v for k, v in agent.items() if k not in ("head_pad_fp32", "overlap")}  # head_pad_fp32: via head_pad
     out["head_pad"] = pad
     if "head_fuse_value" in agent:
         out["head_fuse_value"] = value_fused(agent["head_fuse_value"], pad)

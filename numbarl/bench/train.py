@@ -145,11 +145,11 @@ def run(args) -> dict:
     results["head_pad"] = pads[0]
     for compute, pad in [(c, q) for c in ("fp32", "tf32") for q in pads]:
         key = compute if pad == pads[0] else f"{compute}.pad{pad}"  # the first padding is the table's row
-        q, fuse = int(pad.rstrip("u")), not pad.endswith("u")
+        q, fuse, overlap = int(pad.rstrip("us")), "u" not in pad, "s" not in pad
         if not fuse and AgentConfig(compute=compute, head_pad=q).head_pad_multiple == 1:
             continue  # an unpadded head fuses nothing (e.g. head_pad=1): the row would repeat Q's
         cfg = AgentConfig(trunk=trunk, batch_size=args.batch, replay_capacity=args.n_envs * 64, compute=compute,
-                          head_pad=q, head_fuse_value=fuse)
+                          head_pad=q, head_fuse_value=fuse, overlap=overlap)
         env = DeviceEnv(market, params, args.n_envs, seed=args.seed)
         agent = make_agent(cfg, env.state_dim, params.branch_sizes, args.n_envs, args.seed, epsilon=(1.0, 0.05, 100))
         env.reset(args.seed, s)
@@ -179,6 +179,11 @@ def run(args) -> dict:
             results[f"check.pad{pad}"] = _check_against_peer(agent, s)
         del agent, env
     return results
+
+
+# the train phases from the passes to the backward, in program order (agent.overlap runs TARGETS and ONLINE as one
+# phase, "forward")
+_TO_BACKWARD = ("targets", "online", "forward", "loss", "backward")
 
 
 def _peer_batch(agent, s):
@@ -215,8 +220,9 @@ def _check_against_peer(agent, s) -> dict:
     params = agent.store.to_host("params")
     target = agent.store.to_host("target")
     agent.store.begin_step()
-    for name in ("targets", "online", "loss", "backward"):
-        phases[name](s)
+    for name in _TO_BACKWARD:
+        if name in phases:
+            phases[name](s)
     agent.store.end_step()
     loss = float(agent.loss.loss.copy_to_host(stream=s)[0])
     grads = agent.store.to_host("grads")
@@ -303,8 +309,9 @@ def _check_against_jax(agent, s) -> dict:
         batch["next_mask"] = agent.replay.batch.next_mask.copy_to_host(stream=s)
     params, target = agent.store.to_host("params"), agent.store.to_host("target")
     agent.store.begin_step()
-    for name in ("targets", "online", "loss", "backward"):
-        phases[name](s)
+    for name in _TO_BACKWARD:
+        if name in phases:
+            phases[name](s)
     agent.store.end_step()
     loss = float(agent.loss.loss.copy_to_host(stream=s)[0])
     next_q = agent.head.outputs("next").q.copy_to_host(stream=s)
@@ -369,16 +376,18 @@ def jax_table_lines(results: dict) -> list:
 
 def head_pads(text) -> list[str]:
     """--head-pad's rows: agent.head_pad per row, with a "u" for agent.head_fuse_value = false (the value stream
-    unfused; a padded head fuses it by default), the first the table's (e.g. "0,1,8,0u": the default, which is
-    automatic and fused under TF32, unpadded, padded to a multiple of 8 and fused, the default padding unfused).
+    unfused; a padded head fuses it by default) and an "s" for agent.overlap = false (the train step on one stream),
+    the first the table's (e.g. "0,1,8,0u,0s": the default, which is automatic and fused under TF32, unpadded,
+    padded to a multiple of 8 and fused, the default padding unfused, the default on one stream).
     Before the twenty-first session a plain padded row was unfused: its bench JSON's "tf32.pad8" is another layout."""
     pads = [x.strip() for x in str(text).split(",")]
-    if not all(p.rstrip("u").isdigit() and p.count("u") <= 1 for p in pads) or len(set(pads)) != len(pads):
+    if (not all(p.rstrip("us").isdigit() and p.count("u") <= 1 and p.count("s") <= 1 for p in pads)
+            or len(set(pads)) != len(pads)):
         raise SystemExit(f"error: --head-pad takes distinct integers >= 0, each optionally followed by u "
-                         f"(the value stream unfused), comma-separated (got {text!r})")
-    if pads[0].endswith("u"):
-        raise SystemExit(f"error: --head-pad's first row is the table's, fp32 and TF32: not an unfused one "
-                         f"(got {text!r})")
+                         f"(the value stream unfused) and/or s (one stream), comma-separated (got {text!r})")
+    if pads[0].rstrip("0123456789") != "":
+        raise SystemExit(f"error: --head-pad's first row is the table's, fp32 and TF32: not an unfused or one-stream "
+                         f"one (got {text!r})")
     if "1u" in pads:
         raise SystemExit(f"error: --head-pad 1u: an unpadded head has no value stream to unfuse; 1 is the "
                          f"same row (got {text!r})")
@@ -394,7 +403,8 @@ def pad_lines(results: dict) -> list[str]:
         chk = results.get(f"check.pad{pad}", {}) if prec == "fp32" else {}  # the peer check runs in fp32 only
         peer = (f", vs PyTorch loss rel {chk['loss_relerr']:.1e} grad rel {chk['grad_relerr_max']:.1e}"
                 if chk.get("available") else "")
-        what = f"agent.head_pad={pad.rstrip('u')}" + (" head_fuse_value=false" if pad.endswith("u") else "")
+        what = (f"agent.head_pad={pad.rstrip('us')}" + (" head_fuse_value=false" if "u" in pad else "")
+                + (" overlap=false" if "s" in pad else ""))
         lines.append(f"{what} ({prec}): train {r['train_step_ms']:.3f} ms "
                      f"({r['train_step_ms'] - base['train_step_ms']:+.3f} vs head_pad={results['head_pad']}), collect "
                      f"{r['collect_step_ms']:.3f} ms ({r['collect_step_ms'] - base['collect_step_ms']:+.3f}){peer}")

@@ -337,3 +337,48 @@ def join(stream, branches) -> None:
     for b in branches:
         ev.record(b)
         ev.wait(stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# work beside a stream: what nothing later on it reads (weight gradients, statistics)
+# ---------------------------------------------------------------------------------------------
+_BESIDE: list = []  # stack of (main stream, side stream) of the open `beside` blocks
+
+
+class beside:
+    """Inside ``with beside(stream):`` each :func:`side_stream` call on `stream` returns a side stream that has
+    waited for everything enqueued on `stream` so far, for work that nothing later on `stream` inside the block
+    reads: a layer's weight gradient while `stream` goes on with the input gradient, a loss's scalar reduction,
+    the step's statistics. The block's exit joins the side stream back. All such work of the block goes to the one
+    side stream, so it stays in program order among itself (a later accumulating write of a gradient comes after
+    the first). Each kernel computes what it computed on one stream: the bits are the same. `on=False` makes the
+    block a no-op. Work on `stream` inside the block must not read what a side-stream launch writes, nor overwrite
+    what it reads (its inputs live until the join)."""
+
+    def __init__(self, stream, on: bool = True):
+        self.stream, self.on, self._pushed = stream, bool(on), False
+
+    def __enter__(self):
+        if self.on:
+            _BESIDE.append((self.stream, branch_streams(1)[0]))
+            self._pushed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._pushed:
+            _, side = _BESIDE.pop()
+            join(self.stream, [side])
+        return False
+
+
+def side_stream(stream):
+    """Where work beside `stream` goes: inside ``beside(stream)`` the side stream, after it waits for everything
+    enqueued on `stream` so far; otherwise `stream` itself."""
+    if not _BESIDE or _BESIDE[-1][0] is not stream:
+        return stream
+    side = _BESIDE[-1][1]
+    if not simulator():
+        ev = _event()
+        ev.record(stream)
+        ev.wait(side)
+    return side

@@ -555,3 +555,85 @@ def test_agent_writes_the_taken_rows_when_the_c51_loss_is_alone():
         assert v.tobytes() == snaps[1][k].tobytes(), k
     assert any(np.any(v != 0) for k, v in snaps[0].items() if k.startswith("grads:head.adv"))
     assert not tiny_agent(6, (3, 2), 4, batch_size=6, cql_alpha=0.1)._taken_grad()
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_loss_reading_the_heads_lse_gives_its_own_bits(rng, entropy):
+    """The C51 loss given the head's row log-sum-exp ("lse", what the agent passes) instead of computing it again:
+    loss, per-sample values, CE, lse, the taken rows (and the entropy terms) bit for bit, with an action outside
+    its branch; the same input is refused at the wrong shape."""
+    layout = _layout(SIZES, N_ATOMS)
+    value = (rng.standard_normal((BATCH, N_ATOMS)) * 2).astype(np.float32)
+    adv = (rng.standard_normal((BATCH, sum(SIZES) * N_ATOMS)) * 2).astype(np.float32)
+    shape = (BATCH, len(SIZES), max(SIZES), N_ATOMS)
+    logits, lse, q = (_cuda.device_array(shape, np.float32), _cuda.device_array(shape[:3], np.float32),
+                      _cuda.device_array(shape[:3], np.float32))
+    c51_head.dueling_forward(_dev(value), _dev(adv), layout, stream(), logits=logits, lse=lse, q=q)
+    target_probs = rng.random(shape).astype(np.float32)
+    target_probs /= target_probs.sum(axis=-1, keepdims=True)
+    actions = np.stack([rng.integers(0, n, BATCH) for n in SIZES], 1).astype(np.int32)
+    actions[2, 1] = SIZES[1]  # outside branch 1
+    x = {"logits": logits, "actions": _dev(actions), "next_q": q, "target_probs": _dev(target_probs),
+         "rewards": _dev(rng.uniform(-3, 3, BATCH).astype(np.float32)), "dones": _dev(np.zeros(BATCH, np.float32)),
+         "discounts": _dev(np.full(BATCH, 0.9, np.float32))}
+    losses = [c51.C51Loss(BATCH, SIZES, N_ATOMS, V_MIN, V_MAX, entropy_reg=entropy) for _ in range(2)]
+    for loss, given in zip(losses, (None, lse)):
+        if entropy:
+            loss.set_entropy_beta(0.3)
+        loss.apply({**x, "lse": given}, {"logits_taken": loss.d_taken}, stream())
+    for name in ("loss", "per_sample", "ce", "lse", "d_taken", "target_dist") + (("entropy", "taken_probs")
+                                                                                 if entropy else ()):
+        assert _host(losses[0].arena[name]).tobytes() == _host(losses[1].arena[name]).tobytes(), name
+    assert np.isnan(_host(losses[1].ce)[2, 1]) and not np.isfinite(_host(losses[1].loss)[0])
+    with pytest.raises(ValueError, match="lse has shape"):
+        losses[1].apply({**x, "lse": q[:, :2]}, {"logits_taken": losses[1].d_taken}, stream())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_select_writes_the_full_probs_rows_at_the_chosen_actions(rng, fused):
+    """dueling_forward(select=...) writes probs [B, n_branches, Z] = the full pass's probs[b, k, select[b, k]] bit
+    for bit (a zero row for an action outside its branch), separate V or V inside adv's rows; bad calls refused."""
+    layout = _layout(SIZES, N_ATOMS)
+    width = sum(SIZES) * N_ATOMS
+    value = (rng.standard_normal((BATCH, N_ATOMS)) * 2).astype(np.float32)
+    adv = (rng.standard_normal((BATCH, width + (N_ATOMS + 3 if fused else 0))) * 2).astype(np.float32)
+    if fused:
+        adv[:, width:width + N_ATOMS] = value
+    kw = {"width": width, "value_col": width} if fused else {}
+    v = None if fused else _dev(value)
+    shape = (BATCH, len(SIZES), max(SIZES), N_ATOMS)
+    full = _cuda.device_array(shape, np.float32)
+    c51_head.dueling_forward(v, _dev(adv), layout, stream(), probs=full, **kw)
+    select = np.stack([rng.integers(0, n, BATCH) for n in SIZES], 1).astype(np.int32)
+    select[1, 2], select[3, 0] = SIZES[2], -1  # outside their branches
+    rows = _cuda.device_array((BATCH, len(SIZES), N_ATOMS), np.float32)
+    c51_head.dueling_forward(v, _dev(adv), layout, stream(), probs=rows, select=_dev(select), max_actions=max(SIZES),
+                             **kw)
+    got, want = _host(rows), _host(full)
+    for b in range(BATCH):
+        for k, n in enumerate(SIZES):
+            expected = want[b, k, select[b, k]] if 0 <= select[b, k] < n else np.zeros(N_ATOMS, np.float32)
+            assert got[b, k].tobytes() == expected.tobytes(), (b, k)
+    with pytest.raises(ValueError, match="select writes probs alone"):
+        c51_head.dueling_forward(v, _dev(adv), layout, stream(), probs=rows, select=_dev(select), **kw)
+    with pytest.raises(ValueError, match="probs has shape"):
+        c51_head.dueling_forward(v, _dev(adv), layout, stream(), probs=full, select=_dev(select), max_actions=4,
+                                 **kw)
+
+
+def test_copy_cols_does_two_copies_in_one_launch(rng):
+    """copy_cols with then=: both copies land (weights and biases), every other column keeps its value; a copy that
+    does not fit is refused naming the columns."""
+    w1, b1 = rng.standard_normal((3, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    w2, b2 = rng.standard_normal((3, 2)).astype(np.float32), rng.standard_normal(2).astype(np.float32)
+    wd, bd = np.full((3, 9), 7.0, np.float32), np.full(9, 7.0, np.float32)
+    wd_d, bd_d = _dev(wd), _dev(bd)
+    c51_head.copy_cols(_dev(w1), _dev(b1), wd_d, bd_d, stream(), cols=4, src_col=1,
+                       then=c51_head.ColCopy(_dev(w2), _dev(b2), wd_d, bd_d, dst_col=6))
+    want_w, want_b = wd.copy(), bd.copy()
+    want_w[:, :4], want_b[:4] = w1[:, 1:], b1[1:]
+    want_w[:, 6:8], want_b[6:8] = w2, b2
+    assert np.array_equal(_host(wd_d), want_w) and np.array_equal(_host(bd_d), want_b)
+    with pytest.raises(ValueError, match="2 columns from 0 of 2 into 8 of 9 do not fit"):
+        c51_head.copy_cols(_dev(w1), _dev(b1), wd_d, bd_d, stream(),
+                           then=c51_head.ColCopy(_dev(w2), _dev(b2), wd_d, bd_d, dst_col=8, cols=2))

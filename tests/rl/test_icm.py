@@ -233,7 +233,7 @@ def test_agent_train_step_with_curiosity(rng):
     assert stats["icm_loss"] == pytest.approx(r["loss"], rel=1e-4) and stats["intrinsic_reward_mean"] > 0
     assert stats["intrinsic_reward_mean"] == pytest.approx(r_i.mean(), rel=1e-4, abs=1e-7)
     c51 = c51_loss_ref(agent.head.outputs("online").logits.copy_to_host(), h["actions"],
-                       agent.head.outputs("next").q.copy_to_host(), agent.head.outputs("target").probs.copy_to_host(),
+                       agent.head.outputs("next").q.copy_to_host(), agent.target_probs_host(),
                        agent.icm_loss.rewards.copy_to_host(), h["dones"], batch.discount.copy_to_host(),
                        agent.head.support_host, AGENT_SIZES)
     assert stats["loss"] == pytest.approx(c51[0], rel=1e-4)  # the projection read reward′

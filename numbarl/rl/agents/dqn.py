@@ -167,6 +167,7 @@ import math
 import numpy as np
 
 from numbarl.config import AgentConfig, ConfigError
+from numbarl.cuda import graph as cuda_graph
 from numbarl.cuda import launch, reduce
 from numbarl.cuda.kernels import (
     elementwise,  # IQN (agent.iqn): zeroed gradients on steps without it
@@ -245,6 +246,7 @@ _cuda = cuda()
 # where every simulated thread is a Python thread)
 STATS_BLOCK = launch.shape(gpu=1024, sim=32)  # H200, B = 16,384: 138 us with 256 threads, 90 us with 1024
 TERMS_BLOCK = launch.shape(gpu=256, sim=32)  # threads per block of the statistics terms (one per sample)
+STATS_ALL, STATS_SUMS, STATS_FINAL = np.int32(0), np.int32(1), np.int32(2)  # train_stats_kernel's stages
 
 # mapped stats of the agent (float32, named; numbarl.cuda.registry): the optimizer's slots are
 # copied first, at the optimizer's own numbers (numbarl.rl.optim.STAT_*)
@@ -335,12 +337,15 @@ def train_stats_terms_kernel(q, next_q, actions, index, next_index, n_envs, n_sl
 
 
 @_cuda.jit(cache=True)
-def train_stats_kernel(tq, tn, tm, tl, loss, optim_stats, train_step, stats):
+def train_stats_kernel(tq, tn, tm, tl, loss, optim_stats, train_step, stats, sums, stage):
     """Fixed-order batch statistics (one block) of the terms train_stats_terms_kernel wrote:
     Q-mean of the taken actions, mean max next Q, the mean n-step window length m (from the
     sampled slots: (next slot − slot) mod n_slots), the loss, the optimizer's slots, the share of
     samples whose double-DQN argmax skipped a direction the env's mask forbids at next_obs (0
-    unless the lock-aware target reads the masks), and the sticky non-finite flag."""
+    unless the lock-aware target reads the masks), and the sticky non-finite flag.
+    stage (agent.overlap): STATS_ALL does both parts; STATS_SUMS only the batch sums, into sums[0..3] (they need
+    the forward passes alone, so the step runs them beside the loss); STATS_FINAL only the rest, from those sums
+    (after the optimizer's step): the same operations, the same bits."""
     B = tq.shape[0]
     nb = tq.shape[1]
     sq = _cuda.shared.array(STATS_BLOCK, np.float32)
@@ -348,6 +353,10 @@ def train_stats_kernel(tq, tn, tm, tl, loss, optim_stats, train_step, stats):
     sm = _cuda.shared.array(STATS_BLOCK, np.float32)
     sl = _cuda.shared.array(STATS_BLOCK, np.float32)
     tid = _cuda.threadIdx.x
+    if stage == STATS_FINAL:
+        if tid == 0:
+            _train_stats_final_dev(sums[0], sums[1], sums[2], sums[3], loss, optim_stats, train_step, stats, B, nb)
+        return
     acc_q = _ZERO
     acc_n = _ZERO
     acc_m = _ZERO
@@ -373,28 +382,40 @@ def train_stats_kernel(tq, tn, tm, tl, loss, optim_stats, train_step, stats):
         _cuda.syncthreads()
         width //= 2
     if tid == 0:
-        inv = _ONE / np.float32(B * nb)
-        t = train_step[0] + 1
-        train_step[0] = t
-        stats[STAT_Q_MEAN] = sq[0] * inv
-        stats[STAT_Q_NEXT_MAX] = sn[0] * inv
-        stats[STAT_LOSS] = loss[0]
-        stats[STAT_GRAD_NORM] = optim_stats[STAT_GRAD_NORM]
-        stats[STAT_CLIP_SCALE] = optim_stats[STAT_CLIP_SCALE]
-        stats[STAT_LR] = optim_stats[STAT_LR]
-        stats[STAT_STEP] = optim_stats[STAT_STEP]
-        stats[STAT_SKIPPED] = optim_stats[STAT_SKIPPED]
-        stats[STAT_CLIPPED] = optim_stats[STAT_CLIPPED]
-        stats[STAT_TARGET_UPDATES] = optim_stats[STAT_TARGET_UPDATES]
-        stats[STAT_AGENT_LR_SCALE] = optim_stats[STAT_LR_SCALE]
-        stats[STAT_AGENT_TARGET_SOFT] = optim_stats[STAT_TARGET_SOFT]
-        stats[STAT_AGENT_DECAY] = optim_stats[STAT_DECAY_RATE]
-        stats[STAT_AGENT_WARMUP] = optim_stats[STAT_WARMUP_SCALE]
-        stats[STAT_AGENT_LR_RESTARTS] = optim_stats[STAT_LR_RESTARTS]
-        stats[STAT_NSTEP_LEN] = sm[0] / np.float32(B)
-        stats[STAT_LOCK_MASKED] = sl[0] / np.float32(B)
-        stats[STAT_TRAIN_STEP] = np.float32(t)
-        nonfinite_flag_dev(stats, t, loss[0], optim_stats[STAT_GRAD_NORM], STAT_NONFINITE_STEP, STAT_NONFINITE_WHAT)
+        if stage == STATS_SUMS:
+            sums[0] = sq[0]
+            sums[1] = sn[0]
+            sums[2] = sm[0]
+            sums[3] = sl[0]
+        else:
+            _train_stats_final_dev(sq[0], sn[0], sm[0], sl[0], loss, optim_stats, train_step, stats, B, nb)
+
+
+@_cuda.jit(device=True)
+def _train_stats_final_dev(sum_q, sum_n, sum_m, sum_l, loss, optim_stats, train_step, stats, B, nb):
+    """`train_stats_kernel`'s one-thread end: the means of the batch sums, the copies, the non-finite flag."""
+    inv = _ONE / np.float32(B * nb)
+    t = train_step[0] + 1
+    train_step[0] = t
+    stats[STAT_Q_MEAN] = sum_q * inv
+    stats[STAT_Q_NEXT_MAX] = sum_n * inv
+    stats[STAT_LOSS] = loss[0]
+    stats[STAT_GRAD_NORM] = optim_stats[STAT_GRAD_NORM]
+    stats[STAT_CLIP_SCALE] = optim_stats[STAT_CLIP_SCALE]
+    stats[STAT_LR] = optim_stats[STAT_LR]
+    stats[STAT_STEP] = optim_stats[STAT_STEP]
+    stats[STAT_SKIPPED] = optim_stats[STAT_SKIPPED]
+    stats[STAT_CLIPPED] = optim_stats[STAT_CLIPPED]
+    stats[STAT_TARGET_UPDATES] = optim_stats[STAT_TARGET_UPDATES]
+    stats[STAT_AGENT_LR_SCALE] = optim_stats[STAT_LR_SCALE]
+    stats[STAT_AGENT_TARGET_SOFT] = optim_stats[STAT_TARGET_SOFT]
+    stats[STAT_AGENT_DECAY] = optim_stats[STAT_DECAY_RATE]
+    stats[STAT_AGENT_WARMUP] = optim_stats[STAT_WARMUP_SCALE]
+    stats[STAT_AGENT_LR_RESTARTS] = optim_stats[STAT_LR_RESTARTS]
+    stats[STAT_NSTEP_LEN] = sum_m / np.float32(B)
+    stats[STAT_LOCK_MASKED] = sum_l / np.float32(B)
+    stats[STAT_TRAIN_STEP] = np.float32(t)
+    nonfinite_flag_dev(stats, t, loss[0], optim_stats[STAT_GRAD_NORM], STAT_NONFINITE_STEP, STAT_NONFINITE_WHAT)
 
 
 MAX_BRANCH_ACTIONS = 32  # actions per branch the diagnostics' entropy kernel counts (one thread each)
@@ -600,6 +621,12 @@ def atom_entropy_control_ref(taken_probs, u_ema: float, beta_max: float, perplex
     return u, e, beta_max * min(max((UTIL_TARGET - e) / UTIL_TARGET, 0.0), 1.0)
 
 
+# The target pass computes its probabilities at the double-DQN a* alone (BranchedDuelingC51Head.select_probs), the
+# rows the projection reads, where nothing reads the others: the same bits as the full pass (tests/rl/test_overlap.py
+# switches it off to check that).
+TARGET_AT = True
+
+
 # ---------------------------------------------------------------------------------------------
 # the agent
 # ---------------------------------------------------------------------------------------------
@@ -672,8 +699,12 @@ class DQNAgent(Agent):
         self.acts = Arena("activations")
         # each pass computes only what its consumer reads: the loss needs the online logits, the
         # double-DQN argmax the online Q on next_obs, the projection the target probabilities
+        # the target pass: the probabilities at the double-DQN a* alone (select_probs) unless a reader wants them all
+        # (adaptive atoms' step, the multi-horizon loss's n-step horizon)
+        self.target_at = TARGET_AT and not cfg.adaptive_atoms and not cfg.horizons
+        target_outputs = ("probs_at",) if self.target_at else ("probs",)
         for tag, batch, backward, outputs in (("online", B, True, ("logits", "q")), ("next", B, False, ("q",)),
-                                              ("target", B, False, ("probs",)), ("act", self.n_envs, False, ("q",)),
+                                              ("target", B, False, target_outputs), ("act", self.n_envs, False, ("q",)),
                                               ("eval", int(eval_batch), False, ("q",)),
                                               ("diag", B, False, ("q",))):  # diagnostics: target net on obs
             # ICM with agent.curiosity_trunk_grad: the inverse loss's ∂L/∂φ(next_obs) runs the trunk's backward on "next"
@@ -858,6 +889,7 @@ class DQNAgent(Agent):
         self.stats_terms.add("tn", (B, self.n_branches), np.float32)
         self.stats_terms.add("tm", (B,), np.float32)
         self.stats_terms.add("tl", (B,), np.float32)
+        self.stats_terms.add("sums", (4,), np.float32)  # their batch sums (agent.overlap: computed beside the loss)
         self.stats_terms.allocate()
         self.diag = Arena("agent.diagnostics")
         self.diag.add("atom_sums", (cfg.n_atoms,), np.float32)
@@ -913,6 +945,7 @@ class DQNAgent(Agent):
         # --- spectral norm + CVaR gate (agent.spectral_norm, agent.cvar_alpha) ---------------------------
         self._init_spectral_cvar()
         # --- end spectral norm + CVaR gate -----------------------------------------------------------------
+        self.overlap = cfg.overlap and self._plain_network()  # agent.overlap: the passes on forked streams
         self.stats = MappedBuffer(self.stats_layout.size, np.float32)
         self.stats.reset(0)
         self.stats.host[STAT_NONFINITE_STEP] = -1.0
@@ -1558,12 +1591,22 @@ class DQNAgent(Agent):
         if self.risk_labels is not None:  # risk head: the closed trades' entry rows get their outcome
             self.risk_labels.mark(out, env.state, self.replay, stream)
 
+    def _plain_network(self) -> bool:
+        """Whether the network is the plain MLP trunk + C51 head with nothing on the passes' or the backward's
+        streams but their own layers: what agent.overlap runs on forked streams (every component that adds a
+        pass, a head, a second trunk backward or a write into a gradient keeps the one-stream step)."""
+        layers = getattr(self.trunk, "layers", None)
+        plain_trunk = layers is not None and all(isinstance(m, Linear) for m in layers)
+        return (plain_trunk and self.temporal is None and self.rdrop is None and self.icm is None and self.mh is None
+                and self.spectral is None and not self._aux_heads())
+
     def train_phases(self) -> list:
         """The train step's phases in program order (train_step opens the gradient ledger's step and
-        runs exactly these; a phase run alone, e.g. timed by numbarl-bench, opens its own)."""
-        phases = [("sample", self._sample), ("targets", self._targets), ("online", self._online),
-                  ("loss", self._loss), ("backward", self._backward), ("update", self._update),
-                  ("stats", self._stats)]
+        runs exactly these; a phase run alone, e.g. timed by numbarl-bench, opens its own). With
+        agent.overlap on a plain network, TARGETS and ONLINE are one phase, "forward" (`_forward`)."""
+        passes = [("forward", self._forward)] if self.overlap else [("targets", self._targets), ("online", self._online)]
+        phases = [("sample", self._sample), *passes, ("loss", self._loss), ("backward", self._backward),
+                  ("update", self._update), ("stats", self._stats)]
         # --- spectral norm (agent.spectral_norm): dW from dW_sn before the update, then one power
         # iteration and W_sn for the new weights (numbarl/rl/nets/spectral_norm.py) ----------------------
         if self.spectral is not None:
@@ -1619,20 +1662,79 @@ class DQNAgent(Agent):
         batch = self.replay.batch
         self.forward(batch.next_obs, stream, tag="next")
         self.forward(batch.next_obs, stream, tag="target", role="target")
+        if self.target_at:
+            self._target_at(stream)
         if self.mh is not None:  # multi-horizon C51: the same two passes on every extra horizon's next_obs
             self._mh_targets(stream)
 
     def _online(self, stream):
         self.forward(self.replay.batch.obs, stream, tag="online")
 
+    def _forward(self, stream):
+        """TARGETS and ONLINE at once (agent.overlap): the next-obs pass and the target pass each on a stream
+        forked from `stream`, the online pass on `stream`, joined before the loss. The three passes share no
+        buffer (each tag has its own activations and padded-weight scratch, each stream its own cuBLASLt
+        workspace), so every kernel computes what it computes in sequence: the same bits, with the passes'
+        small kernels and GEMM tails filling each other's idle SMs."""
+        batch = self.replay.batch
+        branches = cuda_graph.fork(stream, 2)
+        self.forward(batch.next_obs, branches[0], tag="next")
+        self.forward(batch.next_obs, branches[1], tag="target", role="target")
+        if self.target_at:  # a* on the next-obs pass's stream, then the target's rows at a* where both are done
+            a_star = self._a_star(branches[0])
+            cuda_graph.join(branches[1], branches[:1])
+            self.head.select_probs("target", a_star, branches[1])
+        self._online(stream)
+        cuda_graph.join(stream, branches)
+
+    def _a_star(self, stream):
+        """The double-DQN a* [B, n_branches] of this step's next-obs pass (the loss's argmax, C51Loss.double_dqn_actions)."""
+        mask = self.replay.batch.next_mask if self.cfg.lock_aware_target else None
+        return self.loss.double_dqn_actions(self.head.outputs("next").q, stream, next_mask=mask)
+
+    def _target_at(self, stream):
+        """The target pass's probabilities at a* alone (agent.target_at): a* from the next-obs pass's Q, then the
+        head's select_probs: the rows the projection reads, bit for bit, without the other actions'."""
+        self.head.select_probs("target", self._a_star(stream), stream)
+
     # LOSS
+    def _loss_inputs(self) -> dict:
+        """The C51 loss's inputs this step."""
+        batch = self.replay.batch
+        return {"logits": self.head.outputs("online").logits, "actions": batch.action,
+                "next_q": self.head.outputs("next").q, "target_probs": self._target_probs(),
+                "rewards": self._rewards(), "dones": batch.done, "discounts": batch.discount,
+                "next_mask": batch.next_mask if self.cfg.lock_aware_target else None,  # the env's mask of next_obs
+                "weights": batch.weight if self.replay.normalize_weights else None,  # E6/E8 loss weights
+                "lse": self.acts["head.online.lse"]}  # the head's row log-sum-exp: the loss reads, not recomputes
+
+    def _target_probs(self):
+        """The target pass's probabilities as the loss reads them: at a* alone [B, n_branches, Z] (target_at), or
+        all of them [B, n_branches, max_actions, Z]."""
+        out = self.head.outputs("target")
+        return out.probs_at if self.target_at else out.probs
+
+    def target_probs_host(self) -> np.ndarray:
+        """The target pass's probabilities as a dense host array [B, n_branches, max_actions, Z] (references and
+        tests): all of them, or (target_at) the rows at this step's a* with zeros elsewhere, which is all any
+        double-DQN target reads."""
+        out = self.head.outputs("target")
+        if not self.target_at:
+            return out.probs.copy_to_host()
+        return taken_rows_dense_ref(out.probs_at.copy_to_host(), self.loss.arena["a_star"].copy_to_host(),
+                                    self.branch_sizes)
+
     def _loss(self, stream):
+        if not self.overlap:
+            self._losses(stream)
+            return
+        with cuda_graph.beside(stream):  # agent.overlap: the statistics' batch sums and the loss's reduction beside
+            self._batch_stats(cuda_graph.side_stream(stream), STATS_SUMS)
+            self._losses(stream)
+
+    def _losses(self, stream):
         batch, cfg = self.replay.batch, self.cfg
-        inputs = {"logits": self.head.outputs("online").logits, "actions": batch.action,
-                  "next_q": self.head.outputs("next").q, "target_probs": self.head.outputs("target").probs,
-                  "rewards": self._rewards(), "dones": batch.done, "discounts": batch.discount,
-                  "next_mask": batch.next_mask if cfg.lock_aware_target else None,  # the env's mask of next_obs
-                  "weights": batch.weight if self.replay.normalize_weights else None}  # E6/E8 loss weights
+        inputs = self._loss_inputs()
         if self.mh is None:  # alone at the logits: the taken rows of its gradient (the head's TakenGrad)
             grads = {"logits_taken": self.loss.d_taken} if self._taken_grad() else {"logits": self.loss.d_logits}
             self.loss.apply(inputs, grads, stream, ledger=self.store)
@@ -1726,8 +1828,9 @@ class DQNAgent(Agent):
         for _, _, grads in heads:
             for g in grads:
                 elementwise.fill(g, 0.0, stream)
-        dh = self.head.backward(self._head_grad(), stream, tag="online")
-        self._trunk_backward(dh, stream)
+        with cuda_graph.beside(stream, on=self.overlap):  # agent.overlap: weight gradients on a side stream
+            dh = self.head.backward(self._head_grad(), stream, tag="online")
+            self._trunk_backward(dh, stream)
 
     def _trunk_backward(self, dh, stream):
         """The trunk's backward on dh; with ICM's agent.curiosity_trunk_grad the inverse loss's ∂L/∂φ(obs)
@@ -1756,19 +1859,27 @@ class DQNAgent(Agent):
         self.optim.step(stream)
 
     # STATS
+    def _batch_stats(self, stream, stage) -> None:
+        """The train statistics' per-sample terms and then `train_stats_kernel` at `stage`: STATS_ALL (sums and the
+        rest) or STATS_SUMS (the batch sums alone, beside the loss with agent.overlap) or STATS_FINAL (the rest, from
+        those sums; no terms kernel)."""
+        batch = self.replay.batch
+        terms = self.stats_terms
+        if stage != STATS_FINAL:
+            train_stats_terms_kernel[launch.blocks(self.cfg.batch_size, TERMS_BLOCK), TERMS_BLOCK, stream](
+                self.head.outputs("online").q, self.head.outputs("next").q, batch.action, batch.index,
+                batch.next_index, np.int64(self.n_envs), np.int64(self.replay.n_slots), batch.next_mask,
+                np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
+                terms["tq"], terms["tn"], terms["tm"], terms["tl"])
+        loss = self.loss.loss if self.mh is None else self.mh.loss  # multi-horizon C51: the blended loss
+        train_stats_kernel[1, 1 if stage == STATS_FINAL else STATS_BLOCK, stream](
+            terms["tq"], terms["tn"], terms["tm"], terms["tl"], loss, self.optim.stats, self.scalars["train_step"],
+            self.stats.device, terms["sums"], stage)
+
     def _stats(self, stream):
         if self.cql is not None:
             stat_copy_kernel[1, 1, stream](self.cql.loss, self.stats.device, np.int64(STAT_CQL_LOSS))
-        batch = self.replay.batch
-        terms = self.stats_terms
-        train_stats_terms_kernel[launch.blocks(self.cfg.batch_size, TERMS_BLOCK), TERMS_BLOCK, stream](
-            self.head.outputs("online").q, self.head.outputs("next").q, batch.action, batch.index, batch.next_index,
-            np.int64(self.n_envs), np.int64(self.replay.n_slots), batch.next_mask,
-            np.int64(self.branch_sizes[0] if self.cfg.lock_aware_target else 0),
-            terms["tq"], terms["tn"], terms["tm"], terms["tl"])
-        loss = self.loss.loss if self.mh is None else self.mh.loss  # multi-horizon C51: the blended loss
-        train_stats_kernel[1, STATS_BLOCK, stream](terms["tq"], terms["tn"], terms["tm"], terms["tl"], loss,
-                                                   self.optim.stats, self.scalars["train_step"], self.stats.device)
+        self._batch_stats(stream, STATS_FINAL if self.overlap else STATS_ALL)  # overlap: the sums ran in LOSS
         if self.mh is not None:
             self._mh_stats(stream)
         if self.atom_reg is not None:  # C5: utilisation of the taken actions' atoms → u_ema → next step's β

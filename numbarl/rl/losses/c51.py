@@ -63,11 +63,14 @@ branches shorter than max_actions are never read as actions):
     online_logits  float32 [B, n_branches, max_actions, Z]   head output on obs (tag "online")
     next_q         float32 [B, n_branches, max_actions]      online Q on next_obs (tag "next")
     target_probs   float32 [B, n_branches, max_actions, Z]   target-net probs on next_obs
+                   or float32 [B, n_branches, Z]             the same at a* alone (double_dqn_actions' a*)
     actions        int32/int64 [B, n_branches]               taken action per branch
     rewards        float32 [B]                               n-step return Σ γ^k r_{t+k}
     dones          float32/uint8/int32 [B]                   1 when the n-step window ended an episode
     discounts      float32 [B]                               γ^m >= 0, m = actual steps in the window
     weights        float32 [B] or None                       importance weights
+    lse            float32 [B, n_branches, max_actions] or None   the online head's row log-sum-exp (read, not
+                                                             computed again; the same bits)
     d_logits       float32 [B, n_branches, max_actions, Z]   gradient for the head's backward
     per_sample     float32 [B]                               (1/n_branches) Σ_k CE[b, k], unweighted
     loss           float32 [1]                               L above
@@ -77,7 +80,7 @@ divides an index, 64-bit integer division being slow on the GPU):
   * `c51_target_kernel`, one thread per (b, k): the argmax over next_q, Eq. 7 into
     target_dist[b, k, :] by `project_row_dev` (the dense sum evaluated as a two-pointer sweep over
     its non-zero terms: O(Z) instead of Z², same sums), the log-sum-exp of the taken action's
-    logits and CE[b, k];
+    logits (or the head's, given as "lse") and CE[b, k];
   * `c51_grad_kernel`, elementwise over d_logits: coalesced stores of the gradient row and of the
     zeros (other actions, padding); or `c51_taken_grad_kernel`, the taken rows alone (d_taken, for a
     caller whose only logits loss is this one: the head's TakenGrad backward gives the same bits);
@@ -100,7 +103,7 @@ import math
 import numpy as np
 from numba import njit
 
-from numbarl.cuda import launch
+from numbarl.cuda import graph, launch
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.rl.losses.base import Loss
 from numbarl.rl.nets.c51_head import EW_ATOMS, EW_ROWS, make_support
@@ -467,10 +470,51 @@ def project_distribution_kernel(rewards, dones, discounts, next_probs, support, 
     project_row_dev(rewards[b], gamma, next_probs[b], support, v_min, v_max, inv_delta_z, out[b])
 
 
+@_cuda.jit(device=True)
+def best_action_dev(next_q, next_mask, use_mask, b, k, n_actions):
+    """Double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins) over the actions available
+    there (none available: action 0), as uint64. One function for the loss's own argmax and
+    `double_dqn_actions_kernel`'s, so both pick the same a*."""
+    best = _U0
+    found = False
+    best_q = next_q[b, k, 0]
+    a = _U0
+    while a < np.uint64(n_actions):
+        if use_mask == 0 or next_mask[b, k, a] != 0:
+            q = next_q[b, k, a]
+            if not found or q > best_q:
+                best_q = q
+                best = a
+                found = True
+        a += _U1
+    return best
+
+
+@_cuda.jit(device=True)
+def _project_dev(reward, gamma, probs_row, support, support_scalars, adaptive, support_mode, m_row):
+    """Eq. 7 of probs_row into m_row, or Algorithm 1 on a moved adaptive support."""
+    if adaptive != 0 and support_mode[0] != 0:  # adaptive atoms, moved: Algorithm 1 on the live support
+        project_row_nonuniform_dev(reward, gamma, probs_row, support, m_row)
+    else:
+        project_row_dev(reward, gamma, probs_row, support, support_scalars[0], support_scalars[1], support_scalars[2],
+                        m_row)
+
+
+@_cuda.jit(cache=True)
+def double_dqn_actions_kernel(next_q, branch_sizes, next_mask, use_mask, out):
+    """out[b, k] = a* of (b, k) (`best_action_dev`, int32): one thread per (sample, branch), grid (ceil(B / BLOCK),
+    n_branches)."""
+    b = np.uint64(_cuda.blockIdx.x) * _BLOCK + np.uint64(_cuda.threadIdx.x)
+    k = np.uint64(_cuda.blockIdx.y)
+    if b >= np.uint64(out.shape[0]):
+        return
+    out[b, k] = np.int32(best_action_dev(next_q, next_mask, use_mask, b, k, branch_sizes[k]))
+
+
 @_cuda.jit(cache=True)
 def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
                       branch_sizes, next_mask, use_mask, support_scalars, target_dist, lse, ce, use_entropy,
-                      entropy, adaptive, support_mode, best_action):
+                      entropy, adaptive, support_mode, best_action, head_lse, use_head_lse, target_rows, use_rows):
     """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
     Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
     into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
@@ -483,6 +527,11 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
     without it neither is read or written.
     uint64 indices; the atom loops unrolled by four with the loads first and every sum in atom
     order i = 0..Z-1 (the same float32 operations as one atom per step).
+    With use_rows, the projection reads target_rows[b, k] (the target probabilities already at a*: the head's
+    select_probs at `double_dqn_actions_kernel`'s a*, the same function of next_q) instead of target_probs[b, k, a*].
+    With use_head_lse, the log-sum-exp is read from head_lse[b, k, taken] (the online head's own row log-sum-exp,
+    `dueling_head_kernel`'s: the same float32 operations in the same order on the same logits, hence the same
+    bits) instead of being computed again.
     """
     b = np.uint64(_cuda.blockIdx.x) * _BLOCK + np.uint64(_cuda.threadIdx.x)
     k = np.uint64(_cuda.blockIdx.y)
@@ -497,63 +546,53 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
         return
     taken = np.uint64(taken_signed)
 
-    # double DQN: a* = argmax of the online net's E[Z] on next_obs (first maximum wins) over the
-    # actions available there (none available: action 0)
-    best = _U0
-    found = False
-    best_q = next_q[b, k, 0]
-    a = _U0
-    while a < np.uint64(n_actions):
-        if use_mask == 0 or next_mask[b, k, a] != 0:
-            q = next_q[b, k, a]
-            if not found or q > best_q:
-                best_q = q
-                best = a
-                found = True
-        a += _U1
+    best = best_action_dev(next_q, next_mask, use_mask, b, k, n_actions)
     gamma = bootstrap_gamma_dev(discounts, dones, b)
     m_row = target_dist[b, k]
     if adaptive != 0:
         best_action[b, k] = np.int32(best)
-    if adaptive != 0 and support_mode[0] != 0:  # adaptive atoms, moved: Algorithm 1 on the live support
-        project_row_nonuniform_dev(rewards[b], gamma, target_probs[b, k, best], support, m_row)
+    if use_rows != 0:
+        _project_dev(rewards[b], gamma, target_rows[b, k], support, support_scalars, adaptive, support_mode, m_row)
     else:
-        project_row_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars[0], support_scalars[1],
-                        support_scalars[2], m_row)
+        _project_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars, adaptive, support_mode,
+                     m_row)
 
     # log-sum-exp of the online logits at the taken action, then CE = -Σ m_i log p_i
     logits_row = online_logits[b, k, taken]
-    mx = _NEG_INF
-    i = _U0
-    while i + _U3 < n_atoms:
-        x0 = logits_row[i]
-        x1 = logits_row[i + _U1]
-        x2 = logits_row[i + _U2]
-        x3 = logits_row[i + _U3]
-        mx = max(mx, x0)
-        mx = max(mx, x1)
-        mx = max(mx, x2)
-        mx = max(mx, x3)
-        i += _U4
-    while i < n_atoms:
-        mx = max(mx, logits_row[i])
-        i += _U1
-    total = _ZERO
-    i = _U0
-    while i + _U3 < n_atoms:
-        e0 = math.exp(logits_row[i] - mx)
-        e1 = math.exp(logits_row[i + _U1] - mx)
-        e2 = math.exp(logits_row[i + _U2] - mx)
-        e3 = math.exp(logits_row[i + _U3] - mx)
-        total += e0
-        total += e1
-        total += e2
-        total += e3
-        i += _U4
-    while i < n_atoms:
-        total += math.exp(logits_row[i] - mx)
-        i += _U1
-    log_norm = mx + math.log(total)
+    if use_head_lse != 0:
+        log_norm = head_lse[b, k, taken]
+    else:
+        mx = _NEG_INF
+        i = _U0
+        while i + _U3 < n_atoms:
+            x0 = logits_row[i]
+            x1 = logits_row[i + _U1]
+            x2 = logits_row[i + _U2]
+            x3 = logits_row[i + _U3]
+            mx = max(mx, x0)
+            mx = max(mx, x1)
+            mx = max(mx, x2)
+            mx = max(mx, x3)
+            i += _U4
+        while i < n_atoms:
+            mx = max(mx, logits_row[i])
+            i += _U1
+        total = _ZERO
+        i = _U0
+        while i + _U3 < n_atoms:
+            e0 = math.exp(logits_row[i] - mx)
+            e1 = math.exp(logits_row[i + _U1] - mx)
+            e2 = math.exp(logits_row[i + _U2] - mx)
+            e3 = math.exp(logits_row[i + _U3] - mx)
+            total += e0
+            total += e1
+            total += e2
+            total += e3
+            i += _U4
+        while i < n_atoms:
+            total += math.exp(logits_row[i] - mx)
+            i += _U1
+        log_norm = mx + math.log(total)
     lse[b, k] = log_norm
     acc = _ZERO
     i = _U0
@@ -800,7 +839,7 @@ class C51Loss(Loss):
     """Plan for the fused distributional double-DQN loss: owns every buffer it writes.
 
     Loss contract (numbarl/rl/losses/base.py): ``apply({"logits", "actions", "next_q",
-    "target_probs", "rewards", "dones", "discounts"[, "weights"]}, {"logits": buffer}, stream,
+    "target_probs", "rewards", "dones", "discounts"[, "weights", "next_mask", "lse"]}, {"logits": buffer}, stream,
     weight)``; the positional ``__call__`` below is the launcher it runs.
 
     Built once before capture (allocates an Arena); `__call__` only launches three kernels:
@@ -849,6 +888,9 @@ class C51Loss(Loss):
         arena.add("support_scalars", (3,), np.float32)  # (v_min, v_max, 1/Δz): the projection reads them here
         arena.add("branch_sizes", (self.n_branches,), np.int32)
         arena.add("no_mask", (1, 1, 1), np.uint8)  # the kernel's next_mask when none is given (unread)
+        arena.add("unused3", (1, 1, 1), np.float32)  # its head_lse / target_rows when none is given (unread)
+        arena.add("unused4", (1, 1, 1, 1), np.float32)  # its target_probs when the rows at a* are given (unread)
+        arena.add("a_star", (self.batch, self.n_branches), np.int32)  # double_dqn_actions' output
         if self.entropy_reg:  # the atom-entropy regulariser (module docstring)
             arena.add("entropy", (self.batch, self.n_branches), np.float32)
             arena.add("taken_probs", (self.batch, self.n_branches, self.n_atoms), np.float32)
@@ -917,10 +959,25 @@ class C51Loss(Loss):
 
     def compute(self, x: dict, stream) -> None:
         self(x["logits"], x["actions"], x["next_q"], x["target_probs"], x["rewards"], x["dones"], x["discounts"],
-             stream, weights=x.get("weights"), next_mask=x.get("next_mask"), taken_grad=self._taken_grad)
+             stream, weights=x.get("weights"), next_mask=x.get("next_mask"), taken_grad=self._taken_grad,
+             head_lse=x.get("lse"))
 
     def grad(self, name: str):
         return self.d_taken if name == "logits_taken" else self.d_logits
+
+    def double_dqn_actions(self, next_q, stream, next_mask=None):
+        """a* [B, n_branches] int32 (`a_star`) from the online Q on next_obs (and the env's mask of next_obs), the
+        argmax this loss's target takes: for a step that computes the target network's probabilities at a* alone
+        (`BranchedDuelingC51Head.select_probs`) and gives the loss those rows as target_probs [B, n_branches, Z]."""
+        b, nb, na = self.batch, self.n_branches, self.max_actions
+        _check("next_q", next_q, (b, nb, na), _F32)
+        if next_mask is not None:
+            _check("next_mask", next_mask, (b, nb, na), (np.dtype(np.uint8),))
+        out = self.arena["a_star"]
+        double_dqn_actions_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
+            next_q, self.arena["branch_sizes"], self.arena["no_mask"] if next_mask is None else next_mask,
+            np.int32(next_mask is not None), out)
+        return out
 
     @classmethod
     def for_head(cls, head, batch: int, entropy_reg: bool = False, adaptive_support: bool = False) -> "C51Loss":
@@ -975,15 +1032,18 @@ class C51Loss(Loss):
         return self.arena["entropy_beta"]
 
     def __call__(self, online_logits, actions, next_q, target_probs, rewards, dones, discounts, stream,
-                 weights=None, next_mask=None, taken_grad: bool = False) -> None:
+                 weights=None, next_mask=None, taken_grad: bool = False, head_lse=None) -> None:
         """Enqueue loss + d_logits (three launches; no allocation, copy or sync: capturable).
+        head_lse: float32 [B, n_branches, max_actions], the online head's row log-sum-exp of these logits (the head's
+        "lse" buffer, written with its Q): read instead of computed again, the same bits (optional input "lse").
         `next_mask`: uint8 [B, n_branches, max_actions], the env's action mask of each next_obs (e.g.
         ReplayBatch.next_mask): the double-DQN argmax is then over the actions it allows.
         taken_grad: write the gradient's taken rows into d_taken instead of the dense d_logits (which is then
         left as it was): a [B, n_branches, Z] write instead of [B, n_branches, max_actions, Z]."""
         b, nb, na, nz = self.batch, self.n_branches, self.max_actions, self.n_atoms
         _check("online_logits", online_logits, (b, nb, na, nz), _F32)
-        _check("target_probs", target_probs, (b, nb, na, nz), _F32)
+        rows = len(target_probs.shape) == 3  # the target probabilities already at a* (the head's select_probs)
+        _check("target_probs", target_probs, (b, nb, nz) if rows else (b, nb, na, nz), _F32)
         _check("next_q", next_q, (b, nb, na), _F32)
         _check("actions", actions, (b, nb), _INT)
         _check("rewards", rewards, (b,), _F32)
@@ -991,6 +1051,8 @@ class C51Loss(Loss):
         _check("dones", dones, (b,), _DONE)
         if next_mask is not None:
             _check("next_mask", next_mask, (b, nb, na), (np.dtype(np.uint8),))
+        if head_lse is not None:
+            _check("lse", head_lse, (b, nb, na), _F32)
         use_weights = np.int32(weights is not None)
         if weights is None:
             weights = self.per_sample  # any float32 [B]; never read when use_weights == 0
@@ -998,15 +1060,17 @@ class C51Loss(Loss):
             _check("weights", weights, (b,), _F32)
         lse, target_dist = self.arena["lse"], self.target_dist
         c51_target_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
-            online_logits, actions, next_q, target_probs, rewards, dones, discounts, self.support,
+            online_logits, actions, next_q, self.arena["unused4"] if rows else target_probs, rewards, dones, discounts, self.support,
             self.arena["branch_sizes"], self.arena["no_mask"] if next_mask is None else next_mask,
             np.int32(next_mask is not None), self.arena["support_scalars"], target_dist, lse, self.ce,
             np.int32(self.entropy_reg), self.entropy, np.int32(self.adaptive_support), self._support_mode,
-            self.arena["best_action"])
+            self.arena["best_action"], self.arena["unused3"] if head_lse is None else head_lse,
+            np.int32(head_lse is not None), target_probs if rows else self.arena["unused3"], np.int32(rows))
         grad = c51_taken_grad_kernel if taken_grad else c51_grad_kernel
         grad[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
             self.grad_scale, self.d_taken if taken_grad else self.d_logits, np.int32(self.entropy_reg),
             self.entropy_beta, self.entropy, self.taken_probs)
-        c51_loss_reduce_kernel[1, REDUCE_BLOCK, stream](
+        # the scalar loss and per-sample values: no gradient reads them (beside `stream` in a graph.beside block)
+        c51_loss_reduce_kernel[1, REDUCE_BLOCK, graph.side_stream(stream)](
             self.ce, weights, use_weights, self.inv_branches, self.inv_batch, self.per_sample, self.loss)

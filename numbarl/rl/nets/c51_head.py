@@ -82,7 +82,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32
 
-from numbarl.cuda import blas, launch, reduce
+from numbarl.cuda import blas, graph, launch, reduce
 from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import Arena, cuda
 from numbarl.rl.nets.base import bias_uniform_init, kaiming_uniform_init
@@ -375,7 +375,8 @@ def _load_span_dev(sh, adv, value, adv_start, value_start, n_adv, n_load, t, thr
 
 @_cuda.jit(cache=True)
 def dueling_head_kernel(value, adv, n_atoms, width, fused, value_col, branch_sizes, branch_offsets, branch_inv_sizes,
-                        support, max_actions, samples, want_logits, want_stats, want_probs, logits, lse, q, probs):
+                        support, max_actions, samples, want_logits, want_stats, want_probs, logits, lse, q, probs,
+                        select, use_select):
     """One block per `samples` samples, block (HEAD_TX, HEAD_TY), dynamic shared memory
     (`head_shared_floats`): the block's value and advantage rows are loaded once, coalesced, and
     every output is computed from shared memory. value [B·Z], adv [B·ΣA·Z] and the outputs (logits,
@@ -395,6 +396,9 @@ def dueling_head_kernel(value, adv, n_atoms, width, fused, value_col, branch_siz
     4. rows  the block's outputs are one contiguous span of each: thread t writes elements t,
              t + threads, ... (all lanes busy, coalesced): logits x_z and/or probs exp(x_z - lse);
              padding logits -inf, probs 0.
+    use_select (`BranchedDuelingC51Head.select_probs`): probs only, at one action per branch, select[b·nb + k]
+    (int32 [B·nb]; one outside its branch gives a zero row): steps 3 and 4 run over the rows [n_s, nb] and write
+    probs [B·nb·Z], each row the bits of the full pass's probs[b, k, select[b, k]] (the same operations).
     Fixed summation orders, no atomics: the same inputs give the same bits on every run. Every index
     is uint64 (constants _U0.._U8 included): a signed index costs Python's negative-index
     wraparound code at every array access (see `dueling_q_kernel`). The float32 operations per
@@ -458,13 +462,19 @@ def dueling_head_kernel(value, adv, n_atoms, width, fused, value_col, branch_siz
 
     # 3. row statistics: log-sum-exp and Q, one thread per row (and each row's start in x, or -1 for
     # padding, for step 4)
+    rows_out = n_branches if use_select else rows_per_sample  # the outputs' rows per sample
     if want_logits or want_probs or want_stats:
         r = t
-        while r < n_s * rows_per_sample:
-            s = r // rows_per_sample
-            rem = r - s * rows_per_sample
-            k = rem // max_actions
-            a = rem - k * max_actions
+        while r < n_s * rows_out:
+            s = r // rows_out
+            rem = r - s * rows_out
+            if use_select:
+                k = rem
+                chosen = select[(b0 + s) * n_branches + k]
+                a = max_actions if chosen < 0 else np.uint64(chosen)  # outside the branch: a zero row
+            else:
+                k = rem // max_actions
+                a = rem - k * max_actions
             log_norm = _NEG_INF
             q_val = _NEG_INF
             x_start = _MINUS_ONE
@@ -485,8 +495,8 @@ def dueling_head_kernel(value, adv, n_atoms, width, fused, value_col, branch_siz
     # of each; thread t writes its elements t, t + threads, ... (every lane busy, coalesced), the
     # element's (row, atom) stepped without a division
     if want_logits or want_probs:
-        n_out = n_s * rows_per_sample * n_atoms
-        out_start = b0 * rows_per_sample * n_atoms
+        n_out = n_s * rows_out * n_atoms
+        out_start = b0 * rows_out * n_atoms
         r = t // n_atoms
         z = t - r * n_atoms
         step_r = threads // n_atoms
@@ -691,29 +701,39 @@ def dueling_backward_taken_kernel(rows, actions, branch_sizes, branch_offsets, b
 
 
 @_cuda.jit(cache=True)
-def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col):
+def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col, w_src2, b_src2, w_dst2, b_dst2, cols2,
+                     src_col2, dst_col2):
     """w_dst[r, dst_col + j] = w_src[r, src_col + j] and b_dst[dst_col + j] = b_src[src_col + j] for j < cols
     (uint64): a padded layer's weight and bias into its zero-padded copy, or a padded gradient back; the other
-    columns are not written. A grid-stride loop over the (rows + 1) x cols entries (the last row is the bias),
-    uint64 indices."""
+    columns are not written. A second copy of the same rows (w_src2 ... dst_col2, cols2 columns; cols2 = 0: none)
+    goes in the same launch. A grid-stride loop over the (rows + 1) x (cols + cols2) entries (the last row is the
+    bias), uint64 indices."""
     rows = np.uint64(w_dst.shape[0])
-    n = (rows + _U1) * cols
+    total = cols + cols2
+    n = (rows + _U1) * total
     i = np.uint64(_cuda.grid(1))
     stride = np.uint64(_cuda.gridsize(1))
     while i < n:
-        r = i // cols
-        j = i - r * cols
-        if r < rows:
-            w_dst[r, dst_col + j] = w_src[r, src_col + j]
+        r = i // total
+        j = i - r * total
+        if j < cols:
+            if r < rows:
+                w_dst[r, dst_col + j] = w_src[r, src_col + j]
+            else:
+                b_dst[dst_col + j] = b_src[src_col + j]
         else:
-            b_dst[dst_col + j] = b_src[src_col + j]
+            j -= cols
+            if r < rows:
+                w_dst2[r, dst_col2 + j] = w_src2[r, src_col2 + j]
+            else:
+                b_dst2[dst_col2 + j] = b_src2[src_col2 + j]
         i += stride
 
 
 # ---------------------------------------------------------------------------------------------
 # launchers and the layer
 # ---------------------------------------------------------------------------------------------
-OUTPUTS = ("logits", "probs", "q")
+OUTPUTS = ("logits", "probs", "q", "probs_at")  # probs_at: filled by select_probs, not by forward
 
 
 class TakenGrad(NamedTuple):
@@ -733,6 +753,7 @@ class C51Outputs(NamedTuple):
     logits: object  # float32 [B, n_branches, max_actions, Z]
     probs: object  # float32 [B, n_branches, max_actions, Z] or None
     q: object  # float32 [B, n_branches, max_actions] or None
+    probs_at: object = None  # float32 [B, n_branches, Z] (select_probs) or None
 
 
 class BranchedDuelingC51Head(Module):
@@ -791,6 +812,7 @@ class BranchedDuelingC51Head(Module):
         layout.add("support", (self.n_atoms,), np.float32)
         layout.add("unused4", (1, 1, 1, 1), np.float32)  # stands in for an output a pass does not want
         layout.add("unused3", (1, 1, 1), np.float32)
+        layout.add("no_select", (1, 1), np.int32)  # dueling_head_kernel's select when a pass selects nothing
         layout.allocate()
         layout.load({
             "branch_sizes": np.asarray(self.branch_sizes, np.int32),
@@ -848,6 +870,8 @@ class BranchedDuelingC51Head(Module):
             bufs += [Buf("lse", shape4[:3]), Buf("q", shape4[:3])]
         if "probs" in outputs:
             bufs.append(Buf("probs", shape4))
+        if "probs_at" in outputs:
+            bufs.append(Buf("probs_at", (b, self.n_branches, z)))
         if backward:
             if not self.plain:  # the padded weight gradient's GEMM output, copied back into the gradients
                 bufs += [Buf("dw_adv_pad", (self.hidden, wp)), Buf("db_adv_pad", (wp,))]
@@ -874,7 +898,7 @@ class BranchedDuelingC51Head(Module):
             name = self._buf_name(tag, what)
             return acts[name] if name in acts else None  # noqa: SIM401 (an Arena has no .get)
 
-        return C51Outputs(view("logits"), view("probs"), view("q"))
+        return C51Outputs(view("logits"), view("probs"), view("q"), view("probs_at"))
 
     def dx_buffer(self, c: Ctx):
         return c.buf("dh")
@@ -888,11 +912,29 @@ class BranchedDuelingC51Head(Module):
         w_adv, b_adv = self._adv_weights(c, refresh=True)
         blas.gemm(h, w_adv, adv, bias=b_adv, compute=self.compute, stream=c.stream)  # fused: V's columns too
         out = self.outputs(c.tag)
+        if out.logits is None and out.q is None and out.probs is None:  # probs_at alone: select_probs computes it
+            return out
         lse = c.buf("lse") if out.q is not None else None
         dueling_forward(None if self.fused else c.buf("value"), adv, self.layout, c.stream, logits=out.logits,
                         lse=lse, q=out.q, probs=out.probs, width=self.width,
                         value_col=self.value_col if self.fused else None)
         return out
+
+    def select_probs(self, tag: str, actions, stream):
+        """The probabilities of pass `tag` at one action per branch, actions [B, n_branches] int32 (e.g. the
+        double-DQN a*), into its "probs_at" output [B, n_branches, Z]: the rows of the full "probs" output at those
+        actions, bit for bit, without the other actions' exps and stores (the train step's target pass: the
+        projection reads a*'s row only). After forward(tag), on the same GEMM output; returns the view."""
+        out = self.outputs(tag)
+        if out.probs_at is None:
+            raise ValueError(f"{self.name}.select_probs({tag!r}): the pass was declared without 'probs_at'")
+        if tag not in self._inputs:
+            raise RuntimeError(f"{self.name}.select_probs({tag!r}) before forward({tag!r})")
+        value, adv = self.pass_views(tag)
+        dueling_forward(None if self.fused else value, adv, self.layout, stream, probs=out.probs_at, width=self.width,
+                        value_col=self.value_col if self.fused else None, select=actions,
+                        max_actions=self.max_actions)
+        return out.probs_at
 
     def _adv_weights(self, c: Ctx, refresh: bool):
         """The advantage GEMM's weight and bias in this pass: the parameters themselves, or (padded) the pass's
@@ -901,9 +943,9 @@ class BranchedDuelingC51Head(Module):
             return c.p("w_adv"), c.p("b_adv")
         w_pad, b_pad = c.buf("w_adv_pad"), c.buf("b_adv_pad")
         if refresh:
-            copy_cols(c.p("w_adv"), c.p("b_adv"), w_pad, b_pad, c.stream)
-            if self.fused:  # the value stream's weight and bias into the columns after the advantage's
-                copy_cols(c.p("w_value"), c.p("b_value"), w_pad, b_pad, c.stream, dst_col=self.value_col)
+            # fused: the value stream's weight and bias into the columns after the advantage's, in the same launch
+            value = ColCopy(c.p("w_value"), c.p("b_value"), w_pad, b_pad, dst_col=self.value_col) if self.fused else None
+            copy_cols(c.p("w_adv"), c.p("b_adv"), w_pad, b_pad, c.stream, then=value)
         return w_pad, b_pad
 
     def backward_impl(self, c: Ctx, d_logits, dh):
@@ -922,23 +964,24 @@ class BranchedDuelingC51Head(Module):
             dueling_backward_taken(d_logits, self.layout, d_value, d_adv, c.stream)
         else:
             dueling_backward(d_logits, self.layout, d_value, d_adv, c.stream)
+        gs = graph.side_stream(c.stream)  # the weight gradients: beside dh's GEMM inside the agent's beside
         if not self.fused:
-            linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute)
+            linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute, stream=gs)
         betas = {key: c.beta(key) for key in ("w_adv", "b_adv") + (("w_value", "b_value") if self.fused else ())}
         if not self.plain and not any(betas.values()):  # padded, the step's first write: one GEMM at Wp, copied back
             dw_pad, db_pad = c.buf("dw_adv_pad"), c.buf("db_adv_pad")
             blas.gemm(h, d_adv, dw_pad, trans_a=True, epilogue="bgrad", bias_grad=db_pad, compute=self.compute,
-                      stream=c.stream)
-            copy_cols(dw_pad, db_pad, c.g("w_adv"), c.g("b_adv"), c.stream, cols=self.width)
-            if self.fused:
-                copy_cols(dw_pad, db_pad, c.g("w_value"), c.g("b_value"), c.stream, src_col=self.value_col)
+                      stream=gs)
+            value = (ColCopy(dw_pad, db_pad, c.g("w_value"), c.g("b_value"), src_col=self.value_col) if self.fused
+                     else None)
+            copy_cols(dw_pad, db_pad, c.g("w_adv"), c.g("b_adv"), gs, cols=self.width, then=value)
         else:  # unpadded, or a later write that adds: at the logical widths (a strided view of a padded d_adv)
             d_adv_cols = d_adv if self.plain else d_adv[:, :self.width]
             linear_param_grads(c, h, d_adv_cols, "w_adv", "b_adv", c.buf("partials_adv"), self.compute,
-                               betas=(betas["w_adv"], betas["b_adv"]))
+                               betas=(betas["w_adv"], betas["b_adv"]), stream=gs)
             if self.fused:
                 linear_param_grads(c, h, d_value, "w_value", "b_value", c.buf("partials_value"), self.compute,
-                                   betas=(betas["w_value"], betas["b_value"]))
+                                   betas=(betas["w_value"], betas["b_value"]), stream=gs)
         w_adv, _ = self._adv_weights(c, refresh=False)  # K = the padded width: zero columns add exact zeros
         if self.fused:  # dh = [dA | dV | 0]·[W_a | W_v | 0]ᵀ: one GEMM
             blas.gemm(d_adv, w_adv, dh, trans_b=True, beta=c.dx_beta, compute=self.compute, stream=c.stream)
@@ -982,7 +1025,8 @@ def q_shared_floats(samples: int, width: int, n_atoms: int) -> int:
 
 
 def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=None, probs=None,
-                    block=None, samples=None, q_kernel: str = "q", width=None, value_col=None) -> None:
+                    block=None, samples=None, q_kernel: str = "q", width=None, value_col=None, select=None,
+                    max_actions=None) -> None:
     """The dueling combination and its softmax in one launch; writes only the outputs given.
 
     value [B, Z], adv [B, ΣA·Z]; logits, probs [B, n_branches, max_actions, Z]; lse, q
@@ -1003,7 +1047,16 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     launches `dueling_q_kernel` and "head" the general `dueling_head_kernel` (kept for
     `python -m numbarl.bench.head`, which times both); the two write the same bits. Passes with
     logits or probs always use `dueling_head_kernel`.
+
+    select: int32 [B, n_branches], one action per branch: probs (alone, no logits / lse / q) is then
+    [B, n_branches, Z], each row the full pass's probs[b, k, select[b, k]] bit for bit (a zero row for an action
+    outside its branch); max_actions (the padded layout's, max_k A_k) must be given with it.
     """
+    if select is not None:
+        if probs is None or logits is not None or q is not None or lse is not None or max_actions is None:
+            raise ValueError("c51 head: select writes probs alone ([B, n_branches, Z]) and needs max_actions")
+        _check("select", select, (adv.shape[0], layout["branch_sizes"].shape[0]), np.int32)
+        _check("probs", probs, (adv.shape[0], layout["branch_sizes"].shape[0], layout["support"].shape[0]))
     if q_kernel not in Q_KERNELS:
         raise ValueError(f"c51 head: q_kernel must be one of {Q_KERNELS} (got {q_kernel!r})")
     given = [x for x in (logits, probs) if x is not None]
@@ -1015,11 +1068,11 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
     batch = adv.shape[0]
     sizes = layout["branch_sizes"]
     n_branches = sizes.shape[0]
-    max_actions = (given[0].shape[2] if given else q.shape[2])
+    max_actions = int(max_actions) if select is not None else (given[0].shape[2] if given else q.shape[2])
     shape4 = (batch, n_branches, max_actions, n_atoms)
     _check("adv", adv, (batch, adv.shape[1]))
     _check("support", layout["support"], (n_atoms,))
-    for name, arr in (("logits", logits), ("probs", probs)):
+    for name, arr in (("logits", logits), ("probs", None if select is not None else probs)):
         if arr is not None:
             _check(name, arr, shape4)
     for name, arr in (("lse", lse), ("q", q)):
@@ -1064,7 +1117,8 @@ def dueling_forward(value, adv, layout: Arena, stream, logits=None, lse=None, q=
             np.uint64(value_col), sizes, layout["branch_offsets"], layout["branch_inv_sizes"], layout["support"],
             np.uint64(max_actions), np.uint64(samples), logits is not None, q is not None, probs is not None,
             _flat(u4 if logits is None else logits), _flat(u3 if lse is None else lse), _flat(u3 if q is None else q),
-            _flat(u4 if probs is None else probs))
+            _flat(u4 if probs is None else probs), _flat(layout["no_select"] if select is None else select),
+            select is not None)
 
 
 def _flat(array):
@@ -1092,21 +1146,46 @@ def _dueling_q(value, adv, layout: Arena, stream, lse, q, max_actions, block, sa
             np.uint64(max_actions), np.uint64(samples), lse, q)
 
 
-def copy_cols(w_src, b_src, w_dst, b_dst, stream, src_col: int = 0, dst_col: int = 0, cols=None) -> None:
-    """`cols` columns of a weight [H, ·] and entries of its bias [·] from (w_src, b_src) at src_col into (w_dst,
-    b_dst) at dst_col (default: as many as both have): a padded layer's per-pass copy of its parameters (the pad
-    columns keep their zeros), or its padded weight gradient back into the parameters' gradients."""
-    rows = w_dst.shape[0]
+class ColCopy(NamedTuple):
+    """One copy of `copy_cols`: cols (None: as many as both have) columns of w_src [H, ·] / b_src from src_col into
+    w_dst [H, ·] / b_dst at dst_col."""
+    w_src: object
+    b_src: object
+    w_dst: object
+    b_dst: object
+    src_col: int = 0
+    dst_col: int = 0
+    cols: object = None
+
+
+def _col_copy(c: ColCopy, rows: int) -> tuple:
+    """(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col) of a checked ColCopy into rows-row weights."""
+    w_src, b_src, w_dst, b_dst, src_col, dst_col, cols = c
     cols = min(w_src.shape[1] - src_col, w_dst.shape[1] - dst_col) if cols is None else int(cols)
     _check("w_src", w_src, (rows, w_src.shape[1]))
+    _check("w_dst", w_dst, (rows, w_dst.shape[1]))
     _check("b_src", b_src, (w_src.shape[1],))
     _check("b_dst", b_dst, (w_dst.shape[1],))
     if cols < 1 or src_col < 0 or dst_col < 0 or src_col + cols > w_src.shape[1] or dst_col + cols > w_dst.shape[1]:
         raise ValueError(f"c51 head: {cols} columns from {src_col} of {w_src.shape[1]} into {dst_col} of "
                          f"{w_dst.shape[1]} do not fit")
-    blocks, threads = elementwise.stride_launch((rows + 1) * cols)
-    copy_cols_kernel[blocks, threads, stream](w_src, b_src, w_dst, b_dst, np.uint64(cols), np.uint64(src_col),
-                                              np.uint64(dst_col))
+    return w_src, b_src, w_dst, b_dst, cols, src_col, dst_col
+
+
+def copy_cols(w_src, b_src, w_dst, b_dst, stream, src_col: int = 0, dst_col: int = 0, cols=None,
+              then: ColCopy | None = None) -> None:
+    """`cols` columns of a weight [H, ·] and entries of its bias [·] from (w_src, b_src) at src_col into (w_dst,
+    b_dst) at dst_col (default: as many as both have): a padded layer's per-pass copy of its parameters (the pad
+    columns keep their zeros), or its padded weight gradient back into the parameters' gradients. then: a second
+    copy of the same rows done by the same launch (the value stream's columns beside the advantage's)."""
+    rows = w_dst.shape[0]
+    first = _col_copy(ColCopy(w_src, b_src, w_dst, b_dst, src_col, dst_col, cols), rows)
+    second = _col_copy(then, rows) if then is not None else first[:4] + (0,) + first[5:]
+    blocks, threads = elementwise.stride_launch((rows + 1) * (first[4] + second[4]))
+    ws, bs, wd, bd, c1, s1, d1 = first
+    ws2, bs2, wd2, bd2, c2, s2, d2 = second
+    copy_cols_kernel[blocks, threads, stream](ws, bs, wd, bd, np.uint64(c1), np.uint64(s1), np.uint64(d1),
+                                              ws2, bs2, wd2, bd2, np.uint64(c2), np.uint64(s2), np.uint64(d2))
 
 
 def taken_rows_dense_ref(rows, actions, branch_sizes) -> np.ndarray:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numbarl.cuda import blas, reduce
+from numbarl.cuda import blas, graph, reduce
 from numbarl.cuda.kernels import elementwise
 from numbarl.cuda.runtime import cuda
 from numbarl.rl.nets.activations import activation_backward_ref, activation_ref
@@ -67,18 +67,22 @@ def linear_backward_ref(x, w, pre, dy, activation=None):
 # ---------------------------------------------------------------------------------------------
 # shared by every module that ends in a dense layer
 # ---------------------------------------------------------------------------------------------
-def linear_param_grads(c: Ctx, x, dy, w_key: str, b_key: str, partials, compute: str, betas=None) -> None:
+def linear_param_grads(c: Ctx, x, dy, w_key: str, b_key: str, partials, compute: str, betas=None,
+                       stream=None) -> None:
     """dW (+)= xᵀ·dy and db (+)= colsum(dy) by the gradient rule (c.beta): the first write of the
     step is one GEMM with the bgrad epilogue; later writes a beta = 1 GEMM plus an accumulating
     fixed-order column sum (`partials`: reduce.col_partials_shape(B, out) scratch). betas: the two
-    c.beta values when the caller has already asked the ledger (asking marks the gradient written)."""
+    c.beta values when the caller has already asked the ledger (asking marks the gradient written).
+    stream: where the launches go; None: `graph.side_stream(c.stream)` (beside the pass's stream inside
+    the agent's `graph.beside` block, else the pass's stream)."""
+    s = graph.side_stream(c.stream) if stream is None else stream
     beta_w, beta_b = (c.beta(w_key), c.beta(b_key)) if betas is None else betas
     if beta_w == 0.0 and beta_b == 0.0:
         blas.gemm(x, dy, c.g(w_key), trans_a=True, epilogue="bgrad", bias_grad=c.g(b_key), compute=compute,
-                  stream=c.stream)
+                  stream=s)
         return
-    blas.gemm(x, dy, c.g(w_key), trans_a=True, beta=beta_w, compute=compute, stream=c.stream)
-    reduce.col_sum(dy, c.g(b_key), partials, c.stream, accumulate=beta_b == 1.0)
+    blas.gemm(x, dy, c.g(w_key), trans_a=True, beta=beta_w, compute=compute, stream=s)
+    reduce.col_sum(dy, c.g(b_key), partials, s, accumulate=beta_b == 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
