@@ -329,3 +329,36 @@ def test_peer_graphed_step_matches_eager_step(rng):
             # normalised step turns a 1e-7 gradient difference on a near-zero moment into a
             # visible one: 1e-2 of the update still catches a wrong or missing step
             _rel_close(b[k] - start[k], a[k] - start[k], rel=1e-3, what=f"{which} update of {k}")
+
+
+def test_head_lse_and_rows_at_a_star_give_the_full_bits_at_batch_size():
+    """On the GPU at B = 16,384: the loss reading the head's row log-sum-exp ("lse") and the target probabilities at
+    a* alone (C51Loss.double_dqn_actions, then dueling_forward(select=)) writes what the loss computing its own lse
+    from the full target probabilities writes, bit for bit (loss, per-sample values, CE, lse, taken rows, target)."""
+    rng = np.random.default_rng(27)
+    head = BranchedDuelingC51Head("probe", 4, SIZES, N_ATOMS, V_MIN, V_MAX)
+    layout, nb, na, width = head.layout, len(SIZES), max(SIZES), sum(SIZES) * N_ATOMS
+    shape = (BATCH, nb, na, N_ATOMS)
+    dev = {}
+    for tag in ("online", "next", "target"):
+        value = _dev((rng.standard_normal((BATCH, N_ATOMS)) * 2).astype(np.float32))
+        adv = _dev((rng.standard_normal((BATCH, width)) * 2).astype(np.float32))
+        out = {"logits": _cuda.device_array(shape, np.float32), "probs": _cuda.device_array(shape, np.float32),
+               "lse": _cuda.device_array(shape[:3], np.float32), "q": _cuda.device_array(shape[:3], np.float32)}
+        c51_head.dueling_forward(value, adv, layout, stream(), **out)
+        dev[tag] = (value, adv, out)
+    b = _batch(rng, BATCH)
+    x = {"logits": dev["online"][2]["logits"], "actions": _dev(b["actions"]), "next_q": dev["next"][2]["q"],
+         "target_probs": dev["target"][2]["probs"], "rewards": _dev(b["rewards"]), "dones": _dev(b["dones"]),
+         "discounts": _dev(b["discounts"]), "weights": _dev(b["weights"])}
+    full, at = (c51.C51Loss(BATCH, SIZES, N_ATOMS, V_MIN, V_MAX) for _ in range(2))
+    full.apply(x, {"logits_taken": full.d_taken}, stream())
+    a_star = at.double_dqn_actions(x["next_q"], stream())
+    rows = _cuda.device_array((BATCH, nb, N_ATOMS), np.float32)
+    value, adv, _ = dev["target"]
+    c51_head.dueling_forward(value, adv, layout, stream(), probs=rows, select=a_star, max_actions=na)
+    at.apply({**x, "target_probs": rows, "lse": dev["online"][2]["lse"]}, {"logits_taken": at.d_taken}, stream())
+    for name in ("loss", "per_sample", "ce", "lse", "d_taken", "target_dist"):
+        assert _host(full.arena[name]).tobytes() == _host(at.arena[name]).tobytes(), name
+    want = c51.double_dqn_actions_ref(_host(x["next_q"]), SIZES)
+    assert np.array_equal(_host(a_star), want)
