@@ -84,16 +84,18 @@ def test_bench_train_head_pad_rows():
     from numbarl.bench import train
 
     assert train.head_pads("0,1,8,0u") == ["0", "1", "8", "0u"]
-    for bad in ("1,x", "-1", "4,4", "", "1uu", "u", "0u,1", "0,1u", "0,0f"):
+    assert train.head_pads("0,0s,64us") == ["0", "0s", "64us"]  # s: agent.overlap=false (one stream)
+    for bad in ("1,x", "-1", "4,4", "", "1uu", "u", "0u,1", "0,1u", "0,0f", "0s,1", "0,0ss", "s", "0,1us", "0,8su"):
         with pytest.raises(SystemExit, match="--head-pad"):
             train.head_pads(bad)
     row = {"train_step_ms": 1.6, "collect_step_ms": 0.29}
     unfused = {"train_step_ms": 1.35, "collect_step_ms": 0.24}
     results = {"head_pad": "0", "numbarl": {"fp32": {"train_step_ms": 3.2, "collect_step_ms": 0.6}, "tf32":
                                             {"train_step_ms": 1.3, "collect_step_ms": 0.23}, "fp32.pad1": row,
-                                            "tf32.pad1": row, "tf32.pad0u": unfused},
+                                            "tf32.pad1": row, "tf32.pad0u": unfused, "tf32.pad0s": unfused},
                "check.pad1": {"available": True, "loss_relerr": 9e-7, "grad_relerr_max": 1e-6}}
-    fp32, one, unfuse = train.pad_lines(results)
+    fp32, one, unfuse, serial = train.pad_lines(results)
+    assert serial.startswith("agent.head_pad=0 overlap=false (tf32): train 1.350 ms (+0.050 vs head_pad=0)")
     assert "loss rel 9.0e-07" in fp32 and fp32.startswith("agent.head_pad=1 (fp32): train 1.600 ms (-1.600")
     assert one == "agent.head_pad=1 (tf32): train 1.600 ms (+0.300 vs head_pad=0), collect 0.290 ms (+0.060)"
     assert unfuse.startswith("agent.head_pad=0 head_fuse_value=false (tf32): train 1.350 ms (+0.050 vs head_pad=0)")

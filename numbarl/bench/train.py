@@ -13,7 +13,8 @@ Checks before it times: one batch's loss and gradients of numbarl and of the PyT
   N = n_envs: env-steps/s including inference.
 
     python -m numbarl.bench.train [--json PATH] [--batch 16384] [--n-envs 16384] [--trunk 512,512]
-                                  [--head-pad 0,1,0u]   # the default, then other agent.head_pad values
+                                  [--head-pad 0,1,0u,0s]   # the default, then other rows (u: value stream
+                                                           # unfused, s: agent.overlap=false)
 
 Default model: 64 features, trunk 2×512, 4 branches, 51 atoms, batch 16,384.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -381,14 +383,13 @@ def head_pads(text) -> list[str]:
     padded to a multiple of 8 and fused, the default padding unfused, the default on one stream).
     Before the twenty-first session a plain padded row was unfused: its bench JSON's "tf32.pad8" is another layout."""
     pads = [x.strip() for x in str(text).split(",")]
-    if (not all(p.rstrip("us").isdigit() and p.count("u") <= 1 and p.count("s") <= 1 for p in pads)
-            or len(set(pads)) != len(pads)):
+    if not all(re.fullmatch(r"\d+u?s?", p) for p in pads) or len(set(pads)) != len(pads):
         raise SystemExit(f"error: --head-pad takes distinct integers >= 0, each optionally followed by u "
-                         f"(the value stream unfused) and/or s (one stream), comma-separated (got {text!r})")
-    if pads[0].rstrip("0123456789") != "":
+                         f"(the value stream unfused), then s (one stream), comma-separated (got {text!r})")
+    if not pads[0].isdigit():
         raise SystemExit(f"error: --head-pad's first row is the table's, fp32 and TF32: not an unfused or one-stream "
                          f"one (got {text!r})")
-    if "1u" in pads:
+    if any(re.fullmatch(r"0*1us?", p) for p in pads):
         raise SystemExit(f"error: --head-pad 1u: an unpadded head has no value stream to unfuse; 1 is the "
                          f"same row (got {text!r})")
     return pads
@@ -462,8 +463,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also list GPU time per kernel (needs torch)")
     p.add_argument("--head-pad", default="0", metavar="Q[,Q...]",
                    help="agent.head_pad per numbarl row (0: the automatic default; a trailing u: with "
-                        "agent.head_fuse_value=false); the first is the table's, each other one a line of its train and "
-                        "collect steps against it (default: %(default)s)")
+                        "agent.head_fuse_value=false; then a trailing s: with agent.overlap=false, the train step on "
+                        "one stream); the first is the table's, each other one a line of its train and collect steps "
+                        "against it (default: %(default)s)")
     args = p.parse_args(argv)
     head_pads(args.head_pad)  # a bad value stops here, before the GPU work
     if backend.simulator_active():

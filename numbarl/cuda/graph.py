@@ -251,7 +251,7 @@ def capture(step_fn, stream=None, warmup=True, eager=None) -> Graph:
             failure = exc
         main_err, graph = _end_capture(h_main)
         sentinel_err, sentinel_graph = _end_capture(h_sentinel)
-        for b in _BRANCHES:  # a failed capture must not leave a branch stream capturing
+        for b in _BRANCHES + _SIDE:  # a failed capture must not leave a branch stream capturing
             hb = driver.CUstream(stream_handle(b))
             if _is_capturing(hb):
                 _end_capture(hb)
@@ -342,7 +342,8 @@ def join(stream, branches) -> None:
 # ---------------------------------------------------------------------------------------------
 # work beside a stream: what nothing later on it reads (weight gradients, statistics)
 # ---------------------------------------------------------------------------------------------
-_BESIDE: list = []  # stack of (main stream, side stream) of the open `beside` blocks
+_BESIDE: list = []  # stack of (main stream, side stream) of the open `beside` blocks (the step's thread only)
+_SIDE: list = []  # the side stream (created on first use)
 
 
 class beside:
@@ -360,7 +361,9 @@ class beside:
 
     def __enter__(self):
         if self.on:
-            _BESIDE.append((self.stream, branch_streams(1)[0]))
+            if not _SIDE:  # its own stream, apart from fork's pool: a fork inside the block gets other streams
+                _SIDE.append(new_stream())
+            _BESIDE.append((self.stream, _SIDE[0]))
             self._pushed = True
         return self
 

@@ -217,6 +217,7 @@ def fake_driver(monkeypatch):
     monkeypatch.setattr(graph, "stream_handle", lambda s: s.h)
     monkeypatch.setattr(graph, "_sentinel_stream", lambda: FakeStream(99))
     monkeypatch.setattr(graph, "_BRANCHES", [FakeStream(7)])
+    monkeypatch.setattr(graph, "_SIDE", [])
     return drv
 
 

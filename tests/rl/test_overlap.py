@@ -16,7 +16,7 @@ def test_side_stream_is_the_side_stream_inside_beside_only():
     assert graph.side_stream(s) is s
     with graph.beside(s) as block:
         side = graph.side_stream(s)
-        assert side is not s and side is graph.branch_streams(1)[0]
+        assert side is not s and side is graph._SIDE[0] and side not in graph.branch_streams(2)  # its own stream
         assert graph.side_stream(other) is other  # another pass's stream keeps its own
         assert block.on
     assert graph.side_stream(s) is s  # the exit joined and closed the block

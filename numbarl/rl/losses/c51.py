@@ -1066,11 +1066,13 @@ class C51Loss(Loss):
             np.int32(self.entropy_reg), self.entropy, np.int32(self.adaptive_support), self._support_mode,
             self.arena["best_action"], self.arena["unused3"] if head_lse is None else head_lse,
             np.int32(head_lse is not None), target_probs if rows else self.arena["unused3"], np.int32(rows))
+        # the scalar loss and per-sample values read only ce: inside a graph.beside block their reduction forks here,
+        # beside the gradient kernel (no gradient reads them)
+        reduce_stream = graph.side_stream(stream)
         grad = c51_taken_grad_kernel if taken_grad else c51_grad_kernel
         grad[max(1, -(-b // EW_ROWS)), (EW_ATOMS, EW_ROWS), stream](
             online_logits, actions, self.arena["branch_sizes"], target_dist, lse, weights, use_weights,
             self.grad_scale, self.d_taken if taken_grad else self.d_logits, np.int32(self.entropy_reg),
             self.entropy_beta, self.entropy, self.taken_probs)
-        # the scalar loss and per-sample values: no gradient reads them (beside `stream` in a graph.beside block)
-        c51_loss_reduce_kernel[1, REDUCE_BLOCK, graph.side_stream(stream)](
+        c51_loss_reduce_kernel[1, REDUCE_BLOCK, reduce_stream](
             self.ce, weights, use_weights, self.inv_branches, self.inv_batch, self.per_sample, self.loss)

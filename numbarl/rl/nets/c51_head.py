@@ -734,6 +734,7 @@ def copy_cols_kernel(w_src, b_src, w_dst, b_dst, cols, src_col, dst_col, w_src2,
 # launchers and the layer
 # ---------------------------------------------------------------------------------------------
 OUTPUTS = ("logits", "probs", "q", "probs_at")  # probs_at: filled by select_probs, not by forward
+FULL_OUTPUTS = ("logits", "probs", "q")  # a pass's outputs when it names none
 
 
 class TakenGrad(NamedTuple):
@@ -847,14 +848,16 @@ class BranchedDuelingC51Head(Module):
     def in_shape(self, batch: int) -> tuple:
         return (batch, self.hidden)
 
-    def buffers(self, batch: int, backward: bool, outputs=OUTPUTS, **opts) -> list[Buf]:
+    def buffers(self, batch: int, backward: bool, outputs=FULL_OUTPUTS, **opts) -> list[Buf]:
         """Buffers of one pass. backward=False skips the backward scratch (target / next passes).
 
         outputs: which of "logits", "probs", "q" the pass computes (one kernel launch either way;
         each output left out is a [B, n_branches, max_actions, Z] store saved). "q" also writes the
-        row log-sum-exp (lse). The train step declares ("logits", "q") for the online pass (logits
-        for the loss, Q for the logged Q-mean), ("q",) for the next-obs pass and ("probs",) for the
-        target pass; acting and evaluation declare ("q",).
+        row log-sum-exp (lse). "probs_at" declares [B, n_branches, Z] for `select_probs` (the forward then
+        runs the GEMM alone when it is the only output). The train step declares ("logits", "q") for the
+        online pass (logits for the loss, Q for the logged Q-mean), ("q",) for the next-obs pass and
+        ("probs_at",) for the target pass (("probs",) where a reader wants every action's); acting and
+        evaluation declare ("q",).
         """
         unknown = set(outputs) - set(OUTPUTS)
         if unknown or not outputs:
