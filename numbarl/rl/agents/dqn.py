@@ -1681,21 +1681,21 @@ class DQNAgent(Agent):
         self.forward(batch.next_obs, branches[0], tag="next")
         self.forward(batch.next_obs, branches[1], tag="target", role="target")
         if self.target_at:  # a* on the next-obs pass's stream, then the target's rows at a* where both are done
-            a_star = self._a_star(branches[0])
-            cuda_graph.join(branches[1], branches[:1])
-            self.head.select_probs("target", a_star, branches[1])
+            self._target_at(branches[1], next_stream=branches[0])
         self._online(stream)
         cuda_graph.join(stream, branches)
 
-    def _a_star(self, stream):
-        """The double-DQN a* [B, n_branches] of this step's next-obs pass (the loss's argmax, C51Loss.double_dqn_actions)."""
+    def _target_at(self, stream, next_stream=None):
+        """The target pass's probabilities at a* alone (agent.target_at): a* (the loss's argmax,
+        C51Loss.double_dqn_actions) from the next-obs pass's Q on `next_stream` (that pass's stream; None: `stream`),
+        then the head's select_probs on `stream` once both passes are done: the rows the projection reads, bit for
+        bit, without the other actions'."""
+        next_stream = stream if next_stream is None else next_stream
         mask = self.replay.batch.next_mask if self.cfg.lock_aware_target else None
-        return self.loss.double_dqn_actions(self.head.outputs("next").q, stream, next_mask=mask)
-
-    def _target_at(self, stream):
-        """The target pass's probabilities at a* alone (agent.target_at): a* from the next-obs pass's Q, then the
-        head's select_probs: the rows the projection reads, bit for bit, without the other actions'."""
-        self.head.select_probs("target", self._a_star(stream), stream)
+        a_star = self.loss.double_dqn_actions(self.head.outputs("next").q, next_stream, next_mask=mask)
+        if next_stream is not stream:
+            cuda_graph.join(stream, [next_stream])
+        self.head.select_probs("target", a_star, stream)
 
     # LOSS
     def _loss_inputs(self) -> dict:
@@ -1743,10 +1743,10 @@ class DQNAgent(Agent):
                            "horizons": self._mh_inputs(inputs), "weights": inputs["weights"]},
                           {"logits": self.loss.d_logits}, stream, ledger=self.store)
         if self.cql is not None and self._aux:  # adds α · ∂L_cql/∂logits into the same buffer (C51 wrote first)
-            self.cql.apply({"logits": inputs["logits"], "lse": self.acts["head.online.lse"], "actions": batch.action},
+            self.cql.apply({"logits": inputs["logits"], "lse": inputs["lse"], "actions": batch.action},
                            {"logits": self.loss.d_logits}, stream, weight=cfg.cql_alpha, ledger=self.store)
         if self.feedback is not None and self._aux:  # E7's margin loss on the labelled rows (adds)
-            self.feedback.apply_losses({"logits": inputs["logits"], "lse": self.acts["head.online.lse"]},
+            self.feedback.apply_losses({"logits": inputs["logits"], "lse": inputs["lse"]},
                                        self.loss.d_logits, self.head.support, stream, self.store)
         if self.iqn_head is not None and self._aux:  # IQN (agent.iqn): its own head's quantile Huber loss
             self._iqn_forward_loss(stream)
