@@ -430,3 +430,56 @@ def test_taken_rows_are_the_dense_gradient_rows(rng, entropy):
     assert _host(d).tobytes() == rows.tobytes()
     with pytest.raises(KeyError, match="not both"):
         losses[0].apply(x, {"logits_taken": d, "logits": losses[0].d_logits}, stream())
+
+
+
+@pytest.mark.parametrize("case", ["plain", "entropy+own_lse", "rows+head_lse", "adaptive_nonuniform+mask"])
+def test_target_kernel_split_rows_keep_the_bits(rng, monkeypatch, case):
+    """`c51_target_kernel` with each row's atoms split over 4 threads (each sweeping its share from the pointer the
+    full sweep has there, then a barrier before the first part's log-sum-exp and CE) writes the bits of one thread
+    per row: every output, both gradient forms, with an action outside its branch, rewards far outside the support
+    (targets piling on an end atom), done rows (γ = 0: every target on one point), targets exactly on atoms, γ = 1,
+    and a NaN reward (NaN everywhere, as the dense sum gives)."""
+    batch = 7
+    inputs, weights = _loss_inputs(rng, batch)
+    inputs["actions"][2, 1] = -1  # outside branch 1
+    dz = (V_MAX - V_MIN) / (N_ATOMS - 1)
+    inputs["rewards"][:4] = (3 * V_MAX, 3 * V_MIN, V_MIN + 3 * dz, np.nan)
+    inputs["dones"][:4] = (0.0, 0.0, 1.0, 0.0)
+    inputs["discounts"][4] = 1.0
+    entropy, adaptive = case.startswith("entropy"), case.startswith("adaptive")
+    extra = {}
+    if case.startswith("rows"):  # the target probabilities at a* ([B, n_branches, Z]) and the head's lse
+        a_star = inputs["next_q"].argmax(axis=2)
+        inputs["target_probs"] = np.ascontiguousarray(np.take_along_axis(
+            inputs["target_probs"], a_star[:, :, None, None], axis=2)[:, :, 0])
+        x = np.where(np.isfinite(inputs["online_logits"]), inputs["online_logits"], -30.0).astype(np.float64)
+        extra["head_lse"] = _dev(np.log(np.exp(x).sum(-1)).astype(np.float32))
+    support = None
+    if adaptive:  # a moved, non-uniform support: lane 0's scatter
+        extra["next_mask"] = _dev(_full_mask(batch))
+        support = np.sort(rng.uniform(V_MIN, V_MAX, N_ATOMS)).astype(np.float32)
+        support[0], support[-1] = V_MIN, V_MAX
+    dev = {k: _dev(v) for k, v in inputs.items()}
+    one, many = 1, 4
+    outputs = {}
+    for shape in (one, many):
+        with monkeypatch.context() as m:
+            m.setattr(c51, "TARGET_PARTS", shape)
+            for taken in (False, True):
+                loss = c51.C51Loss(batch, SIZES, N_ATOMS, V_MIN, V_MAX, entropy_reg=entropy, adaptive_support=adaptive)
+                if entropy:
+                    loss.set_entropy_beta(0.3)
+                if adaptive:
+                    loss.bind_support(_dev(support), _dev(np.ones(1, np.int32)))
+                loss(stream=stream(), weights=_dev(weights), taken_grad=taken, **dev, **extra)
+                outputs[shape, taken] = loss.arena.to_host()
+    for taken in (False, True):
+        a, b = outputs[one, taken], outputs[many, taken]
+        assert set(a) == set(b)
+        for name in a:
+            assert a[name].tobytes() == b[name].tobytes(), (case, taken, name)
+        assert np.isnan(b["ce"][2, 1]) and np.isnan(b["ce"][3]).all()  # the invalid action; the NaN reward
+        assert np.isfinite(b["ce"][4:]).all() and np.isfinite(b["ce"][:2]).all()
+        assert np.any(b["d_taken"] != 0.0) if taken else np.any(b["d_logits"] != 0.0)
+

@@ -77,10 +77,11 @@ branches shorter than max_actions are never read as actions):
 
 Thread mapping (three launches; grids are (sample chunk, branch[, action]) so that no thread
 divides an index, 64-bit integer division being slow on the GPU):
-  * `c51_target_kernel`, one thread per (b, k): the argmax over next_q, Eq. 7 into
-    target_dist[b, k, :] by `project_row_dev` (the dense sum evaluated as a two-pointer sweep over
-    its non-zero terms: O(Z) instead of Z², same sums), the log-sum-exp of the taken action's
-    logits (or the head's, given as "lse") and CE[b, k];
+  * `c51_target_kernel`, TARGET_PARTS consecutive threads per (b, k): each the argmax over next_q and Eq. 7 for
+    its share of the atoms into target_dist[b, k, :] by `project_atoms_dev` (the dense sum evaluated as a
+    two-pointer sweep over its non-zero terms: O(Z) instead of Z², same sums; a share after the first starts its
+    pointer where the whole-row sweep has it, found by bisection), then after a barrier the row's first thread the
+    log-sum-exp of the taken action's logits (or the head's, given as "lse") and CE[b, k];
   * `c51_grad_kernel`, elementwise over d_logits: coalesced stores of the gradient row and of the
     zeros (other actions, padding); or `c51_taken_grad_kernel`, the taken rows alone (d_taken, for a
     caller whose only logits loss is this one: the head's TakenGrad backward gives the same bits);
@@ -93,7 +94,10 @@ grad 1,013 -> 257 and 122 -> 46 registers, reduce 498 -> 265), with the atom loo
 four, loads first, every sum in its original order: the same bits.
 Measured on the H200 (B = 16,384, 4 branches, 51 atoms): a first version with one thread per
 (b, k) doing the Z² hat evaluations and row-strided d_logits stores took 0.62 ms; one 32-lane
-group per (b, k) with the dense sum spread over lanes was slower than this split.
+group per (b, k) with the dense sum spread over lanes was slower than this split. One thread per (b, k) with the
+sweep took 105 us (latency-bound: 0.39 waves of 128-thread blocks, 15 of 32 threads active); four threads per row in
+the same launch shorten each thread's sweep (train step 2.806 -> 2.764 ms; docs/BENCHMARKS.md, twenty-eighth
+session, with the designs that did not pay).
 """
 
 from __future__ import annotations
@@ -114,7 +118,10 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 # whole atom row; the results are the same sums in the same order). The elementwise kernels share
 # the head's shape (EW_ATOMS x EW_ROWS, defined with the head whose outputs they read).
 BLOCK = launch.shape(gpu=128, sim=16)  # threads per block of the per-(sample, branch) kernels
-REDUCE_BLOCK = launch.shape(gpu=256, sim=16)  # threads of the single-block loss reduction (power of two)
+REDUCE_BLOCK = launch.shape(gpu=256, sim=16)
+# threads sharing one (sample, branch) row's projection in `c51_target_kernel` (a power of two dividing BLOCK): the
+# kernel is latency-bound on each row's sweep, so splitting the atoms shortens it and fills more warps
+TARGET_PARTS = launch.shape(gpu=4, sim=2)  # threads of the single-block loss reduction (power of two)
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -354,10 +361,37 @@ def project_row_dev(reward, gamma, probs_row, support, v_min, v_max, inv_delta_z
     contiguous run whose start only moves right as i grows: a two-pointer sweep visits O(Z) pairs
     instead of Z². The skipped terms are exactly 0 (hat = 0), so each sum equals the dense one.
     """
+    project_atoms_dev(reward, gamma, probs_row, support, v_min, v_max, inv_delta_z, out_row, _U0,
+                      np.uint64(support.shape[0]))
+
+
+@_cuda.jit(device=True)
+def first_run_dev(reward, gamma, support, v_min, v_max, inv_delta_z, i):
+    """The two-pointer sweep's `lo` at atom i: the first j whose target is not below z_i's hat (T z_j < z_i with a
+    zero hat holds for a prefix of j = 0..Z-1, γ >= 0 making T z_j non-decreasing), by binary search."""
+    z_i = support[i]
+    lo = _U0
+    hi = np.uint64(support.shape[0])
+    while lo < hi:
+        mid = (lo + hi) >> _U1
+        target_z = target_atom(reward, gamma, support[mid], v_min, v_max)
+        if target_z < z_i and hat_weight(target_z, z_i, inv_delta_z) == _ZERO:
+            lo = mid + _U1
+        else:
+            hi = mid
+    return lo
+
+
+@_cuda.jit(device=True)
+def project_atoms_dev(reward, gamma, probs_row, support, v_min, v_max, inv_delta_z, out_row, i_begin, i_end):
+    """`project_row_dev`'s sweep over the atoms i_begin <= i < i_end alone, its pointer started where the full
+    sweep has it at i_begin (`first_run_dev`): the same sums, so threads splitting a row's atoms write its bits."""
     n_atoms = np.uint64(support.shape[0])
     lo = _U0  # first j whose target may still reach z_i's hat
-    i = _U0
-    while i < n_atoms:
+    if i_begin > _U0 and i_begin < i_end:
+        lo = first_run_dev(reward, gamma, support, v_min, v_max, inv_delta_z, i_begin)
+    i = i_begin
+    while i < i_end:
         z_i = support[i]
         while lo < n_atoms:
             target_z = target_atom(reward, gamma, support[lo], v_min, v_max)
@@ -491,13 +525,15 @@ def best_action_dev(next_q, next_mask, use_mask, b, k, n_actions):
 
 
 @_cuda.jit(device=True)
-def _project_dev(reward, gamma, probs_row, support, support_scalars, adaptive, support_mode, m_row):
-    """Eq. 7 of probs_row into m_row, or Algorithm 1 on a moved adaptive support."""
+def _project_dev(reward, gamma, probs_row, support, support_scalars, adaptive, support_mode, m_row, i_begin, i_end):
+    """Eq. 7 of probs_row into m_row[i_begin:i_end], or (for the part with i_begin = 0 alone) Algorithm 1 on a moved
+    adaptive support, whose scatter writes the whole row."""
     if adaptive != 0 and support_mode[0] != 0:  # adaptive atoms, moved: Algorithm 1 on the live support
-        project_row_nonuniform_dev(reward, gamma, probs_row, support, m_row)
+        if i_begin == _U0:
+            project_row_nonuniform_dev(reward, gamma, probs_row, support, m_row)
     else:
-        project_row_dev(reward, gamma, probs_row, support, support_scalars[0], support_scalars[1], support_scalars[2],
-                        m_row)
+        project_atoms_dev(reward, gamma, probs_row, support, support_scalars[0], support_scalars[1],
+                          support_scalars[2], m_row, i_begin, i_end)
 
 
 @_cuda.jit(cache=True)
@@ -514,8 +550,11 @@ def double_dqn_actions_kernel(next_q, branch_sizes, next_mask, use_mask, out):
 @_cuda.jit(cache=True)
 def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, dones, discounts, support,
                       branch_sizes, next_mask, use_mask, support_scalars, target_dist, lse, ce, use_entropy,
-                      entropy, adaptive, support_mode, best_action, head_lse, use_head_lse, target_rows, use_rows):
-    """One thread per (sample b, branch k), grid (ceil(B / BLOCK), n_branches): double-DQN a*,
+                      entropy, adaptive, support_mode, best_action, head_lse, use_head_lse, target_rows, use_rows,
+                      parts_log2):
+    """2^parts_log2 threads per (sample b, branch k) (consecutive threads; grid (ceil(B · parts / BLOCK), n_branches)),
+    each projecting its share of the atoms (`project_atoms_dev`: the full sweep's sums), then, after a barrier, the
+    row's first part alone the rest: double-DQN a*,
     Eq. 7 into target_dist[b, k, :], the log-sum-exp of the online logits at the taken action
     into lse[b, k], and CE[b, k]. An action outside the branch gives CE = NaN (loud) instead of
     an out-of-bounds read. With use_mask, the argmax skips the actions next_mask[b, k, :] (the env's
@@ -533,29 +572,43 @@ def c51_target_kernel(online_logits, actions, next_q, target_probs, rewards, don
     `dueling_head_kernel`'s: the same float32 operations in the same order on the same logits, hence the same
     bits) instead of being computed again.
     """
-    b = np.uint64(_cuda.blockIdx.x) * _BLOCK + np.uint64(_cuda.threadIdx.x)
+    shift = np.uint64(parts_log2)
+    t = np.uint64(_cuda.blockIdx.x) * np.uint64(_cuda.blockDim.x) + np.uint64(_cuda.threadIdx.x)
+    b = t >> shift
+    part = t - (b << shift)
     k = np.uint64(_cuda.blockIdx.y)
-    if b >= np.uint64(online_logits.shape[0]):
-        return
-    n_actions = branch_sizes[k]
     n_atoms = np.uint64(support.shape[0])
-    taken_signed = actions[b, k]
-    if taken_signed < 0 or taken_signed >= n_actions:
-        lse[b, k] = _NAN
-        ce[b, k] = _NAN
+    share = (n_atoms + (_U1 << shift) - _U1) >> shift  # atoms per part
+    i_begin = min(part * share, n_atoms)
+    i_end = min(i_begin + share, n_atoms)
+    active = b < np.uint64(online_logits.shape[0])
+    valid = False
+    taken = _U0
+    if active:
+        taken_signed = actions[b, k]
+        valid = taken_signed >= 0 and taken_signed < branch_sizes[k]
+        if valid:
+            taken = np.uint64(taken_signed)
+        elif part == _U0:
+            lse[b, k] = _NAN
+            ce[b, k] = _NAN
+    if valid:
+        best = best_action_dev(next_q, next_mask, use_mask, b, k, branch_sizes[k])
+        gamma = bootstrap_gamma_dev(discounts, dones, b)
+        m_row = target_dist[b, k]
+        if adaptive != 0 and part == _U0:
+            best_action[b, k] = np.int32(best)
+        if use_rows != 0:
+            _project_dev(rewards[b], gamma, target_rows[b, k], support, support_scalars, adaptive, support_mode, m_row,
+                         i_begin, i_end)
+        else:
+            _project_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars, adaptive,
+                         support_mode, m_row, i_begin, i_end)
+    if shift > _U0:
+        _cuda.syncthreads()  # the row's other parts wrote their m
+    if not valid or part != _U0:
         return
-    taken = np.uint64(taken_signed)
-
-    best = best_action_dev(next_q, next_mask, use_mask, b, k, n_actions)
-    gamma = bootstrap_gamma_dev(discounts, dones, b)
     m_row = target_dist[b, k]
-    if adaptive != 0:
-        best_action[b, k] = np.int32(best)
-    if use_rows != 0:
-        _project_dev(rewards[b], gamma, target_rows[b, k], support, support_scalars, adaptive, support_mode, m_row)
-    else:
-        _project_dev(rewards[b], gamma, target_probs[b, k, best], support, support_scalars, adaptive, support_mode,
-                     m_row)
 
     # log-sum-exp of the online logits at the taken action, then CE = -Σ m_i log p_i
     logits_row = online_logits[b, k, taken]
@@ -1059,13 +1112,15 @@ class C51Loss(Loss):
         else:
             _check("weights", weights, (b,), _F32)
         lse, target_dist = self.arena["lse"], self.target_dist
-        c51_target_kernel[(max(1, -(-b // BLOCK)), nb), BLOCK, stream](
+        parts = TARGET_PARTS
+        c51_target_kernel[(max(1, -(-b * parts // BLOCK)), nb), BLOCK, stream](
             online_logits, actions, next_q, self.arena["unused4"] if rows else target_probs, rewards, dones, discounts, self.support,
             self.arena["branch_sizes"], self.arena["no_mask"] if next_mask is None else next_mask,
             np.int32(next_mask is not None), self.arena["support_scalars"], target_dist, lse, self.ce,
             np.int32(self.entropy_reg), self.entropy, np.int32(self.adaptive_support), self._support_mode,
             self.arena["best_action"], self.arena["unused3"] if head_lse is None else head_lse,
-            np.int32(head_lse is not None), target_probs if rows else self.arena["unused3"], np.int32(rows))
+            np.int32(head_lse is not None), target_probs if rows else self.arena["unused3"], np.int32(rows),
+            np.int32(parts.bit_length() - 1))
         # the scalar loss and per-sample values read only ce: inside a graph.beside block their reduction forks here,
         # beside the gradient kernel (no gradient reads them)
         reduce_stream = graph.side_stream(stream)
