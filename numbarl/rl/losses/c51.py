@@ -118,10 +118,13 @@ _cuda = cuda()  # the backend (GPU or simulator), selected once
 # whole atom row; the results are the same sums in the same order). The elementwise kernels share
 # the head's shape (EW_ATOMS x EW_ROWS, defined with the head whose outputs they read).
 BLOCK = launch.shape(gpu=128, sim=16)  # threads per block of the per-(sample, branch) kernels
-REDUCE_BLOCK = launch.shape(gpu=256, sim=16)
-# threads sharing one (sample, branch) row's projection in `c51_target_kernel` (a power of two dividing BLOCK): the
-# kernel is latency-bound on each row's sweep, so splitting the atoms shortens it and fills more warps
-TARGET_PARTS = launch.shape(gpu=4, sim=2)  # threads of the single-block loss reduction (power of two)
+REDUCE_BLOCK = launch.shape(gpu=256, sim=16)  # threads of the single-block loss reduction (power of two)
+# threads sharing one (sample, branch) row's projection in `c51_target_kernel` (a power of two dividing BLOCK, so a
+# row's threads share a block and its barrier): the kernel is latency-bound on each row's sweep, so splitting the
+# atoms shortens it and fills more warps
+TARGET_PARTS = launch.shape(gpu=4, sim=2)
+if TARGET_PARTS & (TARGET_PARTS - 1) or BLOCK % TARGET_PARTS:
+    raise ValueError(f"c51: TARGET_PARTS = {TARGET_PARTS} must be a power of two dividing BLOCK = {BLOCK}")
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
